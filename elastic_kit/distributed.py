@@ -1,0 +1,307 @@
+"""Process-group setup, DDP wrapping and the few collectives the library needs.
+
+Everything here reads the environment that ``torchrun`` gives each worker, so a
+script calls :func:`init_distributed` once and never parses ``RANK`` itself. A plain
+``python train.py`` (no torchrun) is world size 1 and creates no process group, so
+the same script runs on a laptop without a rendezvous.
+
+The collectives are deliberately few and small: the checkpoint store and the loop
+need "max of an int over ranks", "sum of a tensor over ranks" and "broadcast these
+tensors / this small object from rank ``src``". They all degrade to identities when
+no process group is initialized.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = [
+    "DistInfo",
+    "init_distributed",
+    "get_dist_info",
+    "destroy_distributed",
+    "wrap_ddp",
+    "unwrap_model",
+    "is_dist_ready",
+    "barrier",
+    "all_reduce_max",
+    "all_reduce_sum",
+    "broadcast_object",
+    "broadcast_tensors",
+    "DEFAULT_TIMEOUT",
+]
+
+log = logging.getLogger(__name__)
+
+#: Collective timeout used by :func:`init_distributed`. torch's default is 30 minutes,
+#: which means a worker whose peer was SIGKILLed waits half an hour before torchrun
+#: notices anything. Two minutes is long enough for a slow checkpoint barrier on a
+#: CPU and short enough that a dead peer turns into a restart quickly.
+DEFAULT_TIMEOUT = timedelta(seconds=120)
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError as e:
+        raise ValueError(f"environment variable {name}={raw!r} is not an integer") from e
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Where this worker sits in the (possibly resized) job.
+
+    Attributes:
+        rank: global rank in ``[0, world_size)``.
+        local_rank: rank on this node (selects the CUDA device).
+        world_size: number of workers in the current worker group.
+        local_world_size: workers on this node.
+        node_rank: torchrun's ``GROUP_RANK``; one agent is one node.
+        num_nodes: torchrun's ``GROUP_WORLD_SIZE``.
+        restart_count: ``TORCHELASTIC_RESTART_COUNT``: how often the group was restarted.
+        max_restarts: ``TORCHELASTIC_MAX_RESTARTS``.
+        run_id: ``TORCHELASTIC_RUN_ID`` (``"local"`` without torchrun).
+        backend: the process-group backend (``""`` when none is initialized).
+        device: the device this worker computes on.
+    """
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    node_rank: int = 0
+    num_nodes: int = 1
+    restart_count: int = 0
+    max_restarts: int = 0
+    run_id: str = "local"
+    backend: str = ""
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def is_main(self) -> bool:
+        """True on global rank 0: the rank that prints and writes shared files."""
+        return self.rank == 0
+
+    @property
+    def is_local_main(self) -> bool:
+        """True on local rank 0: one per node, the writer of node-local files."""
+        return self.local_rank == 0
+
+    @property
+    def is_distributed(self) -> bool:
+        """True when a process group is initialized (even of size 1)."""
+        return bool(self.backend)
+
+    @property
+    def under_torchrun(self) -> bool:
+        """True when torch.distributed.elastic launched this process."""
+        return "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def is_dist_ready() -> bool:
+    """True when a default process group exists."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def _device_for(local_rank: int, backend: str) -> torch.device:
+    if backend == "nccl" or (backend == "" and torch.cuda.is_available()):
+        if torch.cuda.is_available():
+            return torch.device("cuda", local_rank % max(torch.cuda.device_count(), 1))
+    return torch.device("cpu")
+
+
+def get_dist_info() -> DistInfo:
+    """Describe this worker from the environment and the current process group.
+
+    Does not create a process group; usable before or after :func:`init_distributed`.
+    """
+    backend = dist.get_backend() if is_dist_ready() else ""
+    if is_dist_ready():
+        rank, world = dist.get_rank(), dist.get_world_size()
+    else:
+        rank, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
+    local_rank = _env_int("LOCAL_RANK", 0)
+    return DistInfo(
+        rank=rank,
+        local_rank=local_rank,
+        world_size=world,
+        local_world_size=_env_int("LOCAL_WORLD_SIZE", 1),
+        node_rank=_env_int("GROUP_RANK", 0),
+        num_nodes=_env_int("GROUP_WORLD_SIZE", 1),
+        restart_count=_env_int("TORCHELASTIC_RESTART_COUNT", 0),
+        max_restarts=_env_int("TORCHELASTIC_MAX_RESTARTS", 0),
+        run_id=os.environ.get("TORCHELASTIC_RUN_ID", "local"),
+        backend=str(backend) if backend else "",
+        device=_device_for(local_rank, str(backend) if backend else ""),
+    )
+
+
+def init_distributed(
+    *, backend: str | None = None, timeout: timedelta = DEFAULT_TIMEOUT
+) -> DistInfo:
+    """Join the worker group that torchrun set up, or run alone.
+
+    Args:
+        backend: ``"nccl"``, ``"gloo"`` or ``None`` for nccl when CUDA is available
+            and gloo otherwise.
+        timeout: collective timeout. Keep it short: it is how long survivors wait on
+            a dead peer before failing and letting torchrun restart the group.
+
+    Returns:
+        The :class:`DistInfo` of this worker. With ``WORLD_SIZE`` unset or 1 and no
+        ``MASTER_ADDR`` no process group is created and world size is 1.
+
+    Example::
+
+        info = init_distributed()
+        model = wrap_ddp(MyModel())
+        if info.is_main:
+            print("training on", info.world_size, "workers")
+    """
+    if backend is not None and backend not in ("nccl", "gloo", "mpi", "ucc"):
+        raise ValueError(f"backend={backend!r} is not one of 'nccl', 'gloo', 'mpi', 'ucc'")
+    if is_dist_ready():
+        return get_dist_info()
+    world = _env_int("WORLD_SIZE", 1)
+    if world < 1:
+        raise ValueError(f"WORLD_SIZE={world} must be >= 1")
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ValueError("backend='nccl' needs CUDA, and torch.cuda.is_available() is False")
+    local_rank = _env_int("LOCAL_RANK", 0)
+    if backend == "nccl":
+        torch.cuda.set_device(_device_for(local_rank, backend))
+    if world == 1 and "MASTER_ADDR" not in os.environ:
+        info = get_dist_info()
+        log.debug("world size 1 without a rendezvous: no process group")
+        return DistInfo(**{**info.__dict__, "device": _device_for(local_rank, backend)})
+    dist.init_process_group(backend=backend, timeout=timeout)
+    info = get_dist_info()
+    log.info(
+        "joined process group: rank %d/%d (node %d/%d, local rank %d), backend %s, "
+        "restart %d, run %s",
+        info.rank, info.world_size, info.node_rank, info.num_nodes, info.local_rank,
+        info.backend, info.restart_count, info.run_id,
+    )
+    return info
+
+
+def destroy_distributed() -> None:
+    """Tear down the default process group if there is one (idempotent)."""
+    if is_dist_ready():
+        dist.destroy_process_group()
+
+
+def wrap_ddp(
+    model: nn.Module,
+    *,
+    sync_batchnorm: bool = False,
+    info: DistInfo | None = None,
+    **ddp_options: Any,
+) -> nn.Module:
+    """Move ``model`` to this worker's device and wrap it in DistributedDataParallel.
+
+    ``device_ids`` is set on CUDA and left out on CPU, as DDP requires. Without a
+    process group the model is only moved, so ``model(x)`` and ``model.parameters()``
+    behave the same; use :func:`unwrap_model` to reach the plain module either way.
+
+    Args:
+        model: the module to train.
+        sync_batchnorm: convert BatchNorm layers to SyncBatchNorm first.
+        info: the worker's :class:`DistInfo` (read from the environment when None).
+        **ddp_options: passed to :class:`~torch.nn.parallel.DistributedDataParallel`.
+    """
+    info = info or get_dist_info()
+    model = model.to(info.device)
+    if not is_dist_ready():
+        return model
+    if sync_batchnorm:
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    if info.device.type == "cuda":
+        ddp_options.setdefault("device_ids", [info.device.index])
+        ddp_options.setdefault("output_device", info.device.index)
+    return nn.parallel.DistributedDataParallel(model, **ddp_options)
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The plain module inside a DDP (or torch.compile) wrapper."""
+    while True:
+        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
+        if not isinstance(inner, nn.Module):
+            return model
+        model = inner
+
+
+def _collective_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if (
+        is_dist_ready() and dist.get_backend() == "nccl"
+    ) else torch.device("cpu")
+
+
+def barrier() -> None:
+    """``dist.barrier()`` when a process group exists, else nothing."""
+    if is_dist_ready():
+        dist.barrier()
+
+
+def all_reduce_max(value: int) -> int:
+    """The maximum of an integer over all ranks (``value`` itself when alone)."""
+    if not is_dist_ready():
+        return int(value)
+    t = torch.tensor([int(value)], dtype=torch.int64, device=_collective_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum of ``tensor`` over all ranks, as a new tensor on the input's device."""
+    if not is_dist_ready():
+        return tensor.clone()
+    t = tensor.detach().to(_collective_device()).clone()
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t.to(tensor.device)
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """Broadcast a small picklable object from ``src``; every rank returns it.
+
+    For metadata only (steps, paths, shapes): tensors go through
+    :func:`broadcast_tensors` so the state is never pickled whole.
+    """
+    if not is_dist_ready():
+        return obj
+    box = [obj if dist.get_rank() == src else None]
+    dist.broadcast_object_list(box, src=src, device=_collective_device())
+    return box[0]
+
+
+def broadcast_tensors(tensors: Sequence[torch.Tensor], src: int = 0) -> None:
+    """Broadcast each tensor in place from ``src``, one collective per tensor.
+
+    Receivers must pass tensors of the same shape and dtype (allocate them from
+    metadata sent with :func:`broadcast_object`). One tensor at a time keeps peak
+    memory at one tensor's worth of staging, not the whole state.
+    """
+    if not is_dist_ready():
+        return
+    dev = _collective_device()
+    for t in tensors:
+        if t.device == dev and t.is_contiguous():
+            dist.broadcast(t, src=src)
+        else:
+            staged = t.to(dev).contiguous()
+            dist.broadcast(staged, src=src)
+            if dist.get_rank() != src:
+                t.copy_(staged)

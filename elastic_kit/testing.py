@@ -1,0 +1,156 @@
+"""Helpers for unit tests of distributed code, for this library and its users.
+
+:func:`spawn_multi_process` runs a function on N gloo ranks on the CPU, each in its
+own process with a private free port, and returns what each rank returned. Tests
+then assert on those values in the parent, where pytest's reporting works.
+
+Example::
+
+    def _shares(rank_arg):
+        info = init_distributed()
+        sampler = ElasticDistributedSampler(list(range(10)))
+        return list(sampler)
+
+    results = spawn_multi_process(3, _shares, None)
+    assert sorted(sum(results, [])) == list(range(10)) + [...]
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import traceback
+from typing import Any, Callable, TypeVar
+
+import torch.multiprocessing as mp
+
+__all__ = ["free_port", "spawn_multi_process", "torchrun_env"]
+
+T = TypeVar("T")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def torchrun_env(rank: int, world_size: int, port: int, *, local_world_size: int | None = None,
+                 run_id: str = "test", restart_count: int = 0) -> dict[str, str]:
+    """The environment variables torchrun gives a worker, for ``rank`` of ``world_size``.
+
+    With ``local_world_size`` the ranks are grouped into nodes of that many workers,
+    so node-local behaviour (one writer per node) can be tested in one machine.
+    """
+    lws = local_world_size or world_size
+    if world_size % lws:
+        raise ValueError(f"world_size={world_size} is not a multiple of local_world_size={lws}")
+    return {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_RANK": str(rank % lws),
+        "LOCAL_WORLD_SIZE": str(lws),
+        "GROUP_RANK": str(rank // lws),
+        "GROUP_WORLD_SIZE": str(world_size // lws),
+        "ROLE_RANK": str(rank),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "TORCHELASTIC_RUN_ID": run_id,
+        "TORCHELASTIC_RESTART_COUNT": str(restart_count),
+        "TORCHELASTIC_MAX_RESTARTS": "0",
+    }
+
+
+def _worker(rank: int, world_size: int, port: int, local_world_size: int | None,
+            fn: Callable[..., Any], args: tuple[Any, ...], queue: Any) -> None:
+    os.environ.update(torchrun_env(rank, world_size, port, local_world_size=local_world_size))
+    try:
+        result = fn(*args)
+        queue.put((rank, True, result))
+    except BaseException:  # report every failure to the parent, then exit non-zero
+        queue.put((rank, False, traceback.format_exc()))
+        raise
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def spawn_multi_process(
+    world_size: int,
+    fn: Callable[..., T],
+    *args: Any,
+    local_world_size: int | None = None,
+    timeout: float = 120.0,
+) -> list[T]:
+    """Run ``fn(*args)`` on ``world_size`` CPU processes that form a gloo group.
+
+    Each process gets the torchrun environment for its rank (see
+    :func:`torchrun_env`) but no process group: ``fn`` calls
+    :func:`elastic_kit.init_distributed` itself, as a real script does. ``fn`` must
+    be picklable (a module-level function) and return something picklable.
+
+    Returns:
+        The list of return values, indexed by rank.
+
+    Raises:
+        RuntimeError: naming the rank and carrying its traceback, when a rank fails
+            or the group does not finish within ``timeout`` seconds.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size={world_size} must be >= 1")
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(r, world_size, port, local_world_size, fn, args, queue),
+                    daemon=False)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    failures: dict[int, str] = {}
+    deadline = time.monotonic() + timeout
+    failed_at: float | None = None
+    try:
+        while len(results) + len(failures) < world_size:
+            if not queue.empty():
+                rank, ok, value = queue.get()
+                (results if ok else failures)[rank] = value
+                if not ok and failed_at is None:
+                    failed_at = time.monotonic()
+                continue
+            now = time.monotonic()
+            # After one rank fails the others may block in a collective: give them
+            # a moment to report, then stop waiting.
+            if failed_at is not None and now - failed_at > 3.0:
+                break
+            unreported = [r for r, p in enumerate(procs)
+                          if p.exitcode not in (None, 0) and r not in results and r not in failures]
+            if unreported and failed_at is None:
+                failed_at = now
+            if now > deadline:
+                raise RuntimeError(
+                    f"spawn_multi_process: only ranks {sorted(results)} of {world_size} "
+                    f"finished within {timeout}s"
+                )
+            time.sleep(0.02)
+    finally:
+        for p in procs:
+            p.join(timeout=5 if not failures else 1)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if failures:
+        rank = min(failures)
+        raise RuntimeError(f"rank {rank} of {world_size} failed:\n{failures[rank]}")
+    if len(results) < world_size:
+        missing = sorted(set(range(world_size)) - set(results))
+        codes = {r: procs[r].exitcode for r in missing}
+        raise RuntimeError(f"ranks {missing} exited without a result (exit codes {codes})")
+    return [results[r] for r in range(world_size)]

@@ -1,0 +1,72 @@
+"""init_distributed / wrap_ddp / collectives on real gloo ranks."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from elastic_kit import distributed as ekd
+from elastic_kit.testing import spawn_multi_process
+
+
+def _collectives(scale: int) -> dict:
+    info = ekd.init_distributed()
+    mx = ekd.all_reduce_max(info.rank * scale)
+    total = ekd.all_reduce_sum(torch.tensor([float(info.rank + 1)]))
+    obj = ekd.broadcast_object({"hello": info.rank}, src=1)
+    ts = [torch.full((3,), float(info.rank)), torch.arange(6.0).reshape(2, 3).t()[0:1]]
+    if info.rank != 1:
+        ts = [torch.zeros(3), torch.zeros(1, 2)]
+    ekd.broadcast_tensors(ts, src=1)
+    model = ekd.wrap_ddp(nn.Linear(2, 2))
+    return {
+        "rank": info.rank, "world": info.world_size, "node": info.node_rank,
+        "backend": info.backend, "max": mx, "sum": total.item(), "obj": obj,
+        "ts": [t.tolist() for t in ts], "ddp": type(model).__name__,
+        "unwrapped": type(ekd.unwrap_model(model)).__name__,
+    }
+
+
+def test_collectives_on_three_gloo_ranks_agree() -> None:
+    res = spawn_multi_process(3, _collectives, 10, local_world_size=1)
+    assert [r["rank"] for r in res] == [0, 1, 2]
+    assert [r["node"] for r in res] == [0, 1, 2]
+    for r in res:
+        assert r["world"] == 3 and r["backend"] == "gloo"
+        assert r["max"] == 20
+        assert r["sum"] == 6.0
+        assert r["obj"] == {"hello": 1}
+        assert r["ts"] == [[1.0, 1.0, 1.0], [[0.0, 3.0]]]
+        assert r["ddp"] == "DistributedDataParallel"
+        assert r["unwrapped"] == "Linear"
+
+
+def test_plain_python_is_world_size_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(k, raising=False)
+    info = ekd.init_distributed()
+    assert (info.rank, info.world_size, info.is_main, info.is_distributed) == (0, 1, True, False)
+    assert not ekd.is_dist_ready()
+    m = ekd.wrap_ddp(nn.Linear(2, 2))
+    assert isinstance(m, nn.Linear)
+    assert ekd.all_reduce_max(7) == 7
+    assert ekd.broadcast_object("x") == "x"
+
+
+def test_bad_backend_names_the_value() -> None:
+    with pytest.raises(ValueError, match="backend='tcp'"):
+        ekd.init_distributed(backend="tcp")
+
+
+def _fail_on_rank_one() -> int:
+    if int(os.environ["RANK"]) == 1:
+        raise KeyError("boom on one")
+    return 0
+
+
+def test_spawn_reports_the_failing_rank() -> None:
+    with pytest.raises(RuntimeError, match="(?s)rank 1 of 2 failed:.*boom on one"):
+        spawn_multi_process(2, _fail_on_rank_one, timeout=60)
