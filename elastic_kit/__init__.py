@@ -24,6 +24,7 @@ from elastic_kit.distributed import (
     unwrap_model,
     wrap_ddp,
 )
+from elastic_kit.sampler import ElasticDistributedSampler
 from elastic_kit.errors import (
     BatchPolicyError,
     CheckpointCorruptError,
@@ -36,6 +37,7 @@ from elastic_kit.errors import (
 
 __all__ = [
     "__version__",
+    "ElasticDistributedSampler",
     "DistInfo",
     "init_distributed",
     "get_dist_info",
