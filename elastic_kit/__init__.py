@@ -24,6 +24,13 @@ from elastic_kit.distributed import (
     unwrap_model,
     wrap_ddp,
 )
+from elastic_kit.checkpoint import (
+    CheckpointInfo,
+    CheckpointStore,
+    LoadedCheckpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from elastic_kit.sampler import ElasticDistributedSampler
 from elastic_kit.errors import (
     BatchPolicyError,
@@ -38,6 +45,11 @@ from elastic_kit.errors import (
 __all__ = [
     "__version__",
     "ElasticDistributedSampler",
+    "CheckpointStore",
+    "CheckpointInfo",
+    "LoadedCheckpoint",
+    "save_checkpoint",
+    "load_checkpoint",
     "DistInfo",
     "init_distributed",
     "get_dist_info",

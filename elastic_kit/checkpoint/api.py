@@ -1,0 +1,83 @@
+"""Function forms of the store: ``save_checkpoint`` / ``load_checkpoint``.
+
+For scripts that want one call at a save point and one at start-up, with either a
+URL (a store is created for the call) or an existing :class:`CheckpointStore`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from elastic_kit.checkpoint.store import CheckpointStore, LoadedCheckpoint
+
+__all__ = ["save_checkpoint", "load_checkpoint"]
+
+_STORE_OPTIONS = ("keep_last", "node_local", "storage_options", "info", "checksum")
+
+
+def _store(url_or_store: str | CheckpointStore, kw: dict[str, Any]) -> tuple[CheckpointStore, bool]:
+    if isinstance(url_or_store, CheckpointStore):
+        extra = sorted(k for k in kw if k in _STORE_OPTIONS)
+        if extra:
+            raise TypeError(f"options {extra} configure a new store; they cannot be applied to "
+                            f"the existing {url_or_store!r}")
+        return url_or_store, False
+    opts = {k: kw.pop(k) for k in list(kw) if k in _STORE_OPTIONS}
+    return CheckpointStore(url_or_store, **opts), True
+
+
+def save_checkpoint(state: Any, url_or_store: str | CheckpointStore, *, step: int,
+                    **kw: Any) -> None:
+    """Save ``state`` (a dict, or an object with ``state_dict()``) as checkpoint ``step``.
+
+    Collective, like :meth:`CheckpointStore.save`. ``kw`` holds the store options
+    (``keep_last``, ``node_local``, ``storage_options``, ``info``, ``checksum``) when a
+    URL is given, and the save options (``metadata``, ``blocking``).
+
+    .. warning::
+        With a URL the temporary store is closed before returning, so
+        ``blocking=False`` only helps with a :class:`CheckpointStore` you keep.
+
+    Example::
+
+        save_checkpoint(train_state, "/shared/ckpt", step=step, metadata={"epoch": epoch})
+    """
+    store, owned = _store(url_or_store, dict(kw))
+    save_kw = {k: v for k, v in kw.items() if k not in _STORE_OPTIONS}
+    sd = state.state_dict() if hasattr(state, "state_dict") and not isinstance(state, dict) else state
+    try:
+        store.save(sd, step=step, **save_kw)
+    finally:
+        if owned:
+            store.close()
+
+
+def load_checkpoint(state: Any, url_or_store: str | CheckpointStore,
+                    **kw: Any) -> LoadedCheckpoint | None:
+    """Load the newest verified checkpoint into ``state`` and return it (None if none).
+
+    ``state`` is updated with ``load_state_dict`` when it has one, with ``dict.update``
+    when it is a dict, and left alone when None. Collective, like
+    :meth:`CheckpointStore.load`; ``kw`` holds store options and ``map_location``.
+
+    Example::
+
+        loaded = load_checkpoint(train_state, "/shared/ckpt")
+        start_step = loaded.step + 1 if loaded else 0
+    """
+    store, owned = _store(url_or_store, dict(kw))
+    load_kw = {k: v for k, v in kw.items() if k not in _STORE_OPTIONS}
+    try:
+        loaded = store.load(**load_kw)
+    finally:
+        if owned:
+            store.close()
+    if loaded is not None and state is not None:
+        if hasattr(state, "load_state_dict"):
+            state.load_state_dict(loaded.state)
+        elif isinstance(state, dict):
+            state.update(loaded.state)
+        else:
+            raise TypeError(f"state of type {type(state).__qualname__} has no load_state_dict() "
+                            "and is not a dict; pass None to only get the LoadedCheckpoint")
+    return loaded

@@ -1,0 +1,127 @@
+"""Sending a loaded state from the rank that holds it to every other rank.
+
+The pytorch/elastic example pickles the whole state into one blob and broadcasts
+it, which holds the state about twice in memory on every rank. Here the state is
+split into a *skeleton* (the nested structure with every dense tensor replaced by a
+small :class:`TensorSpec`), sent with ``broadcast_object``, and the tensors, sent
+one collective per tensor with ``broadcast_tensors`` into buffers the receivers
+allocate from the specs. Peak memory is the state once plus one tensor of staging.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from elastic_kit.distributed import all_reduce_max, broadcast_object, broadcast_tensors
+
+__all__ = ["TensorSpec", "split_tensors", "fill_tensors", "broadcast_state", "agree_on_holder",
+           "target_device"]
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Placeholder for tensor ``index`` in a skeleton: what a receiver must allocate."""
+
+    index: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _is_dense(t: torch.Tensor) -> bool:
+    return t.layout == torch.strided and not t.is_quantized and t.numel() > 0
+
+
+def split_tensors(state: Any, out: list[torch.Tensor]) -> Any:
+    """The skeleton of ``state``; its dense tensors are appended to ``out`` in order.
+
+    Sparse, quantized and empty tensors stay in the skeleton (they are small or rare).
+    """
+    if isinstance(state, torch.Tensor) and _is_dense(state):
+        out.append(state)
+        return TensorSpec(len(out) - 1, tuple(state.shape), state.dtype)
+    if type(state) in (dict, collections.OrderedDict, collections.Counter):
+        return type(state)((k, split_tensors(v, out)) for k, v in state.items())
+    if type(state) in (list, tuple):
+        items = [split_tensors(v, out) for v in state]
+        return items if type(state) is list else tuple(items)
+    return state
+
+
+def fill_tensors(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
+    """Inverse of :func:`split_tensors`: put ``tensors`` back in place of the specs."""
+    if isinstance(skeleton, TensorSpec):
+        return tensors[skeleton.index]
+    if type(skeleton) in (dict, collections.OrderedDict, collections.Counter):
+        return type(skeleton)((k, fill_tensors(v, tensors)) for k, v in skeleton.items())
+    if type(skeleton) in (list, tuple):
+        items = [fill_tensors(v, tensors) for v in skeleton]
+        return items if type(skeleton) is list else tuple(items)
+    return skeleton
+
+
+def _specs(skeleton: Any, acc: list[TensorSpec]) -> list[TensorSpec]:
+    if isinstance(skeleton, TensorSpec):
+        acc.append(skeleton)
+    elif isinstance(skeleton, dict):
+        for v in skeleton.values():
+            _specs(v, acc)
+    elif type(skeleton) in (list, tuple):
+        for v in skeleton:
+            _specs(v, acc)
+    return acc
+
+
+def target_device(map_location: Any) -> torch.device:
+    """The one device received tensors go to, from a ``torch.load``-style map_location.
+
+    Checkpoints store CPU tensors, so a dict map_location is looked up under ``"cpu"``.
+
+    Raises:
+        TypeError: for a callable map_location, which cannot be applied to tensors
+            that were never deserialized on this rank.
+    """
+    if map_location is None:
+        return torch.device("cpu")
+    if isinstance(map_location, (str, torch.device)):
+        return torch.device(map_location)
+    if isinstance(map_location, dict):
+        return torch.device(map_location.get("cpu", "cpu"))
+    raise TypeError(
+        f"map_location={map_location!r}: a broadcast load needs a device, a device string "
+        "or a dict (keyed by 'cpu'), not a callable"
+    )
+
+
+def agree_on_holder(local_step: int | None, rank: int, world_size: int) -> tuple[int | None, int]:
+    """Every rank learns the newest step any rank holds and the lowest rank holding it.
+
+    Collective: every rank must call it. Returns ``(step, src)``; ``(None, -1)`` when
+    no rank holds any checkpoint.
+    """
+    newest = all_reduce_max(-1 if local_step is None else local_step)
+    if newest < 0:
+        return None, -1
+    # max of -rank over the holders is minus the lowest holding rank.
+    src = -all_reduce_max(-rank if local_step == newest else -world_size)
+    return newest, src
+
+
+def broadcast_state(state: Any, *, src: int, rank: int, device: torch.device) -> Any:
+    """Send ``state`` from ``src`` to every rank; each rank returns its copy.
+
+    Collective: every rank must call it; ``state`` is only read on ``src``. Receivers
+    allocate their tensors on ``device``; ``broadcast_tensors`` stages each through
+    the collective device (CUDA for NCCL) one at a time.
+    """
+    tensors: list[torch.Tensor] = []
+    skeleton = split_tensors(state, tensors) if rank == src else None
+    skeleton = broadcast_object(skeleton, src=src)
+    if rank != src:
+        tensors = [torch.empty(s.shape, dtype=s.dtype, device=device)
+                   for s in sorted(_specs(skeleton, []), key=lambda s: s.index)]
+    broadcast_tensors(tensors, src=src)
+    return fill_tensors(skeleton, tensors)

@@ -1,0 +1,355 @@
+"""Turning a state dict into payload bytes and back, checked both ways.
+
+Three jobs, one concern (the payload's bytes):
+
+- :func:`prepare_state` walks the state once before saving: it refuses anything
+  ``torch.load(weights_only=True)`` could not read back (naming the key path, so the
+  user learns at save time rather than at restore time) and copies tensors to CPU
+  when asked (the staging of a non-blocking save).
+- :class:`HashingWriter` computes the checksum while ``torch.save`` writes, so the
+  file is never read a second time; a helper thread hashes behind the writes and
+  overlaps with the final fsync (zlib, hashlib and file writes release the GIL).
+- :func:`load_payload` reads with ``weights_only=True`` and turns the refusal of a
+  pickled object into :class:`UnsafeCheckpointError`.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import contextlib
+import hashlib
+import io
+import pickle
+import queue
+import threading
+import zlib
+from typing import IO, Any, Callable, Iterable, Iterator
+
+import numpy as np
+
+import torch
+
+from elastic_kit.errors import UnsafeCheckpointError
+
+__all__ = ["prepare_state", "validate_state", "HashingWriter", "iter_tensors", "torch_zip_crc_off", "new_hasher", "hash_stream", "load_payload"]
+
+_PRIMITIVES = (int, float, complex, str, bytes, bool, type(None), torch.Size, torch.dtype,
+               torch.device)
+_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+_ASYNC_MIN = 1 << 16  # smaller chunks are copied: cheaper than locating their memory
+
+
+def _check_key(key: Any, path: str) -> None:
+    if isinstance(key, tuple):
+        for k in key:
+            _check_key(k, path)
+    elif type(key) not in (int, float, str, bool, type(None), bytes):
+        raise TypeError(
+            f"state{path} has a dict key {key!r} of type {type(key).__qualname__}; "
+            "checkpoint keys must be str, int, float, bool, None or tuples of them"
+        )
+
+
+def prepare_state(state: Any, *, copy: bool, path: str = "",
+                  pool: dict[str, torch.Tensor] | None = None,
+                  used: dict[str, torch.Tensor] | None = None) -> Any:
+    """Validate ``state`` for weights-only loading and return what to serialize.
+
+    Args:
+        state: nested dicts/lists/tuples/sets of tensors and Python primitives.
+        copy: copy every tensor to CPU memory (staging for a background write, so
+            training may mutate the originals). Without it only CUDA tensors are
+            copied to CPU (files then load on any machine) and views of a much larger
+            storage are cloned (``torch.save`` would otherwise write the whole storage).
+        path: the key path of ``state`` in the caller's structure, for messages.
+        pool: staging buffers by key path, reused when shape and dtype match (and
+            refilled with the new ones). Copying into pages that are already mapped
+            is several times faster than allocating fresh memory, which is what
+            keeps a non-blocking save's blocked time small.
+        used: receives the buffers this call used (the caller keeps it as the next
+            ``pool``, so buffers of keys that disappeared are freed).
+
+    Raises:
+        TypeError: naming the key path and type of the first value that
+            ``torch.load(weights_only=True)`` would refuse (a numpy scalar, a custom
+            class, a namedtuple, ...).
+    """
+    t = type(state)
+    if t in _TENSOR_TYPES:
+        x = state.detach()
+        if copy and pool is not None and x.layout == torch.strided:
+            buf = pool.get(path)
+            if buf is None or buf.shape != x.shape or buf.dtype != x.dtype:
+                buf = torch.empty(x.shape, dtype=x.dtype, device="cpu",
+                                  pin_memory=x.device.type == "cuda")
+                pool[path] = buf
+            buf.copy_(x, non_blocking=x.device.type == "cuda")
+            if used is not None:
+                used[path] = buf
+            return buf
+        if copy or x.device.type != "cpu":
+            return x.to("cpu", copy=True) if x.device.type == "cpu" else x.to("cpu")
+        if (x.layout == torch.strided and x.numel()
+                and x.untyped_storage().nbytes() > 2 * x.numel() * x.element_size()):
+            return x.clone()
+        return x
+    if t in _PRIMITIVES:
+        return state
+    if t in (dict, collections.OrderedDict, collections.Counter):
+        out = t() if t is not collections.Counter else collections.Counter()
+        for k, v in state.items():
+            sub = f"{path}[{k!r}]"
+            _check_key(k, sub)
+            out[k] = prepare_state(v, copy=copy, path=sub, pool=pool, used=used)
+        return out
+    if t in (list, tuple):
+        items = [prepare_state(v, copy=copy, path=f"{path}[{i}]", pool=pool, used=used)
+                 for i, v in enumerate(state)]
+        return items if t is list else tuple(items)
+    if t is set:
+        for v in state:
+            _check_key(v, f"{path}{{...}}")
+        return set(state)
+    hint = ""
+    if t.__module__ == "numpy":
+        hint = " (convert numpy values with .item() or torch.from_numpy)"
+    elif isinstance(state, tuple):
+        hint = " (namedtuples are custom classes: use a dict or a plain tuple)"
+    elif hasattr(state, "state_dict"):
+        hint = " (store obj.state_dict() rather than the object)"
+    raise TypeError(
+        f"state{path or ''} is a {t.__module__}.{t.__qualname__}, which "
+        f"torch.load(weights_only=True) cannot read back; expected tensors, dict/list/"
+        f"tuple/set, or int/float/str/bytes/bool/None{hint}"
+    )
+
+
+def validate_state(state: Any, *, path: str = "") -> None:
+    """Raise like :func:`prepare_state` would, without copying anything."""
+    t = type(state)
+    if t in _TENSOR_TYPES or t in _PRIMITIVES:
+        return
+    if t in (dict, collections.OrderedDict, collections.Counter):
+        for k, v in state.items():
+            _check_key(k, f"{path}[{k!r}]")
+            validate_state(v, path=f"{path}[{k!r}]")
+    elif t in (list, tuple):
+        for i, v in enumerate(state):
+            validate_state(v, path=f"{path}[{i}]")
+    else:
+        prepare_state(state, copy=False, path=path)  # raises the descriptive TypeError
+
+
+def new_hasher(algorithm: str) -> Any:
+    """A hasher object with ``update(bytes)`` and ``hexdigest()`` for ``algorithm``."""
+    if algorithm == "sha256":
+        return hashlib.sha256()
+    if algorithm == "crc32":
+        return _Crc32()
+    raise ValueError(f"checksum={algorithm!r} must be 'crc32' or 'sha256'")
+
+
+class _Crc32:
+    """zlib.crc32 with hashlib's interface; about 2x faster than sha256 here."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def update(self, data: Any) -> None:
+        self.value = zlib.crc32(data, self.value)
+
+    def hexdigest(self) -> str:
+        return f"{self.value:08x}"
+
+
+class HashingWriter(io.RawIOBase):
+    """A write-only file wrapper that counts and checksums the bytes passing through.
+
+    Hashing runs on a helper thread, in order, *behind* the writes: ``write()``
+    returns as soon as the bytes are in the file, and the caller's ``fsync`` (disk
+    time, no CPU) overlaps with the hashing of the tail. ``torch.save`` hands over
+    tensor storages as zero-copy memoryviews; a large chunk is queued without a
+    copy only when its memory lies inside one of the ``stable`` tensors' storages
+    (which the caller keeps alive and unchanged until :meth:`finish`); every other
+    chunk is copied first, since its buffer may be freed when ``write`` returns.
+
+    Example::
+
+        with open(path, "wb") as f:
+            w = HashingWriter(f, "crc32", stable=tensors)
+            torch.save(state, w)
+            f.flush()
+            os.fsync(f.fileno())     # overlaps with the hashing
+            size, digest = w.finish()
+    """
+
+    def __init__(self, raw: IO[bytes], algorithm: str = "crc32", *,
+                 stable: Iterable[torch.Tensor] = ()) -> None:
+        super().__init__()
+        self._raw = raw
+        self._hasher = new_hasher(algorithm)
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._ranges = _storage_ranges(stable)
+        self._starts = [r[0] for r in self._ranges]
+        self.on_first_write: Callable[[], None] | None = None
+        self.size = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def _is_stable(self, mv: memoryview) -> bool:
+        if not self._ranges:
+            return False
+        addr = int(np.frombuffer(mv, dtype=np.uint8).ctypes.data)
+        i = bisect.bisect_right(self._starts, addr) - 1
+        return i >= 0 and addr + mv.nbytes <= self._ranges[i][0] + self._ranges[i][1]
+
+    def _hash_loop(self) -> None:
+        try:
+            while True:
+                item = self._queue.get()
+                if item is None:
+                    return
+                self._hasher.update(item)
+        except BaseException as e:  # pragma: no cover - hashing bytes does not fail
+            self._error = e
+
+    def write(self, b: Any) -> int:  # type: ignore[override]
+        if self.on_first_write is not None:
+            cb, self.on_first_write = self.on_first_write, None
+            cb()
+        mv = memoryview(b).cast("B")
+        n = mv.nbytes
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._hash_loop, name="ek-hash", daemon=True)
+            self._thread.start()
+        self._queue.put(mv if n >= _ASYNC_MIN and self._is_stable(mv) else bytes(mv))
+        written = self._raw.write(mv)
+        # Raw (unbuffered) files may write less than asked; buffered ones never do.
+        while written is not None and written < n:
+            written += self._raw.write(mv[written:])
+        self.size += n
+        return n
+
+    def flush(self) -> None:
+        self._raw.flush()
+
+    def finish(self) -> tuple[int, str]:
+        """Wait for the hashing to catch up; ``(size, hexdigest)`` of all bytes written."""
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            raise self._error
+        return self.size, str(self._hasher.hexdigest())
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
+        super().close()
+
+
+def _storage_ranges(tensors: Iterable[torch.Tensor]) -> list[tuple[int, int]]:
+    ranges = {}
+    for t in tensors:
+        if t.device.type == "cpu" and t.layout == torch.strided:
+            st = t.untyped_storage()
+            if st.nbytes():
+                ranges[st.data_ptr()] = st.nbytes()
+    return sorted(ranges.items())
+
+
+def iter_tensors(state: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in a nested state, depth first."""
+    if isinstance(state, torch.Tensor):
+        yield state
+    elif isinstance(state, dict):
+        for v in state.values():
+            yield from iter_tensors(v)
+    elif isinstance(state, (list, tuple)):
+        for v in state:
+            yield from iter_tensors(v)
+
+
+@contextlib.contextmanager
+def torch_zip_crc_off(writer: HashingWriter) -> Iterator[None]:
+    """Skip torch.save's own per-record CRC32 for one save into ``writer``.
+
+    Our checksum already covers every byte, so torch's zip CRC would be a second
+    full pass over the data. The option is global and read once when torch.save
+    opens its zip writer, so it is switched off just before and restored at the
+    writer's first ``write`` (a lock keeps two of our saves from interleaving).
+
+    .. warning::
+        A ``torch.save`` in another thread that starts in that window (while this
+        save pickles its structure, typically well under a millisecond) writes zip
+        records with a zero CRC; ``torch.load`` reads such files normally.
+    """
+    get = getattr(torch.serialization, "get_crc32_options", None)
+    set_ = getattr(torch.serialization, "set_crc32_options", None)
+    if get is None or set_ is None:  # older torch: nothing to skip
+        yield
+        return
+    _CRC_LOCK.acquire()
+    prev = get()
+    restored = False
+
+    def restore() -> None:  # runs on this thread, at the first write or on exit
+        nonlocal restored
+        if not restored:
+            restored = True
+            set_(prev)
+            _CRC_LOCK.release()
+
+    set_(False)
+    writer.on_first_write = restore
+    try:
+        yield
+    finally:
+        restore()
+
+
+_CRC_LOCK = threading.Lock()
+
+
+def hash_stream(f: IO[bytes], algorithm: str, *, chunk: int = 8 << 20,
+                sink: Callable[[bytes], Any] | None = None) -> tuple[int, str]:
+    """Size and checksum of a readable stream (``sink`` also receives each chunk)."""
+    h = new_hasher(algorithm)
+    size = 0
+    while True:
+        data = f.read(chunk)
+        if not data:
+            return size, str(h.hexdigest())
+        h.update(data)
+        size += len(data)
+        if sink is not None:
+            sink(data)
+
+
+def load_payload(source: str | IO[bytes], *, map_location: Any = None, where: str = "") -> Any:
+    """``torch.load(source, weights_only=True)``, refusing pickled objects loudly.
+
+    Raises:
+        UnsafeCheckpointError: the payload holds something other than tensors and
+            plain containers (an arbitrary pickled object, whose code is *not* run).
+    """
+    try:
+        return torch.load(source, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as e:
+        lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
+        detail = next((ln for ln in lines if "GLOBAL" in ln or "Unsupported" in ln),
+                      lines[-1] if lines else "")
+        detail = detail.split(". Please use")[0]  # torch's advice is to allowlist: not ours
+        raise UnsafeCheckpointError(
+            f"{where}: refusing to load a checkpoint that holds objects other than tensors "
+            f"and plain containers (torch.load(weights_only=True) rejected it: "
+            f"{detail}); nothing in it was executed. Only load checkpoints you "
+            f"trust, and store obj.state_dict() rather than objects"
+        ) from e

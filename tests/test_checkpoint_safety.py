@@ -1,0 +1,197 @@
+"""Refusing what must not be saved or loaded, and surfacing failures where they happen."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import pathlib
+
+import numpy as np
+import pytest
+import torch
+
+from elastic_kit.checkpoint import (
+    MANIFEST_NAME, PAYLOAD_NAME, CheckpointStore, Manifest, load_checkpoint, save_checkpoint,
+)
+from elastic_kit.checkpoint import store as store_mod
+from elastic_kit.checkpoint.serialize import new_hasher
+from elastic_kit.errors import CheckpointError, UnsafeCheckpointError
+
+
+class _Evil:
+    """Unpickling this would create the marker file: the code must never run."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (pathlib.Path.touch, (pathlib.Path(self.marker),))
+
+
+def _replace_payload(path: str, obj) -> None:
+    """Overwrite a checkpoint's payload with ``obj`` and re-seal its manifest."""
+    payload = os.path.join(path, PAYLOAD_NAME)
+    torch.save(obj, payload)
+    data = open(payload, "rb").read()
+    h = new_hasher("crc32")
+    h.update(data)
+    mpath = os.path.join(path, MANIFEST_NAME)
+    m = Manifest.from_json(open(mpath).read())
+    m.files[PAYLOAD_NAME] = type(m.files[PAYLOAD_NAME])(size=len(data), checksum=h.hexdigest())
+    open(mpath, "w").write(m.to_json())
+
+
+def test_pickled_object_is_refused_and_never_executed(tmp_path):
+    marker = tmp_path / "pwned"
+    store = CheckpointStore(str(tmp_path / "ck"))
+    store.save({"w": torch.ones(2)}, step=1)
+    store.save({"w": torch.ones(2)}, step=2)
+    _replace_payload(store.list()[-1].path, {"w": torch.ones(2), "x": _Evil(str(marker))})
+    with pytest.raises(UnsafeCheckpointError, match="step-000000000002.*refusing to load"):
+        store.load()
+    assert not marker.exists()
+    # the sealed-but-unsafe checkpoint verifies (its bytes are intact): it is the
+    # content that is refused, so the CLI's verify does not hide it either
+    assert all(p is None for _, _, p in store.verify())
+
+
+@pytest.mark.parametrize("bad, path, why", [
+    ({"sampler": {"pos": np.int64(3)}}, r"\['sampler'\]\['pos'\]", "numpy"),
+    ({"opt": [1, collections.namedtuple("P", "a")(1)]}, r"\['opt'\]\[1\]", "namedtuple"),
+    ({"model": torch.nn.Linear(2, 2)}, r"\['model'\]", "state_dict"),
+    ({"d": {object(): 1}}, r"dict key", "must be str"),
+])
+def test_save_refuses_what_weights_only_load_cannot_read(tmp_path, bad, path, why):
+    store = CheckpointStore(str(tmp_path / "ck"))
+    with pytest.raises(TypeError, match=path) as ei:
+        store.save(bad, step=1)
+    assert why in str(ei.value)
+    assert store.list() == [] and not (tmp_path / "ck").exists()
+
+
+def test_metadata_must_be_json(tmp_path):
+    with pytest.raises(TypeError, match="metadata=.*JSON"):
+        CheckpointStore(str(tmp_path)).save({}, step=1, metadata={"t": torch.ones(1)})
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"keep_last": 0}, "keep_last=0"), ({"checksum": "md5"}, "checksum='md5'"),
+])
+def test_bad_options_name_the_value(tmp_path, kw, match):
+    with pytest.raises(ValueError, match=match):
+        CheckpointStore(str(tmp_path), **kw)
+
+
+def test_unknown_protocol_and_missing_extra_are_clear(tmp_path):
+    with pytest.raises(ValueError, match="url='nope://x/y'.*unknown protocol 'nope'"):
+        CheckpointStore("nope://x/y")
+    for url, extra in (("gs://b/run", "gcs"), ("az://c/run", "azure"), ("abfs://c/run", "azure")):
+        pkg = {"gcs": "gcsfs", "azure": "adlfs"}[extra]
+        try:
+            __import__(pkg)
+            continue  # installed here: nothing to report
+        except ImportError:
+            pass
+        with pytest.raises(ImportError, match=rf"url='{url}'.*elastic_kit\[{extra}\]"):
+            CheckpointStore(url)
+
+
+def test_background_failure_surfaces_on_wait_then_saving_works_again(tmp_path, monkeypatch):
+    store = CheckpointStore(str(tmp_path / "ck"))
+    real = store_mod.write_checkpoint
+
+    def disk_full(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(store_mod, "write_checkpoint", disk_full)
+    store.save({"w": torch.ones(3)}, step=1, blocking=False)  # returns: the error comes later
+    with pytest.raises(OSError, match="No space left"):
+        store.wait()
+    store.wait()  # reported once, not forever
+    monkeypatch.setattr(store_mod, "write_checkpoint", real)
+    store.save({"w": torch.ones(3)}, step=2, blocking=False)
+    store.close()
+    assert [i.step for i in store.list()] == [2]
+
+
+def test_background_failure_surfaces_on_next_save(tmp_path, monkeypatch):
+    store = CheckpointStore(str(tmp_path / "ck"))
+    monkeypatch.setattr(store_mod, "write_checkpoint",
+                        lambda *a, **k: (_ for _ in ()).throw(CheckpointError("bucket gone")))
+    store.save({"w": torch.ones(3)}, step=1, blocking=False)
+    with pytest.raises(CheckpointError, match="bucket gone"):
+        store.save({"w": torch.ones(3)}, step=2, blocking=False)
+
+
+def test_second_nonblocking_save_waits_for_the_first(tmp_path, monkeypatch):
+    import threading
+    import time
+
+    store = CheckpointStore(str(tmp_path / "ck"), keep_last=None)
+    real, running, overlaps = store_mod.write_checkpoint, threading.Semaphore(1), []
+
+    def slow(*a, **k):
+        if not running.acquire(blocking=False):
+            overlaps.append(k["step"])
+        time.sleep(0.2)
+        try:
+            return real(*a, **k)
+        finally:
+            running.release()
+
+    monkeypatch.setattr(store_mod, "write_checkpoint", slow)
+    for step in range(3):
+        store.save({"w": torch.full((4,), float(step))}, step=step, blocking=False)
+    store.close()
+    assert overlaps == [] and [i.step for i in store.list()] == [0, 1, 2]
+
+
+def test_views_of_large_storages_are_saved_small(tmp_path):
+    big = torch.zeros(1_000_000)
+    store = CheckpointStore(str(tmp_path / "ck"))
+    store.save({"w": big[:10]}, step=1)
+    assert store.list()[0].size_bytes < 10_000
+    assert store.load().state["w"].shape == (10,)
+
+
+def test_function_forms_load_into_a_module_and_a_dict(tmp_path):
+    url = str(tmp_path / "ck")
+    model = torch.nn.Linear(3, 2)
+    save_checkpoint(model, url, step=5, metadata={"epoch": 1}, keep_last=2)
+    fresh = torch.nn.Linear(3, 2)
+    loaded = load_checkpoint(fresh, url)
+    assert loaded.step == 5 and loaded.metadata == {"epoch": 1}
+    assert torch.equal(fresh.weight, model.weight)
+    target: dict = {}
+    store = CheckpointStore(url)
+    assert load_checkpoint(target, store).step == 5 and set(target) == {"weight", "bias"}
+    with pytest.raises(TypeError, match="keep_last"):
+        save_checkpoint(model, store, step=6, keep_last=1)
+
+
+def test_node_rank_template_and_manifest_contents(tmp_path):
+    from elastic_kit.distributed import DistInfo
+
+    store = CheckpointStore(str(tmp_path / "n{node_rank}"), info=DistInfo(node_rank=4, world_size=1))
+    store.save({"w": torch.ones(2)}, step=3, metadata={"epoch": 2, "world_size": 1})
+    info = store.list()[0]
+    assert info.path.startswith(str(tmp_path / "n4"))
+    m = json.loads(open(os.path.join(info.path, MANIFEST_NAME)).read())
+    assert m["step"] == 3 and m["epoch"] == 2 and m["checksum"] == "crc32"
+    assert m["torch_version"] == torch.__version__ and m["elastic_kit_version"]
+    assert set(m["files"]) == {PAYLOAD_NAME} and m["files"][PAYLOAD_NAME]["size"] > 0
+    assert not [n for n in os.listdir(tmp_path / "n4") if n.startswith(".tmp")]
+
+
+def test_sha256_checksum_option_verifies_and_catches_a_flipped_byte(tmp_path):
+    store = CheckpointStore(str(tmp_path / "ck"), checksum="sha256")
+    store.save({"w": torch.ones(2)}, step=1)
+    assert store.list()[0].manifest.checksum == "sha256"
+    assert len(store.list()[0].manifest.files[PAYLOAD_NAME].checksum) == 64
+    store.save({"w": torch.ones(2)}, step=2)
+    payload = os.path.join(store.list()[-1].path, PAYLOAD_NAME)
+    data = bytearray(open(payload, "rb").read())
+    data[-30] ^= 0x01
+    open(payload, "wb").write(bytes(data))
+    assert store.load().step == 1

@@ -1,0 +1,198 @@
+"""CheckpointStore behaviour, one shared contract run against every storage backend.
+
+The contract class :class:`StoreContract` (fsspec ``abstract`` tests style) holds the
+tests; each ``Test<Backend>`` subclass only says where the store lives: a plain path,
+``file://``, ``memory://`` (unique root per test: the memory filesystem is global)
+and ``s3://`` on a real moto server started once for the session.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from typing import Any, Callable
+
+import fsspec
+import pytest
+import torch
+
+from elastic_kit.checkpoint import MANIFEST_NAME, PAYLOAD_NAME, CheckpointStore, step_dir_name
+from s3_server import s3_bucket, s3_server  # noqa: F401  (session fixtures)
+
+LOG = "elastic_kit.checkpoint"
+
+
+def make_state(step: int, n: int = 1000) -> dict[str, Any]:
+    """A small TrainState-like nested state whose every value depends on ``step``."""
+    return {
+        "model": {"w": torch.full((n,), float(step)), "b": torch.arange(4) + step},
+        "optimizer": {"state": {0: {"exp_avg": torch.ones(3) * step}},
+                      "param_groups": [{"lr": 0.1 * step, "params": [0]}]},
+        "sampler": {"epoch": step // 10, "consumed": step * 32, "seed": 0},
+        "rng": {"torch": torch.get_rng_state(), "python": (3, (1, 2), None)},
+        "flags": [True, None, "x", 2.5, b"raw"],
+        "half": torch.ones(2, dtype=torch.bfloat16) * step,
+    }
+
+
+def assert_state_is(state: dict[str, Any], step: int, n: int = 1000) -> None:
+    assert torch.equal(state["model"]["w"], torch.full((n,), float(step)))
+    assert state["model"]["b"].tolist() == [step, step + 1, step + 2, step + 3]
+    assert state["optimizer"]["param_groups"][0]["lr"] == pytest.approx(0.1 * step)
+    assert state["sampler"] == {"epoch": step // 10, "consumed": step * 32, "seed": 0}
+    assert state["rng"]["python"] == (3, (1, 2), None)
+    assert state["flags"] == [True, None, "x", 2.5, b"raw"]
+    assert state["half"].dtype == torch.bfloat16
+
+
+def _truncate(data: bytes) -> bytes:
+    return data[: len(data) // 2]
+
+
+def _flip(data: bytes) -> bytes:
+    b = bytearray(data)
+    b[len(b) // 2] ^= 0xFF
+    return bytes(b)
+
+
+class StoreContract:
+    """The behaviour every backend must show. Subclasses provide the ``target`` fixture."""
+
+    @pytest.fixture
+    def target(self) -> tuple[str, dict[str, Any] | None]:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    @pytest.fixture
+    def make(self, target: tuple[str, dict[str, Any] | None]) -> Callable[..., CheckpointStore]:
+        url, opts = target
+        return lambda **kw: CheckpointStore(url, storage_options=opts, **kw)
+
+    # ---------------------------------------------------------------- basics
+    def test_empty_store_loads_none_and_lists_nothing(self, make):
+        store = make()
+        assert store.load() is None
+        assert store.list() == []
+        assert store.latest_step() is None
+
+    def test_roundtrip_keeps_nested_state_and_metadata(self, make):
+        store = make()
+        store.save(make_state(7), step=7, metadata={"epoch": 3, "world_size": 2})
+        loaded = make().load()  # a fresh store object sees the commit
+        assert loaded is not None and loaded.step == 7
+        assert_state_is(loaded.state, 7)
+        assert loaded.metadata == {"epoch": 3, "world_size": 2}
+        assert loaded.path.rstrip("/").endswith(step_dir_name(7))
+        (info,) = store.list()
+        assert (info.step, info.epoch, info.metadata["world_size"]) == (7, 3, 2)
+        assert info.size_bytes > 4000 and info.time > 0
+
+    def test_retention_keeps_newest_k_oldest_first(self, make):
+        store = make(keep_last=2)
+        for step in (1, 5, 9, 12):
+            store.save(make_state(step, n=10), step=step)
+        assert [i.step for i in store.list()] == [9, 12]
+        assert store.latest_step() == 12
+        assert_state_is(store.load().state, 12, n=10)
+
+    def test_never_deletes_the_checkpoint_just_written(self, make):
+        store = make(keep_last=1)
+        store.save(make_state(20, n=10), step=20)
+        store.save(make_state(3, n=10), step=3)  # an older step, e.g. after a rollback
+        assert [i.step for i in store.list()] == [3]
+
+    def test_resaving_a_step_replaces_it(self, make):
+        store = make()
+        store.save(make_state(4, n=10), step=4)
+        store.save(make_state(5, n=10), step=4)
+        assert [i.step for i in store.list()] == [4]
+        assert store.load().state["model"]["b"].tolist() == [5, 6, 7, 8]
+
+    def test_nonblocking_save_writes_the_state_as_it_was_at_save_time(self, make):
+        store = make()
+        state = make_state(1)
+        store.save(state, step=1, blocking=False)
+        state["model"]["w"].fill_(-1.0)  # training goes on and mutates the tensors
+        state["model"]["b"].zero_()
+        store.wait()
+        assert_state_is(store.load().state, 1)
+        store.save(make_state(2, n=10), step=2, blocking=False)
+        store.close()
+        assert [i.step for i in store.list()] == [1, 2]
+
+    # ---------------------------------------------------------------- damage
+    @pytest.mark.parametrize("damage, reason", [
+        ("truncate", "truncated"),
+        ("flip", "corrupt payload"),
+        ("no_manifest", "manifest.json is missing"),
+        ("no_payload", "does not exist"),
+        ("bad_manifest", "manifest does not parse"),
+    ])
+    def test_damaged_newest_falls_back_to_previous_with_a_logged_reason(
+            self, make, caplog, damage, reason):
+        store = make(keep_last=5)
+        store.save(make_state(1), step=1)
+        store.save(make_state(2), step=2)
+        newest = store.list()[-1].path
+        fs, payload, manifest = store.fs, f"{newest}/{PAYLOAD_NAME}", f"{newest}/{MANIFEST_NAME}"
+        if damage == "truncate":
+            fs.pipe_file(payload, _truncate(fs.cat_file(payload)))
+        elif damage == "flip":
+            fs.pipe_file(payload, _flip(fs.cat_file(payload)))
+        elif damage == "no_manifest":
+            fs.rm(manifest)
+        elif damage == "no_payload":
+            fs.rm(payload)
+        else:
+            fs.pipe_file(manifest, b'{"format": "elastic_kit.checkpoint/1", "step": ')
+        with caplog.at_level(logging.WARNING, logger=LOG):
+            loaded = make().load()
+        assert loaded is not None and loaded.step == 1
+        assert_state_is(loaded.state, 1)
+        warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert any(step_dir_name(2) in m and reason in m for m in warned), warned
+        problems = {step: p for step, _, p in store.verify()}
+        assert problems[1] is None and reason in problems[2]
+
+    def test_unfinished_save_is_invisible_and_cleaned_by_the_next_save(self, make):
+        store = make(keep_last=5)
+        store.save(make_state(1, n=10), step=1)
+        # what an object-store save killed before its manifest leaves behind
+        partial = f"{store.root}/{step_dir_name(2)}"
+        store.fs.makedirs(partial, exist_ok=True)
+        store.fs.pipe_file(f"{partial}/{PAYLOAD_NAME}", b"partial")
+        assert store.load().step == 1
+        assert [i.step for i in store.list()] == [1]
+        store.save(make_state(3, n=10), step=3)
+        store.wait()  # retention and cleaning run beside training after a blocking save
+        steps = [d for d in store.fs.ls(store.root, detail=False) if "step-" in d]
+        assert not any(step_dir_name(2) in d for d in steps), steps
+
+
+class TestPlainPath(StoreContract):
+    @pytest.fixture
+    def target(self, tmp_path):
+        return str(tmp_path / "ckpt"), None
+
+
+class TestFileURL(StoreContract):
+    @pytest.fixture
+    def target(self, tmp_path):
+        return f"file://{tmp_path}/ckpt", None
+
+
+class TestMemory(StoreContract):
+    @pytest.fixture
+    def target(self):
+        root = f"memory://ek-test-{uuid.uuid4().hex}"
+        yield root, None
+        fs = fsspec.filesystem("memory")
+        if fs.exists(root):
+            fs.rm(root, recursive=True)
+
+
+@pytest.mark.s3
+class TestS3(StoreContract):
+    @pytest.fixture
+    def target(self, s3_bucket):  # noqa: F811
+        url, opts = s3_bucket
+        return f"{url}/run", opts
