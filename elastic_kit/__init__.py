@@ -31,6 +31,18 @@ from elastic_kit.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
+from elastic_kit.loop import (
+    BatchPolicy,
+    ElasticLoop,
+    EpochAudit,
+    EpochSummary,
+    FixedGlobalBatch,
+    LinearLRScaling,
+    LoopConfig,
+    SeededDataset,
+    StepInfo,
+    TrainState,
+)
 from elastic_kit.sampler import ElasticDistributedSampler
 from elastic_kit.errors import (
     BatchPolicyError,
@@ -50,6 +62,16 @@ __all__ = [
     "LoadedCheckpoint",
     "save_checkpoint",
     "load_checkpoint",
+    "TrainState",
+    "ElasticLoop",
+    "LoopConfig",
+    "StepInfo",
+    "EpochSummary",
+    "BatchPolicy",
+    "FixedGlobalBatch",
+    "LinearLRScaling",
+    "EpochAudit",
+    "SeededDataset",
     "DistInfo",
     "init_distributed",
     "get_dist_info",

@@ -1,0 +1,194 @@
+"""Sample audit: prove that every sample of an epoch reached a gradient exactly once.
+
+For each epoch the loop keeps three integers over the ids of the samples that
+contributed to a completed optimizer step: their count, ``sum(h1(i)) mod P`` and
+``sum(h2(i)^2) mod P`` with two independent 64-bit mixing hashes and the prime
+``P = 2^31 - 1``. The digest is order-independent and additive, so each rank sums
+its own share, the ranks' shares are summed with one ``all_reduce`` and the running
+totals are saved in every checkpoint together with the model state they belong to.
+At the end of the epoch the totals must equal the digest of ``range(len(dataset))``:
+a missed sample lowers the count, a repeated one raises it, and one missed plus one
+repeated sample leaves the count but changes both sums (with probability
+``1 - 2^-62``).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["EpochAudit", "SampleAudit", "sample_digest", "expected_digest", "PRIME"]
+
+log = logging.getLogger(__name__)
+
+#: Modulus of the digest sums; values stay below 2^31 so sums over many ranks and
+#: squares fit comfortably in int64.
+PRIME = (1 << 31) - 1
+_SALT1 = np.uint64(0x243F6A8885A308D3)
+_SALT2 = np.uint64(0x13198A2E03707344)
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    z = x + np.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def sample_digest(ids: torch.Tensor | np.ndarray | list[int]) -> torch.Tensor:
+    """``[count, sum h1 mod P, sum h2^2 mod P]`` of ``ids`` as an int64 tensor.
+
+    Additive: the digest of a union of disjoint multisets is the element-wise sum of
+    their digests (reduce the sums mod :data:`PRIME` with :func:`normalize`).
+    """
+    if isinstance(ids, torch.Tensor):
+        arr = ids.detach().cpu().numpy()
+    else:
+        arr = np.asarray(ids)
+    arr = arr.astype(np.int64, copy=False).reshape(-1)
+    if arr.size and arr.min() < 0:
+        raise ValueError(f"sample ids must be >= 0, got {int(arr.min())}")
+    x = arr.astype(np.uint64)
+    with np.errstate(over="ignore"):
+        h1 = (_splitmix64(x ^ _SALT1) % np.uint64(PRIME)).astype(np.int64)
+        h2 = (_splitmix64(x ^ _SALT2) % np.uint64(PRIME)).astype(np.int64)
+    s1 = int(h1.sum()) % PRIME if arr.size else 0
+    s2 = int(((h2 * h2) % PRIME).sum()) % PRIME if arr.size else 0
+    return torch.tensor([arr.size, s1, s2], dtype=torch.int64)
+
+
+def normalize(digest: torch.Tensor) -> torch.Tensor:
+    """Reduce the two sums of a (summed) digest modulo :data:`PRIME`."""
+    out = digest.clone().to(torch.int64)
+    out[1:] = out[1:] % PRIME
+    return out
+
+
+_EXPECTED_CACHE: dict[int, torch.Tensor] = {}
+
+
+def expected_digest(dataset_length: int) -> torch.Tensor:
+    """The digest of every id in ``range(dataset_length)`` exactly once (cached)."""
+    if dataset_length not in _EXPECTED_CACHE:
+        total = torch.zeros(3, dtype=torch.int64)
+        step = 1 << 20
+        for start in range(0, dataset_length, step):
+            total += sample_digest(np.arange(start, min(start + step, dataset_length)))
+        _EXPECTED_CACHE[dataset_length] = normalize(total)
+    return _EXPECTED_CACHE[dataset_length].clone()
+
+
+@dataclass
+class EpochAudit:
+    """The audit of one epoch: what contributed, and whether it matched the dataset.
+
+    Attributes:
+        epoch: the epoch.
+        count: samples that contributed to a gradient (summed over ranks and restarts).
+        digest: ``sum h1 mod P`` of their ids.
+        digest_sq: ``sum h2^2 mod P`` of their ids.
+        expected_count: the dataset length.
+        ok: ``None`` while the epoch runs; after :meth:`finish`, whether count and both
+            sums equal those of every sample exactly once.
+    """
+
+    epoch: int
+    count: int = 0
+    digest: int = 0
+    digest_sq: int = 0
+    expected_count: int = 0
+    ok: bool | None = None
+    message: str = ""
+
+    def add(self, digest: torch.Tensor) -> None:
+        """Add a (rank-summed) :func:`sample_digest`."""
+        d = digest.to(torch.int64).tolist()
+        self.count += int(d[0])
+        self.digest = (self.digest + int(d[1])) % PRIME
+        self.digest_sq = (self.digest_sq + int(d[2])) % PRIME
+
+    def finish(self, dataset_length: int) -> bool:
+        """Compare with every sample of ``range(dataset_length)`` once; sets :attr:`ok`."""
+        exp = expected_digest(dataset_length).tolist()
+        self.expected_count = dataset_length
+        self.ok = [self.count, self.digest, self.digest_sq] == exp
+        if self.ok:
+            self.message = f"epoch {self.epoch}: all {dataset_length} samples exactly once"
+        elif self.count < dataset_length:
+            self.message = (
+                f"epoch {self.epoch}: {self.count} of {dataset_length} samples contributed "
+                f"to a gradient: at least {dataset_length - self.count} missed")
+        elif self.count > dataset_length:
+            self.message = (
+                f"epoch {self.epoch}: {self.count} sample contributions for a dataset of "
+                f"{dataset_length}: at least {self.count - dataset_length} repeated")
+        else:
+            self.message = (
+                f"epoch {self.epoch}: {self.count} contributions, as many as samples, but "
+                f"the id digest differs: some samples were missed and others repeated")
+        return self.ok
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain types only (loadable with ``torch.load(weights_only=True)``)."""
+        return {"epoch": self.epoch, "count": self.count, "digest": self.digest,
+                "digest_sq": self.digest_sq, "expected_count": self.expected_count,
+                "ok": self.ok, "message": self.message}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> EpochAudit:
+        return cls(**{k: d[k] for k in ("epoch", "count", "digest", "digest_sq",
+                                          "expected_count", "ok", "message") if k in d})
+
+
+@dataclass
+class SampleAudit:
+    """Per-epoch audits plus the local, not yet all-reduced, contributions.
+
+    The loop calls :meth:`record` with the ids of the real samples of each completed
+    optimizer step, and :meth:`sync` (collective) before every checkpoint and at the
+    end of each epoch, which folds every rank's pending share into :attr:`epochs`.
+    Only synced totals are saved, so after a restart the audit matches the restored
+    model exactly.
+    """
+
+    epochs: dict[int, EpochAudit] = field(default_factory=dict)
+    _pending: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def record(self, epoch: int, ids: torch.Tensor) -> None:
+        """Add this rank's contributing sample ids of one step (local, no collective)."""
+        d = sample_digest(ids)
+        prev = self._pending.get(epoch)
+        self._pending[epoch] = normalize(d if prev is None else prev + d)
+
+    def sync(self, epoch: int) -> None:
+        """Sum every rank's pending share of ``epoch`` into its total (collective).
+
+        Every rank must call it at the same point with the same ``epoch``; ranks with
+        nothing pending contribute zeros.
+        """
+        from elastic_kit.distributed import all_reduce_sum
+
+        local = self._pending.pop(epoch, torch.zeros(3, dtype=torch.int64))
+        if self._pending:
+            raise AssertionError(f"unsynced audit for epochs {sorted(self._pending)}")
+        total = normalize(all_reduce_sum(local))
+        if epoch in self.epochs or bool(total.any()):
+            self.epoch(epoch).add(total)
+
+    def epoch(self, epoch: int) -> EpochAudit:
+        """The (created on demand) audit of ``epoch``."""
+        if epoch not in self.epochs:
+            self.epochs[epoch] = EpochAudit(epoch)
+        return self.epochs[epoch]
+
+    def state_dict(self) -> list[dict[str, Any]]:
+        # Only synced totals: the loop syncs right before it snapshots the state.
+        return [self.epochs[e].to_dict() for e in sorted(self.epochs)]
+
+    def load_state_dict(self, sd: list[dict[str, Any]]) -> None:
+        self.epochs = {int(d["epoch"]): EpochAudit.from_dict(d) for d in sd}
+        self._pending.clear()

@@ -1,0 +1,135 @@
+"""Options of the elastic loop and what its hooks receive."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from elastic_kit.loop.audit import EpochAudit
+from elastic_kit.loop.policy import BatchPolicy, make_policy
+
+__all__ = ["LoopConfig", "StepInfo", "EpochSummary"]
+
+
+@dataclass
+class LoopConfig:
+    """Options of :class:`ElasticLoop` (validated on construction).
+
+    Attributes:
+        epochs: train until this many epochs are complete.
+        global_batch_size: ``G`` for ``fixed_global``: samples per optimizer step over
+            all ranks; must be divisible by every world size the job runs at.
+        micro_batch_size: the most samples a rank feeds the model at once
+            (``fixed_global``); the per-worker batch for ``linear_lr``.
+        batch_policy: ``"fixed_global"`` (default), ``"linear_lr"`` or a
+            :class:`~elastic_kit.loop.BatchPolicy` instance.
+        max_steps: stop (after a checkpoint) once the global step reaches this.
+        checkpoint_every_steps: checkpoint every this many optimizer steps.
+        checkpoint_every_seconds: checkpoint when this long has passed since the last
+            one (rank 0's clock decides, so all ranks agree).
+        checkpoint_at_epoch_end: checkpoint after every epoch (after ``on_epoch_end``).
+        checkpoint_at_exit: checkpoint when ``max_steps`` ends the run.
+        blocking: make the periodic checkpoints synchronous (SIGTERM ones always are).
+        scheduler_interval: ``"epoch"`` (``scheduler.step()`` after every epoch) or
+            ``"step"`` (after every optimizer step).
+        clip_grad_norm: clip the gradient norm to this value before each step.
+        audit: ``"error"`` (log and raise :class:`~elastic_kit.SampleAuditError` when an
+            epoch missed or repeated a sample), ``"warn"`` (log only) or ``"off"``.
+        log_every: rank 0 logs step, epoch, loss, samples/s and ETA every this many
+            steps (0: never).
+        progress_bar: tqdm bar on rank 0; ``None``: when stderr is a terminal.
+        shuffle: / seed: passed to the sampler the loop creates.
+        num_workers, pin_memory, persistent_workers, prefetch_factor: DataLoader options.
+        collate_fn: collates a list of samples (default: torch's ``default_collate``).
+        sigterm_exit_code: exit status after the SIGTERM checkpoint (non-zero, so
+            torchrun restarts the group instead of reporting success).
+        handle_signals: install the SIGTERM handler (main thread only).
+    """
+
+    epochs: int = 1
+    global_batch_size: int | None = None
+    micro_batch_size: int = 32
+    batch_policy: str | BatchPolicy = "fixed_global"
+    max_steps: int | None = None
+    checkpoint_every_steps: int | None = None
+    checkpoint_every_seconds: float | None = None
+    checkpoint_at_epoch_end: bool = True
+    checkpoint_at_exit: bool = True
+    blocking: bool = False
+    scheduler_interval: str = "epoch"
+    clip_grad_norm: float | None = None
+    audit: str = "error"
+    log_every: int = 10
+    progress_bar: bool | None = None
+    shuffle: bool = True
+    seed: int = 0
+    num_workers: int = 0
+    pin_memory: bool = False
+    persistent_workers: bool = False
+    prefetch_factor: int | None = None
+    collate_fn: Callable[[list[Any]], Any] | None = None
+    sigterm_exit_code: int = 143
+    handle_signals: bool = True
+
+    def __post_init__(self) -> None:
+        def _check(name: str, ok: bool, expected: str) -> None:
+            if not ok:
+                raise ValueError(f"LoopConfig.{name}={getattr(self, name)!r}: expected {expected}")
+
+        _check("epochs", isinstance(self.epochs, int) and self.epochs >= 0, "an int >= 0")
+        _check("micro_batch_size", isinstance(self.micro_batch_size, int)
+               and self.micro_batch_size >= 1, "an int >= 1")
+        _check("max_steps", self.max_steps is None or self.max_steps >= 0, "None or >= 0")
+        _check("checkpoint_every_steps", self.checkpoint_every_steps is None
+               or self.checkpoint_every_steps >= 1, "None or an int >= 1")
+        _check("checkpoint_every_seconds", self.checkpoint_every_seconds is None
+               or self.checkpoint_every_seconds > 0, "None or > 0")
+        _check("scheduler_interval", self.scheduler_interval in ("epoch", "step"),
+               "'epoch' or 'step'")
+        _check("audit", self.audit in ("error", "warn", "off"), "'error', 'warn' or 'off'")
+        _check("log_every", isinstance(self.log_every, int) and self.log_every >= 0, "an int >= 0")
+        _check("sigterm_exit_code", 1 <= self.sigterm_exit_code <= 255, "an int in [1, 255]")
+        if not isinstance(self.batch_policy, BatchPolicy):
+            # Fails early with a BatchPolicyError naming the missing/invalid value.
+            make_policy(self.batch_policy, global_batch_size=self.global_batch_size,
+                        micro_batch_size=self.micro_batch_size)
+
+    def policy(self) -> BatchPolicy:
+        """The :class:`~elastic_kit.loop.BatchPolicy` these options describe."""
+        if isinstance(self.batch_policy, BatchPolicy):
+            return self.batch_policy
+        return make_policy(self.batch_policy, global_batch_size=self.global_batch_size,
+                           micro_batch_size=self.micro_batch_size)
+
+
+@dataclass
+class StepInfo:
+    """What ``on_step_end(state, info)`` receives after every optimizer step."""
+
+    step: int
+    epoch: int
+    loss: float
+    samples: int
+    samples_per_second: float
+    lr: float | None
+    world_size: int
+
+
+@dataclass
+class EpochSummary:
+    """What ``on_epoch_end(state, summary)`` receives (also in ``loop.summaries``).
+
+    ``steps``, ``samples``, ``seconds`` and ``samples_per_second`` cover the part of
+    the epoch this worker group trained (all of it unless the group restarted
+    mid-epoch); ``audit`` covers the whole epoch across restarts.
+    """
+
+    epoch: int
+    steps: int
+    samples: int
+    seconds: float
+    samples_per_second: float
+    loss: float
+    world_size: int
+    audit: EpochAudit

@@ -1,0 +1,222 @@
+"""TrainState: everything a restarted worker group needs to continue a run.
+
+A :class:`TrainState` references the live training objects (model, optimizer, LR
+scheduler, grad scaler, sampler) and owns the scalar progress (epoch, global step),
+the user's extras (``best_acc1`` ...), the per-restart :attr:`~TrainState.history`
+and the per-epoch :class:`~elastic_kit.loop.SampleAudit`. :meth:`TrainState.state_dict`
+turns all of it, RNG states included, into plain containers of tensors and numbers,
+which is what ``torch.load(weights_only=True)`` accepts; numpy's and Python's RNG
+states are converted to tensors on the way.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from elastic_kit.distributed import unwrap_model
+from elastic_kit.errors import CheckpointMismatchError
+from elastic_kit.loop.audit import SampleAudit
+from elastic_kit.loop.policy import rescale_lr
+
+__all__ = ["TrainState", "capture_rng_state", "restore_rng_state"]
+
+log = logging.getLogger(__name__)
+
+STATE_FORMAT = 1
+_PLAIN = (int, float, str, bool, type(None))
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """torch CPU, current CUDA device, numpy and Python ``random`` states as plain types."""
+    np_state = np.random.get_state()
+    py_version, py_internal, py_gauss = random.getstate()
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available()
+        and torch.cuda.is_initialized() else None,
+        "numpy": {
+            "name": str(np_state[0]),
+            "keys": torch.from_numpy(np.asarray(np_state[1], dtype=np.int64).copy()),
+            "pos": int(np_state[2]),
+            "has_gauss": int(np_state[3]),
+            "cached_gaussian": float(np_state[4]),
+        },
+        "python": {
+            "version": int(py_version),
+            "internal": torch.tensor(py_internal, dtype=torch.int64),
+            "gauss_next": py_gauss,
+        },
+    }
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    """Inverse of :func:`capture_rng_state`."""
+    torch.set_rng_state(state["torch"].to(torch.uint8).cpu())
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"].to(torch.uint8).cpu())
+    n = state["numpy"]
+    np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), int(n["pos"]),
+                         int(n["has_gauss"]), float(n["cached_gaussian"])))
+    p = state["python"]
+    random.setstate((int(p["version"]), tuple(int(x) for x in p["internal"].tolist()),
+                     p["gauss_next"]))
+
+
+def _check_plain(obj: Any, path: str) -> None:
+    # Exact types: numpy scalars subclass float/int but weights_only refuses them.
+    if type(obj) in _PLAIN or isinstance(obj, torch.Tensor):
+        return
+    if type(obj) is dict:
+        for k, v in obj.items():
+            if not isinstance(k, (str, int)):
+                raise TypeError(f"{path}: key {k!r} must be a str or int")
+            _check_plain(v, f"{path}[{k!r}]")
+        return
+    if type(obj) in (list, tuple):
+        for i, v in enumerate(obj):
+            _check_plain(v, f"{path}[{i}]")
+        return
+    raise TypeError(
+        f"{path} is a {type(obj).__name__}; checkpoints hold only dicts, lists, tuples, "
+        f"tensors, ints, floats, str, bool and None (torch.load(weights_only=True))")
+
+
+class TrainState:
+    """The resumable state of a training run.
+
+    Args:
+        model: the (DDP-wrapped or plain) model; saved unwrapped, so a checkpoint
+            loads with or without DDP.
+        optimizer: its optimizer.
+        scheduler: an LR scheduler (anything with ``state_dict``/``load_state_dict``).
+        scaler: a ``torch.amp.GradScaler``.
+        sampler: the :class:`~elastic_kit.ElasticDistributedSampler` (the loop
+            creates one when left ``None``).
+        extras: user values to keep across restarts (``{"best_acc1": 0.0}``); plain
+            types only.
+
+    Attributes:
+        epoch: the epoch in progress (or next to start).
+        step: global optimizer step count.
+        extras: the user's dict.
+        history: one entry per (re)start of the worker group: ``{"world_size",
+            "step", "restart", "restored_step"}``.
+        audit: the :class:`~elastic_kit.loop.SampleAudit`; ``audit.epochs[e]`` is the
+            :class:`~elastic_kit.loop.EpochAudit` of epoch ``e``.
+        initial_world_size: the world size the run started with (``W0`` of
+            ``linear_lr``).
+        lr_scale: the learning-rate factor currently baked into the optimizer and
+            scheduler state.
+
+    Example::
+
+        state = TrainState(model, optimizer, scheduler=sched, extras={"best_acc1": 0.0})
+        torch.save(state.state_dict(), "ckpt.pt")
+        state.load_state_dict(torch.load("ckpt.pt", weights_only=True))
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+                 scheduler: Any = None, scaler: Any = None, sampler: Any = None,
+                 extras: dict[str, Any] | None = None) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.scaler = scaler
+        self.sampler = sampler
+        self.epoch = 0
+        self.step = 0
+        self.extras: dict[str, Any] = dict(extras or {})
+        self.history: list[dict[str, Any]] = []
+        self.audit = SampleAudit()
+        self.initial_world_size: int | None = None
+        self.lr_scale = 1.0
+
+    @property
+    def global_step(self) -> int:
+        """Alias of :attr:`step`."""
+        return self.step
+
+    def state_dict(self, *, rng: bool = True) -> dict[str, Any]:
+        """Plain containers of tensors and numbers; see the module docstring.
+
+        The tensors are the live ones (parameters, optimizer moments): copy them
+        before the next step if the result is kept (the checkpoint store stages them).
+        """
+        _check_plain(self.extras, "extras")
+        sd: dict[str, Any] = {
+            "format": STATE_FORMAT,
+            "model": unwrap_model(self.model).state_dict(),
+            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            "sampler": self.sampler.state_dict() if self.sampler is not None else None,
+            "epoch": int(self.epoch),
+            "step": int(self.step),
+            "extras": dict(self.extras),
+            "history": [dict(h) for h in self.history],
+            "audit": self.audit.state_dict(),
+            "initial_world_size": self.initial_world_size,
+            "lr_scale": float(self.lr_scale),
+            "rng": capture_rng_state() if rng else None,
+        }
+        return sd
+
+    def load_state_dict(self, sd: dict[str, Any], *, restore_rng: bool = True) -> None:
+        """Load what :meth:`state_dict` produced (possibly from another world size).
+
+        Raises:
+            CheckpointMismatchError: the checkpoint is of another model (missing or
+                unexpected keys, other shapes) or another dataset length.
+        """
+        if not isinstance(sd, dict) or "model" not in sd:
+            raise CheckpointMismatchError(
+                f"not a TrainState checkpoint: expected a dict with 'model', 'step', ... "
+                f"got {type(sd).__name__} with keys {sorted(sd)[:8] if isinstance(sd, dict) else ''}")
+        try:
+            unwrap_model(self.model).load_state_dict(sd["model"])
+        except RuntimeError as e:
+            raise CheckpointMismatchError(f"checkpoint does not fit the model: {e}") from e
+        for name in ("optimizer", "scheduler", "scaler"):
+            obj, part = getattr(self, name), sd.get(name)
+            if obj is not None and part is not None:
+                try:
+                    obj.load_state_dict(part)
+                except (ValueError, KeyError, RuntimeError) as e:
+                    raise CheckpointMismatchError(
+                        f"checkpoint {name} state does not fit the {name}: {e}") from e
+            elif obj is not None and part is None:
+                log.warning("checkpoint has no %s state; keeping the fresh %s", name, name)
+        if self.sampler is not None and sd.get("sampler") is not None:
+            try:
+                self.sampler.load_state_dict(sd["sampler"])
+            except ValueError as e:
+                if isinstance(e, CheckpointMismatchError):
+                    raise
+                raise CheckpointMismatchError(str(e)) from e
+        self.epoch = int(sd["epoch"])
+        self.step = int(sd["step"])
+        self.extras.update(sd.get("extras") or {})
+        self.history = [dict(h) for h in sd.get("history") or []]
+        self.audit.load_state_dict(sd.get("audit") or [])
+        self.initial_world_size = sd.get("initial_world_size")
+        self.lr_scale = float(sd.get("lr_scale", 1.0))
+        if restore_rng and sd.get("rng") is not None:
+            restore_rng_state(sd["rng"])
+
+    def apply_lr_scale(self, scale: float) -> None:
+        """Make the optimizer's (and scheduler's) learning rates ``base * scale``.
+
+        Multiplies by ``scale / lr_scale``: the restored optimizer state already
+        carries :attr:`lr_scale`, so calling this after every restart never compounds.
+        """
+        if self.optimizer is None or scale == self.lr_scale:
+            self.lr_scale = float(scale)
+            return
+        rescale_lr(self.optimizer, self.scheduler, scale / self.lr_scale)
+        self.lr_scale = float(scale)

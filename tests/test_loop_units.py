@@ -1,0 +1,182 @@
+"""Batch policies, seeded augmentation, loop options, and the loop at world size 1."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+from elastic_kit.errors import BatchPolicyError
+from elastic_kit.loop import (ElasticLoop, FixedGlobalBatch, LinearLRScaling, LoopConfig,
+                              SeededDataset, TerminationFlag, TrainState)
+
+
+def test_global_batch_not_divisible_by_world_size_names_the_valid_sizes() -> None:
+    with pytest.raises(BatchPolicyError) as e:
+        FixedGlobalBatch(12, 4).plan(5, 5)
+    msg = str(e.value)
+    assert "global_batch_size=12" in msg and "world size 5" in msg
+    assert "[1, 2, 3, 4, 6, 12]" in msg
+    assert isinstance(e.value, ValueError)
+
+
+def test_fixed_global_plan_accumulates_micro_batches() -> None:
+    plan = FixedGlobalBatch(24, 5).plan(2, 4)
+    assert (plan.per_rank, plan.micro_batch, plan.accumulation_steps, plan.lr_scale) == (
+        12, 5, 3, 1.0)
+
+
+def test_linear_lr_plan_scales_with_world_size() -> None:
+    plan = LinearLRScaling(8).plan(6, 4)
+    assert (plan.global_batch, plan.per_rank, plan.lr_scale) == (48, 8, 1.5)
+
+
+def test_loop_config_errors_name_the_field() -> None:
+    with pytest.raises(ValueError, match="scheduler_interval='batch'"):
+        LoopConfig(global_batch_size=8, scheduler_interval="batch")
+    with pytest.raises(BatchPolicyError, match="global_batch_size"):
+        LoopConfig(global_batch_size=None)
+    with pytest.raises(BatchPolicyError, match="'adaptive'"):
+        LoopConfig(global_batch_size=8, batch_policy="adaptive")
+
+
+class _Noisy(Dataset):
+    """Returns random numbers from every global RNG: an "augmentation"."""
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor([float(i), random.random(), float(np.random.rand()),
+                             float(torch.rand(()))])
+
+
+def _collect(ds: SeededDataset, keys: list, workers: int) -> torch.Tensor:
+    loader = DataLoader(ds, batch_size=3, sampler=keys, num_workers=workers)
+    return torch.cat(list(loader))
+
+
+def test_seeded_augmentation_is_independent_of_worker_count() -> None:
+    ds = SeededDataset(_Noisy(), seed=7)
+    keys = [(e, i) for e in (0, 1) for i in range(16)]
+    a = _collect(ds, keys, 0)
+    b = _collect(ds, keys, 2)
+    c = _collect(ds, list(reversed(keys)), 1).flip(0)
+    assert torch.equal(a, b) and torch.equal(a, c)
+    assert not torch.equal(a[:16, 1:], a[16:, 1:])  # epochs differ
+    assert len(set(a[:16, 1].tolist())) == 16  # samples differ
+    # the caller's RNG streams are untouched
+    random.seed(1)
+    torch.manual_seed(1)
+    expect = (random.random(), torch.rand(()))
+    random.seed(1)
+    torch.manual_seed(1)
+    ds[(0, 3)]
+    assert (random.random(), torch.rand(())) == expect
+    ds.set_epoch(1)
+    assert torch.equal(ds[3], a[16 + 3])
+    assert SeededDataset(_Noisy(), seed=7, return_index=True)[(0, 3)][0] == 3
+
+
+def test_termination_flag_is_set_by_sigterm_and_restores_handler() -> None:
+    before = signal.getsignal(signal.SIGTERM)
+    with TerminationFlag() as flag:
+        assert not flag.is_set()
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert flag.is_set() and flag.received == signal.SIGTERM
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+class _Augmented(Dataset):
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(30, 4, generator=g)
+        self.y = (self.x[:, 0] > 0).long()
+
+    def __len__(self) -> int:
+        return 30
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[i] + 0.1 * torch.randn(4), self.y[i]
+
+
+def _run_w1(workers: int, **cfg: object) -> tuple[TrainState, ElasticLoop]:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    crit = nn.CrossEntropyLoss(reduction="none")
+    state = TrainState(model, opt)
+    options = dict(epochs=2, global_batch_size=8, micro_batch_size=3, log_every=0,
+                   progress_bar=False, num_workers=workers)
+    options.update(cfg)
+    loop = ElasticLoop(state, SeededDataset(_Augmented(), seed=1),
+                       loss_fn=lambda m, b: crit(m(b[0]), b[1]), config=LoopConfig(**options))
+    loop.run()
+    return state, loop
+
+
+def test_loop_without_store_or_torchrun_trains_and_audits_with_workers() -> None:
+    a, loop = _run_w1(0)
+    b, _ = _run_w1(2)
+    assert torch.equal(a.model.weight, b.model.weight)  # same augmentation in workers
+    assert a.step == 2 * 4 and a.epoch == 2  # 30 samples / 8: 4 steps, the last partial
+    assert [s.samples for s in loop.summaries] == [30, 30]
+    assert all(x.ok for x in a.audit.epochs.values())
+    assert a.history == [{"world_size": 1, "step": 0, "restart": 0, "restored_step": None}]
+
+
+def test_max_steps_stops_mid_epoch() -> None:
+    st, _ = _run_w1(0, max_steps=3)
+    assert st.step == 3 and st.epoch == 0 and st.sampler.consumed == 24
+
+
+def test_loss_fn_must_return_per_sample_losses() -> None:
+    model = nn.Linear(2, 1)
+    state = TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    ds = TensorDataset(torch.randn(8, 2))
+    loop = ElasticLoop(state, ds, loss_fn=lambda m, b: m(b[0]).mean(),
+                       config=LoopConfig(global_batch_size=4, progress_bar=False))
+    with pytest.raises(ValueError, match="one loss per sample"):
+        loop.run()
+
+
+def test_linear_lr_policy_rescales_lr_on_resume_without_compounding(
+        tmp_path: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Life 1 at (faked) W0=2, then two lives at W=1: lr = base / 2 both times."""
+    from elastic_kit.checkpoint import CheckpointStore
+    from elastic_kit.distributed import DistInfo
+    from elastic_kit.loop import trainer
+
+    def life(world: int, max_steps: int) -> tuple[float, TrainState]:
+        if world != 1:
+            # Pretend to be rank 0 of `world` (only this rank's share is trained).
+            monkeypatch.setattr(trainer, "init_distributed",
+                                lambda: DistInfo(rank=0, world_size=world))
+        else:
+            monkeypatch.undo()
+        torch.manual_seed(0)
+        model = nn.Linear(4, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.4)
+        crit = nn.CrossEntropyLoss(reduction="none")
+        state = TrainState(model, opt)
+        loop = ElasticLoop(state, _Augmented(), loss_fn=lambda m, b: crit(m(b[0]), b[1]),
+                           store=CheckpointStore(str(tmp_path)),
+                           config=LoopConfig(batch_policy="linear_lr", micro_batch_size=4,
+                                             max_steps=max_steps, epochs=5, audit="off",
+                                             log_every=0, progress_bar=False))
+        loop.run()
+        return opt.param_groups[0]["lr"], state
+
+    lr, st = life(2, 1)
+    assert lr == pytest.approx(0.4) and st.initial_world_size == 2
+    lr, st = life(1, 2)
+    assert lr == pytest.approx(0.2) and st.lr_scale == 0.5
+    lr, st = life(1, 3)
+    assert lr == pytest.approx(0.2) and st.step == 3
+    assert [h["world_size"] for h in st.history] == [2, 1, 1]
