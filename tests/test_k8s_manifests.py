@@ -1,0 +1,133 @@
+"""The Kubernetes manifests, the Dockerfile and the documented launch commands of the
+ImageNet example only use torchrun options and script flags that really exist.
+
+Each command is split the way torchrun splits it (torch's own argument parser), then
+the script's part is parsed by ``build_parser()`` from examples/imagenet/main.py, so
+renaming a flag in main.py without updating the manifests fails here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shlex
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+yaml = pytest.importorskip("yaml")
+pytest.importorskip("torchvision")
+
+from torch.distributed.run import get_args_parser  # noqa: E402
+
+from test_example import load_main  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "imagenet"
+SCRIPT = "examples/imagenet/main.py"
+
+
+class _ParseError(Exception):
+    pass
+
+
+def strict_parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """parse_args that raises (instead of exiting) on any unknown flag or bad value."""
+
+    def error(message: str) -> None:
+        raise _ParseError(f"{parser.prog}: {message} in {argv}")
+
+    parser.error = error  # type: ignore[method-assign]
+    return parser.parse_args(argv)
+
+
+def split_launch(argv: list[str]) -> tuple[argparse.Namespace, argparse.Namespace]:
+    """(torchrun options, script options) of ``torchrun ... main.py ...``."""
+    assert argv[0] in ("torchrun", "python"), argv
+    rest = argv[1:] if argv[0] == "torchrun" else argv[3:]  # python -m torch.distributed.run
+    tr = strict_parse(get_args_parser(), rest)
+    assert tr.training_script == SCRIPT, f"launches {tr.training_script}, not {SCRIPT}"
+    return tr, strict_parse(load_main().build_parser(), tr.training_script_args)
+
+
+def pytorchjobs() -> list[tuple[Path, dict[str, Any]]]:
+    jobs = []
+    for path in sorted((EXAMPLE / "k8s").glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc and doc.get("kind") == "PyTorchJob":
+                jobs.append((path, doc))
+    return jobs
+
+
+def test_there_is_a_c10d_and_an_etcd_elastic_pytorchjob() -> None:
+    backends = {doc["spec"]["elasticPolicy"]["rdzvBackend"] for _, doc in pytorchjobs()}
+    assert "c10d" in backends and backends & {"etcd", "etcd-v2"}
+
+
+@pytest.mark.parametrize("path,job", pytorchjobs(), ids=lambda v: getattr(v, "name", ""))
+def test_pytorchjob_is_elastic_and_its_command_matches_the_script(
+        path: Path, job: dict[str, Any]) -> None:
+    assert job["apiVersion"] == "kubeflow.org/v1"
+    policy = job["spec"]["elasticPolicy"]
+    worker = job["spec"]["pytorchReplicaSpecs"]["Worker"]
+    lo, hi = policy["minReplicas"], policy["maxReplicas"]
+    assert 1 <= lo <= worker["replicas"] <= hi and lo < hi, "not elastic"
+    assert policy["maxRestarts"] >= 1
+    if policy["rdzvBackend"] != "c10d":
+        assert policy["rdzvHost"] and int(policy["rdzvPort"]) > 0
+    (container,) = worker["template"]["spec"]["containers"]
+    env = {e["name"]: e for e in container.get("env", [])}
+    assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"]["value"] == "1"  # scale-up needs it
+    tr, args = split_launch([str(a) for a in container["command"]])
+    assert args.checkpoint_dir.startswith("s3://"), "pods need shared object storage"
+    nproc = int(policy.get("nProcPerNode", tr.nproc_per_node))
+    if args.batch_policy == "fixed_global":
+        bad = [w for w in range(lo * nproc, hi * nproc + 1) if args.global_batch_size % w]
+        assert not bad, f"--global-batch-size={args.global_batch_size} fails at world sizes {bad}"
+
+
+def _dockerfile_instruction(text: str, name: str) -> list[str]:
+    (line,) = [ln for ln in text.splitlines() if ln.startswith(name + " ")]
+    return json.loads(line[len(name) + 1:])
+
+
+def test_dockerfile_runs_torchrun_on_the_script_with_valid_flags() -> None:
+    text = (EXAMPLE / "Dockerfile").read_text()
+    assert _dockerfile_instruction(text, "ENTRYPOINT") == ["torchrun"]
+    tr, args = split_launch(["torchrun"] + _dockerfile_instruction(text, "CMD"))
+    assert tr.max_restarts >= 1 and args.arch == "tinycnn"
+    for line in text.splitlines():  # every COPY source exists in the repository
+        if line.startswith("COPY "):
+            for src in line.split()[1:-1]:
+                assert (ROOT / src).exists(), f"Dockerfile copies missing {src}"
+
+
+def _documented_commands(text: str) -> list[list[str]]:
+    """Every ``torchrun ...`` command in a docstring or markdown (with \\ continuations)."""
+    joined = re.sub(r"\\\\?\n\s*", " ", text)  # main.py's docstring has "\\\n"
+    cmds = []
+    for line in joined.splitlines():
+        if "torchrun " in line and SCRIPT in line:
+            words = shlex.split(line[line.index("torchrun "):])
+            cmds.append(words)
+    return cmds
+
+
+@pytest.mark.parametrize("doc", ["main.py", "README.md"])
+def test_documented_torchrun_commands_parse(doc: str) -> None:
+    cmds = _documented_commands((EXAMPLE / doc).read_text())
+    assert len(cmds) >= 4, f"{doc}: expected single-node, fault-tolerant, elastic and etcd commands"
+    seen = set()
+    for cmd in cmds:
+        tr, _ = split_launch(cmd)
+        seen.add((tr.nnodes, tr.rdzv_backend))
+    assert ("1:4", "etcd-v2") in seen and any(n == "2" for n, _ in seen)
+
+
+def test_a_renamed_flag_is_caught() -> None:
+    with pytest.raises(_ParseError, match="--checkpoint-directory"):
+        split_launch(["torchrun", "--nproc-per-node=1", SCRIPT, "--checkpoint-directory=x", "d"])
+    with pytest.raises(_ParseError):
+        split_launch(["torchrun", "--nprocs-per-node=1", SCRIPT, "d"])
