@@ -1,0 +1,650 @@
+"""Several torchrun agents on one machine, each one "node": for tests, demos, benchmarks.
+
+A real elastic job is one ``torchrun`` agent per host, all pointing at the same
+rendezvous. :class:`LocalCluster` starts such agents on ``127.0.0.1`` so that failures,
+preemptions, scale-down and scale-up can be produced on purpose and observed:
+
+- :meth:`LocalCluster.add_agent` starts one more agent (a node joins);
+- :meth:`LocalCluster.kill_agent` SIGKILLs an agent *and every process below it* (a
+  node is lost). torchrun starts its workers in their own sessions, so killing the
+  agent's process group would leave the workers running: the tree is walked with
+  psutil *before* anything is killed, because an orphan is re-parented and cannot be
+  found from the agent afterwards;
+- :meth:`LocalCluster.terminate_agent` sends SIGTERM to the agent only, which torchrun
+  forwards to its workers (a preemption notice);
+- :meth:`LocalCluster.close` kills whatever is still alive. Every process a cluster
+  starts carries a private marker in its environment, so even a worker orphaned by an
+  agent that died on its own is found and stopped.
+
+:class:`EtcdServer` runs a throw-away ``etcd`` (v2 API enabled) on free loopback
+ports for the ``etcd-v2`` rendezvous backend, where unlike c10d any agent may die.
+
+:func:`wait_for` polls a condition with a bounded timeout, so a test can act "after
+step N" on an observable event (a checkpoint manifest appearing, a log line) instead
+of sleeping.
+
+Example::
+
+    with LocalCluster(["train.py", "--epochs", "2"], nnodes="1:3",
+                      log_dir=tmp_path / "logs") as cluster:
+        for _ in range(3):
+            cluster.add_agent()
+        wait_for(lambda: any(tmp_path.glob("ckpt/step-*/manifest.json")), 120)
+        cluster.kill_agent(cluster.agents[2])      # a non-host agent: c10d survives
+        assert cluster.wait(300)[:2] == [0, 0]
+
+.. warning::
+    With ``rdzv_backend="c10d"`` the first agent hosts the rendezvous store; if it
+    dies every agent fails. Kill only later agents there, or use :class:`EtcdServer`
+    with ``rdzv_backend="etcd-v2"``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType, TracebackType
+from typing import IO, Any, Callable, Mapping, Sequence
+
+__all__ = ["Agent", "LocalCluster", "EtcdServer", "wait_for", "free_port", "kill_process_tree"]
+
+log = logging.getLogger(__name__)
+
+#: Environment variable carrying a cluster's private marker into every process it starts.
+MARKER_ENV = "ELASTIC_KIT_LOCAL_CLUSTER_ID"
+
+
+def _psutil() -> ModuleType:
+    """psutil, imported only when processes are actually walked (it is a test extra)."""
+    try:
+        import psutil
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            "elastic_kit.local_cluster needs psutil to find and stop process trees; "
+            "install it with `pip install psutil` or `pip install elastic_kit[test]`"
+        ) from e
+    return psutil
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _port_open(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+def wait_for(
+    predicate: Callable[[], Any],
+    timeout: float,
+    *,
+    interval: float = 0.1,
+    what: str = "condition",
+    abort_if: Callable[[], Any] | None = None,
+) -> Any:
+    """Poll ``predicate`` until it returns something truthy, and return that value.
+
+    Args:
+        predicate: the condition; exceptions it raises propagate.
+        timeout: seconds before giving up with :class:`TimeoutError`.
+        interval: seconds between polls.
+        what: a description for the error message.
+        abort_if: checked after each failed poll; when truthy, give up at once with
+            :class:`RuntimeError` (e.g. "every agent has exited", so a test does not sit
+            out the whole timeout waiting for a file that will never appear).
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if abort_if is not None and abort_if():
+            value = predicate()  # the event may have landed just before the abort
+            if value:
+                return value
+            raise RuntimeError(f"gave up waiting for {what}: abort condition met")
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(interval)
+
+
+def _descendants(pid: int) -> list[Any]:
+    psutil = _psutil()
+    try:
+        return list(psutil.Process(pid).children(recursive=True))
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _parent_pid(proc: Any) -> int | None:
+    try:
+        return int(proc.ppid())
+    except Exception:  # gone already: nothing to reap
+        return None
+
+
+def kill_process_tree(pid: int, sig: int = signal.SIGKILL, *, timeout: float = 10.0) -> list[int]:
+    """Send ``sig`` to ``pid`` and to every descendant, found *before* signalling.
+
+    Descendants are collected first because once their parent dies they are
+    re-parented and no longer reachable from ``pid``. Returns the pids signalled.
+    With SIGKILL, waits (up to ``timeout``) until they are all gone, except the
+    caller's own children, which the caller reaps (``Popen.wait``) to keep their status.
+    """
+    psutil = _psutil()
+    try:
+        root = psutil.Process(pid)
+    except psutil.NoSuchProcess:
+        return []
+    procs = [root, *_descendants(pid)]
+    for p in procs:
+        try:
+            p.send_signal(sig)
+        except psutil.NoSuchProcess:
+            pass
+    if sig == signal.SIGKILL:
+        # Never reap our own children here: their Popen object must collect the exit
+        # status (psutil's wait would take it and Popen would then report 0).
+        others = [p for p in procs if _parent_pid(p) != os.getpid()]
+        _, alive = psutil.wait_procs(others, timeout=timeout)
+        if alive:
+            log.warning("processes still alive after SIGKILL: %s", [p.pid for p in alive])
+    return [p.pid for p in procs]
+
+
+@dataclass
+class Agent:
+    """One torchrun agent (one "node") of a :class:`LocalCluster`.
+
+    Attributes:
+        index: position in :attr:`LocalCluster.agents` (0 is the first started).
+        proc: the agent process.
+        log_path: the file holding the agent's and its workers' stdout and stderr.
+    """
+
+    index: int
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    _log_file: IO[bytes] | None = field(default=None, repr=False)
+
+    @property
+    def pid(self) -> int:
+        """The agent's process id."""
+        return self.proc.pid
+
+    @property
+    def alive(self) -> bool:
+        """True while the agent process has not exited."""
+        return self.proc.poll() is None
+
+    @property
+    def returncode(self) -> int | None:
+        """The agent's exit status (negative: killed by that signal), None while running."""
+        return self.proc.poll()
+
+    def read_log(self) -> str:
+        """Everything the agent and its workers have written so far."""
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def worker_pids(self) -> list[int]:
+        """Pids of the agent's live descendants that run the training script.
+
+        torchrun's workers are its direct children (in their own sessions); helper
+        processes such as data-loader workers are below them.
+        """
+        psutil = _psutil()
+        try:
+            return [c.pid for c in psutil.Process(self.pid).children(recursive=False)]
+        except psutil.NoSuchProcess:
+            return []
+
+
+class LocalCluster:
+    """Start, kill and preempt torchrun agents on 127.0.0.1 that form one elastic job.
+
+    Args:
+        script_and_args: the training script and its arguments, as after ``torchrun``'s
+            own options. A leading ``"-m"`` runs a module (``["-m", "pkg.train", ...]``).
+        nnodes: torchrun's ``--nnodes`` (``"MIN:MAX"`` for an elastic job).
+        nproc_per_node: workers per agent.
+        rdzv_backend: ``"c10d"`` or ``"etcd-v2"`` (then give the etcd endpoint).
+        rdzv_endpoint: ``HOST:PORT``; a free port on 127.0.0.1 when None.
+        rdzv_id: the job id; a fresh uuid when None (a finished run closes its
+            rendezvous, so ids must not be reused).
+        max_restarts: torchrun's ``--max-restarts`` (failures and scale-downs count).
+        rdzv_conf: torchrun's ``--rdzv-conf``; the default keeps re-rendezvous at ~2 s
+            instead of the 30 s default last call.
+        env: extra environment for every agent (and so every worker).
+        log_dir: where ``agent-<index>.log`` files go (created if missing).
+        monitor_interval: how often agents poll their workers, in seconds.
+        python: the interpreter that runs ``torch.distributed.run``.
+    """
+
+    def __init__(
+        self,
+        script_and_args: Sequence[str],
+        *,
+        nnodes: str = "1:3",
+        nproc_per_node: int = 1,
+        rdzv_backend: str = "c10d",
+        rdzv_endpoint: str | None = None,
+        rdzv_id: str | None = None,
+        max_restarts: int = 3,
+        rdzv_conf: str = "last_call_timeout=1,join_timeout=60",
+        env: Mapping[str, str] | None = None,
+        log_dir: str | Path,
+        monitor_interval: float = 0.5,
+        python: str = sys.executable,
+    ) -> None:
+        if not script_and_args:
+            raise ValueError("script_and_args is empty: give the training script to run")
+        if nproc_per_node < 1:
+            raise ValueError(f"nproc_per_node={nproc_per_node} must be >= 1")
+        if max_restarts < 0:
+            raise ValueError(f"max_restarts={max_restarts} must be >= 0")
+        if rdzv_backend != "c10d" and rdzv_endpoint is None:
+            raise ValueError(
+                f"rdzv_backend={rdzv_backend!r} needs rdzv_endpoint (e.g. EtcdServer().endpoint)"
+            )
+        self.script_and_args = list(script_and_args)
+        self.nnodes = nnodes
+        self.nproc_per_node = nproc_per_node
+        self.rdzv_backend = rdzv_backend
+        self.rdzv_endpoint = rdzv_endpoint or f"127.0.0.1:{free_port()}"
+        self.rdzv_id = rdzv_id or uuid.uuid4().hex
+        self.max_restarts = max_restarts
+        self.rdzv_conf = rdzv_conf
+        self.env = dict(env or {})
+        self.log_dir = Path(log_dir)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.monitor_interval = monitor_interval
+        self.python = python
+        self.agents: list[Agent] = []
+        self.marker = f"{self.rdzv_id}-{uuid.uuid4().hex[:8]}"
+        self._closed = False
+
+    # -- building the command ---------------------------------------------------------
+
+    def command(self) -> list[str]:
+        """The argv of one agent (the same for every agent)."""
+        script = list(self.script_and_args)
+        if script[0] == "-m":
+            script = ["--module", *script[1:]]
+        return [
+            self.python, "-m", "torch.distributed.run",
+            f"--nnodes={self.nnodes}",
+            f"--nproc-per-node={self.nproc_per_node}",
+            f"--rdzv-backend={self.rdzv_backend}",
+            f"--rdzv-endpoint={self.rdzv_endpoint}",
+            f"--rdzv-id={self.rdzv_id}",
+            f"--rdzv-conf={self.rdzv_conf}",
+            f"--max-restarts={self.max_restarts}",
+            f"--monitor-interval={self.monitor_interval}",
+            *script,
+        ]
+
+    def _agent_env(self, extra: Mapping[str, str] | None) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(self.env)
+        env.update(extra or {})
+        # Without it, scale-up hangs on these torch versions (the joining round waits
+        # forever for role_info keys); see TORCHRUN_NOTES.md.
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        # torchrun's own logger (rendezvous rounds, restarts, world sizes) is silent
+        # below WARNING by default; those lines are what a failing test needs to show.
+        env.setdefault("LOGLEVEL", "INFO")
+        env[MARKER_ENV] = self.marker
+        return env
+
+    # -- lifecycle --------------------------------------------------------------------
+
+    def add_agent(self, *, env: Mapping[str, str] | None = None,
+                  host_timeout: float | None = 60.0) -> Agent:
+        """Start one more torchrun agent: one more node asks to join the job.
+
+        With c10d, the first agent must own the rendezvous store (the notes say the
+        job dies with it, so tests must know which agent it is): this waits until the
+        first agent listens on the endpoint port before a second one may race it.
+
+        Args:
+            env: environment for this agent only (e.g. its node-local checkpoint dir).
+            host_timeout: seconds to wait for the first c10d agent's store to listen;
+                None to start at once.
+        """
+        if self._closed:
+            raise RuntimeError("LocalCluster is closed; create a new one")
+        if self.rdzv_backend == "c10d" and self.agents and host_timeout is not None:
+            self.wait_for_store(host_timeout)
+        index = len(self.agents)
+        log_path = self.log_dir / f"agent-{index}.log"
+        log_file = open(log_path, "ab")  # noqa: SIM115 - closed in close()
+        log_file.write(f"### {' '.join(self.command())}\n".encode())
+        log_file.flush()
+        proc = subprocess.Popen(
+            self.command(),
+            stdin=subprocess.DEVNULL,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env=self._agent_env(env),
+            start_new_session=True,  # a Ctrl-C in the test runner must not hit agents twice
+        )
+        agent = Agent(index=index, proc=proc, log_path=log_path, _log_file=log_file)
+        self.agents.append(agent)
+        log.info("started agent %d (pid %d), log %s", index, proc.pid, log_path)
+        return agent
+
+    def wait_for_store(self, timeout: float = 60.0) -> None:
+        """Wait until the c10d rendezvous endpoint accepts connections."""
+        host, _, port = self.rdzv_endpoint.rpartition(":")
+        first = self.agents[0] if self.agents else None
+        wait_for(
+            lambda: _port_open(host, int(port)),
+            timeout,
+            what=f"the c10d store on {self.rdzv_endpoint}",
+            abort_if=(lambda: not first.alive) if first is not None else None,
+        )
+
+    def kill_agent(self, agent: Agent, sig: int = signal.SIGKILL) -> list[int]:
+        """Stop ``agent`` and every process below it with ``sig``: the node is lost.
+
+        Returns the pids that were signalled (the agent first).
+        """
+        log.info("killing agent %d (pid %d) and its descendants with %s",
+                 agent.index, agent.pid, signal.Signals(sig).name)
+        pids = kill_process_tree(agent.pid, sig)
+        if sig == signal.SIGKILL:
+            agent.proc.wait(timeout=10)
+        return pids
+
+    def kill_worker(self, agent: Agent, local_rank: int = 0, sig: int = signal.SIGKILL) -> int:
+        """Kill one worker of ``agent`` (and its own children), leaving the agent alive.
+
+        The agent notices at its next monitor tick and restarts the worker group.
+        Returns the worker's pid.
+        """
+        pids = sorted(agent.worker_pids())
+        if local_rank >= len(pids):
+            raise RuntimeError(
+                f"agent {agent.index} has {len(pids)} live workers; no local_rank={local_rank}"
+            )
+        # Children are started in local-rank order, so pid order is rank order except
+        # after pid wrap-around; the LOCAL_RANK in the environment is authoritative.
+        psutil = _psutil()
+        pid = pids[local_rank]
+        for candidate in pids:
+            try:
+                if psutil.Process(candidate).environ().get("LOCAL_RANK") == str(local_rank):
+                    pid = candidate
+                    break
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+        log.info("killing worker pid %d (local rank %d) of agent %d", pid, local_rank, agent.index)
+        kill_process_tree(pid, sig)
+        return pid
+
+    def pause_workers(self) -> list[int]:
+        """SIGSTOP every worker (and its children) of every live agent; return their pids.
+
+        Lets a test hold training still while a new agent starts (several seconds of
+        Python and torch imports), so that "add a node while training" does not depend
+        on how fast the machine is. The agents keep running, so they still see the new
+        node and restart the group; resume the workers before that happens (a stopped
+        worker cannot act on torchrun's SIGTERM). Pass the result to :meth:`resume_workers`.
+        """
+        pids: list[int] = []
+        for agent in self.alive_agents():
+            for p in _descendants(agent.pid):
+                try:
+                    p.suspend()
+                    pids.append(p.pid)
+                except _psutil().NoSuchProcess:
+                    pass
+        log.info("paused %d worker processes", len(pids))
+        return pids
+
+    def resume_workers(self, pids: Sequence[int]) -> None:
+        """SIGCONT the processes :meth:`pause_workers` stopped (those still alive)."""
+        psutil = _psutil()
+        for pid in pids:
+            try:
+                psutil.Process(pid).resume()
+            except psutil.NoSuchProcess:
+                pass
+
+    def add_agent_while_paused(self, *, env: Mapping[str, str] | None = None,
+                               timeout: float = 120.0) -> Agent:
+        """Add an agent with training held still until the agent asks to join.
+
+        Workers are paused, the agent is started, and the workers resume once its log
+        shows it entering the rendezvous (torchrun logs at INFO, which this cluster
+        enables), so the running group is still mid-training when the node joins.
+        """
+        paused = self.pause_workers()
+        try:
+            agent = self.add_agent(env=env)
+            wait_for(lambda: "Rendezvous'ing worker group" in agent.read_log(), timeout,
+                     interval=0.05, what=f"agent {agent.index} to enter the rendezvous",
+                     abort_if=lambda: not agent.alive)
+        finally:
+            self.resume_workers(paused)
+        return agent
+
+    def terminate_agent(self, agent: Agent) -> None:
+        """SIGTERM to the agent only: a preemption notice that torchrun forwards to workers."""
+        log.info("sending SIGTERM to agent %d (pid %d)", agent.index, agent.pid)
+        if agent.alive:
+            agent.proc.send_signal(signal.SIGTERM)
+
+    def wait(self, timeout: float) -> list[int | None]:
+        """Wait up to ``timeout`` s for every agent to exit; their exit codes.
+
+        An agent still running at the deadline is reported as None (it is not killed:
+        :meth:`close` does that).
+        """
+        deadline = time.monotonic() + timeout
+        for agent in self.agents:
+            remaining = max(deadline - time.monotonic(), 0.0)
+            try:
+                agent.proc.wait(timeout=remaining)
+            except subprocess.TimeoutExpired:
+                pass
+        return [a.returncode for a in self.agents]
+
+    def alive_agents(self) -> list[Agent]:
+        """The agents that have not exited."""
+        return [a for a in self.agents if a.alive]
+
+    def all_exited(self) -> bool:
+        """True when every started agent has exited (an ``abort_if`` for :func:`wait_for`)."""
+        return bool(self.agents) and not self.alive_agents()
+
+    def logs(self) -> str:
+        """All agents' logs, each under a header; for assertion messages."""
+        return "\n".join(f"===== agent {a.index} (rc={a.returncode}) =====\n{a.read_log()}"
+                         for a in self.agents)
+
+    def _marked_processes(self) -> list[Any]:
+        """Every live process carrying this cluster's marker, orphans included."""
+        psutil = _psutil()
+        found = []
+        for p in psutil.process_iter(["pid"]):
+            if p.pid == os.getpid():
+                continue
+            try:
+                if p.environ().get(MARKER_ENV) == self.marker:
+                    found.append(p)
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
+                continue
+        return found
+
+    def close(self) -> None:
+        """Kill every agent and worker this cluster started that is still alive.
+
+        Safe to call more than once; also called on leaving a ``with`` block.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        psutil = _psutil()
+        for agent in self.agents:
+            if agent.alive:
+                kill_process_tree(agent.pid, signal.SIGKILL)
+        leftovers = self._marked_processes()
+        for p in leftovers:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        if leftovers:
+            log.info("killed %d orphaned processes of cluster %s", len(leftovers), self.rdzv_id)
+            psutil.wait_procs(leftovers, timeout=10)
+        for agent in self.agents:
+            try:
+                agent.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL cannot be ignored
+                log.warning("agent %d (pid %d) did not exit after SIGKILL", agent.index, agent.pid)
+            if agent._log_file is not None:
+                agent._log_file.close()
+                agent._log_file = None
+
+    def __enter__(self) -> LocalCluster:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+
+class EtcdServer:
+    """A throw-away etcd with the v2 API, on free loopback ports and a temporary data dir.
+
+    For torchrun's ``etcd-v2`` rendezvous backend, where the rendezvous does not live
+    inside an agent, so that any agent (the first one too) may die.
+
+    Args:
+        binary: the etcd executable (looked up on PATH).
+        data_dir: where etcd keeps its data; a temporary directory (removed on stop)
+            when None.
+        log_path: file for etcd's output; inside the data dir's parent when None.
+        start_timeout: seconds to wait for etcd to answer ``/health``.
+
+    Example::
+
+        with EtcdServer() as etcd:
+            cluster = LocalCluster([...], rdzv_backend="etcd-v2",
+                                   rdzv_endpoint=etcd.endpoint, log_dir=...)
+    """
+
+    def __init__(self, *, binary: str = "etcd", data_dir: str | Path | None = None,
+                 log_path: str | Path | None = None, start_timeout: float = 30.0) -> None:
+        self.binary = binary
+        self._own_dir = data_dir is None
+        self.data_dir = Path(data_dir) if data_dir is not None else None
+        self.log_path = Path(log_path) if log_path is not None else None
+        self.start_timeout = start_timeout
+        self.client_port = 0
+        self.peer_port = 0
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._log_file: IO[bytes] | None = None
+        self._tmp: str | None = None
+
+    @property
+    def endpoint(self) -> str:
+        """``127.0.0.1:PORT`` of the client API (torchrun's ``--rdzv-endpoint``)."""
+        if self.proc is None:
+            raise RuntimeError("EtcdServer is not started; call start() first")
+        return f"127.0.0.1:{self.client_port}"
+
+    def start(self) -> EtcdServer:
+        """Start etcd and wait until it reports healthy."""
+        if self.proc is not None:
+            raise RuntimeError(f"EtcdServer already running on {self.endpoint}")
+        exe = shutil.which(self.binary)
+        if exe is None:
+            raise FileNotFoundError(
+                f"etcd binary {self.binary!r} not found on PATH; install it with "
+                "`apt-get install etcd-server` (Debian/Ubuntu) or from "
+                "https://github.com/etcd-io/etcd/releases"
+            )
+        if self.data_dir is None:
+            self._tmp = tempfile.mkdtemp(prefix="elastic_kit_etcd_")
+            self.data_dir = Path(self._tmp) / "data"
+        log_path = self.log_path or self.data_dir.parent / "etcd.log"
+        self.client_port, self.peer_port = free_port(), free_port()
+        while self.peer_port == self.client_port:
+            self.peer_port = free_port()
+        client = f"http://127.0.0.1:{self.client_port}"
+        peer = f"http://127.0.0.1:{self.peer_port}"
+        cmd = [
+            exe, "--enable-v2=true",
+            "--name", "elastic-kit-test",
+            "--data-dir", str(self.data_dir),
+            "--listen-client-urls", client, "--advertise-client-urls", client,
+            "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+            "--initial-cluster", f"elastic-kit-test={peer}",
+        ]
+        self._log_file = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=self._log_file,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            wait_for(self._healthy, self.start_timeout, interval=0.2,
+                     what=f"etcd on {client} to be healthy",
+                     abort_if=lambda: self.proc is not None and self.proc.poll() is not None)
+        except (TimeoutError, RuntimeError) as e:
+            self.stop()
+            raise RuntimeError(f"etcd did not start ({e}); see {log_path}") from e
+        log.info("etcd running on %s (pid %d)", client, self.proc.pid)
+        return self
+
+    def _healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.client_port}/health",
+                                        timeout=1) as r:
+                return b"true" in r.read()
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def stop(self) -> None:
+        """Kill etcd and remove its temporary data directory (idempotent)."""
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                self.proc.kill()
+            self.proc.wait(timeout=10)
+            self.proc = None
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+        if self._tmp is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            self._tmp = None
+            self.data_dir = None
+
+    def __enter__(self) -> EtcdServer:
+        return self.start()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()

@@ -1,0 +1,110 @@
+"""The headline scenarios again, on the real ImageNet example (``examples/imagenet/main.py``).
+
+The other integration modules run the full scenario set on the harness's small
+worker (seconds per run); these two check that the shipped example, built on the
+library's loop, sampler and checkpoint store, does the same under real torchrun:
+a SIGKILLed worker is invisible in the final weights (bitwise), and losing a node
+changes the final weights only by float summation order. Final weights come from
+the newest committed checkpoint (the example checkpoints at every epoch end).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Callable, Iterator
+
+import pytest
+
+from tests.integration.conftest import Reference
+from tests.integration.harness import (
+    EXAMPLE, Job, TrainingScript, assert_audit_ok, example_script, final_model_state, make_job,
+    world_size_sequence,
+)
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(not EXAMPLE.exists(), reason=f"{EXAMPLE} is missing"),
+]
+
+EPOCHS = 3
+#: float32 tinycnn; only the order of the gradient sums changes with the world size.
+PARAM_ATOL = 1e-4
+
+
+@pytest.fixture(scope="session")
+def tiny_imagefolder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """4 classes x 24 training images of 32 px: 4 optimizer steps per epoch at batch 24."""
+    pytest.importorskip("torchvision")
+    out = tmp_path_factory.mktemp("data") / "imagefolder"
+    subprocess.run([sys.executable, "-m", "elastic_kit.data.make_imagefolder", str(out),
+                    "--classes", "4", "--per-class", "24", "--size", "32", "--seed", "0"],
+                   check=True, timeout=120, capture_output=True)
+    return out
+
+
+@pytest.fixture(scope="session")
+def example(tiny_imagefolder: Path) -> TrainingScript:
+    return example_script(tiny_imagefolder, epochs=EPOCHS)
+
+
+@pytest.fixture(scope="session")
+def example_reference(tmp_path_factory: pytest.TempPathFactory,
+                      example: TrainingScript) -> Iterator[Reference]:
+    root = tmp_path_factory.mktemp("example-reference")
+    job = make_job(root, example, nnodes="2", max_restarts=0)
+    try:
+        job.cluster.add_agent()
+        job.cluster.add_agent()
+        summary = job.finish([0, 0])
+    finally:
+        job.cluster.close()
+    assert world_size_sequence(summary) == [2], summary["world_sizes"]
+    assert_audit_ok(summary, EPOCHS)
+    yield Reference(summary, job.checkpoint_dir, root)
+
+
+def test_example_worker_sigkill_is_bitwise_invisible(new_job: Callable[..., Job],
+                                                     example: TrainingScript,
+                                                     example_reference: Reference) -> None:
+    """Scenario 1 on the example: SIGKILL a worker at a random step of a 2-node run."""
+    kill_after = random.Random(os.environ.get("EK_TEST_SEED", "1")).randint(2, 8)
+    job = new_job("example-kill", script=example, nnodes="2", max_restarts=3)
+    job.cluster.add_agent()
+    victim = job.cluster.add_agent()
+    step = job.wait_for_checkpoint(kill_after)
+    job.cluster.kill_worker(victim, sig=signal.SIGKILL)
+
+    summary = job.finish([0, 0])
+    assert len(summary["world_sizes"]) >= 2, f"no restart after the kill at step {step}"
+    assert summary["restored_steps"] and summary["restored_steps"][0] >= step, summary
+    assert_audit_ok(summary, EPOCHS)
+    assert summary["steps"] == example_reference.summary["steps"]
+    assert summary["param_sha256"] == example_reference.summary["param_sha256"], (
+        f"worker killed after step {step}: final weights differ from the uninterrupted run")
+
+
+def test_example_scale_down_matches_never_resized_run(new_job: Callable[..., Job],
+                                                      example: TrainingScript,
+                                                      example_reference: Reference) -> None:
+    """Scenario 2 on the example: 3 nodes, lose a non-host node, finish at 2."""
+    job = new_job("example-scale-down", script=example, nnodes="1:3", max_restarts=3)
+    for _ in range(3):
+        job.cluster.add_agent()
+    job.wait_for_world_size(3)
+    newest = job.wait_for_checkpoint(max(job.committed_steps(), default=0) + 1)
+    job.cluster.kill_agent(job.cluster.agents[2])
+
+    summary = job.finish([0, 0, None])
+    assert world_size_sequence(summary)[-2:] == [3, 2], summary["world_sizes"]
+    assert summary["world_sizes"][-1]["restored_step"] >= newest, summary["world_sizes"]
+    assert_audit_ok(summary, EPOCHS)
+    assert summary["steps"] == example_reference.summary["steps"]
+    mine = final_model_state(str(job.checkpoint_dir))
+    ref = final_model_state(str(example_reference.final_path))
+    diff = max(float((mine[k].double() - ref[k].double()).abs().max()) for k in ref)
+    assert diff < PARAM_ATOL, f"final weights differ from the never-resized run by {diff:.3g}"

@@ -1,0 +1,186 @@
+"""Fast checks of elastic_kit.local_cluster itself (no training, no torch in the children).
+
+The point of the utility is that a killed "node" really is gone, workers in their own
+sessions included, and that nothing a cluster started outlives ``close()``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+psutil = pytest.importorskip("psutil")
+
+from elastic_kit.local_cluster import (  # noqa: E402
+    MARKER_ENV,
+    EtcdServer,
+    LocalCluster,
+    kill_process_tree,
+    wait_for,
+)
+
+# A stand-in for torchrun: it starts a "worker" in its own session (as torchrun does),
+# writes the worker's pid to a file, and then sleeps.
+_FAKE_AGENT = textwrap.dedent("""
+    import subprocess, sys, time
+    out = sys.argv[1]
+    w = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
+                         start_new_session=True)
+    open(out + ".tmp", "w").write(str(w.pid))
+    import os; os.replace(out + ".tmp", out)
+    time.sleep(600)
+""")
+
+
+def _read_pid(path: Path, timeout: float = 30.0) -> int:
+    return int(wait_for(lambda: path.exists() and path.read_text(), timeout, what=f"{path}"))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.fixture
+def fake_agent(tmp_path: Path):
+    """A process tree like an agent's: parent plus a child in a new session."""
+    script = tmp_path / "fake_agent.py"
+    script.write_text(_FAKE_AGENT)
+    pid_file = tmp_path / "worker.pid"
+    proc = subprocess.Popen([sys.executable, str(script), str(pid_file)])
+    worker = _read_pid(pid_file)
+    yield proc, worker
+    for pid in (proc.pid, worker):
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+    proc.wait(timeout=10)
+
+
+def test_kill_process_tree_kills_children_in_other_sessions(fake_agent) -> None:
+    proc, worker = fake_agent
+    assert os.getsid(worker) != os.getsid(proc.pid), "the fake worker must be in its own session"
+    killed = kill_process_tree(proc.pid)
+    proc.wait(timeout=10)
+    assert proc.pid in killed and worker in killed
+    wait_for(lambda: not _alive(worker), 10, what=f"worker {worker} to die")
+
+
+def test_kill_process_tree_of_a_gone_pid_is_a_no_op() -> None:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    assert kill_process_tree(p.pid) == []
+
+
+def test_command_carries_every_torchrun_option(tmp_path: Path) -> None:
+    c = LocalCluster(["train.py", "--lr", "0.1"], nnodes="2:4", nproc_per_node=2,
+                     rdzv_id="abc", max_restarts=5, log_dir=tmp_path, monitor_interval=0.25)
+    cmd = c.command()
+    assert cmd[1:3] == ["-m", "torch.distributed.run"]
+    for opt in ("--nnodes=2:4", "--nproc-per-node=2", "--rdzv-backend=c10d", "--rdzv-id=abc",
+                "--max-restarts=5", "--monitor-interval=0.25",
+                "--rdzv-conf=last_call_timeout=1,join_timeout=60"):
+        assert opt in cmd, (opt, cmd)
+    assert cmd[-3:] == ["train.py", "--lr", "0.1"]
+    assert c.rdzv_endpoint.startswith("127.0.0.1:")
+    assert LocalCluster(["-m", "pkg.train"], log_dir=tmp_path).command()[-2:] == ["--module",
+                                                                                   "pkg.train"]
+    env = c._agent_env({"X": "1"})
+    assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1" and env["X"] == "1"
+    assert env[MARKER_ENV] == c.marker
+
+
+def test_fresh_ids_and_ports_per_cluster(tmp_path: Path) -> None:
+    a, b = LocalCluster(["t.py"], log_dir=tmp_path), LocalCluster(["t.py"], log_dir=tmp_path)
+    assert a.rdzv_id != b.rdzv_id and a.marker != b.marker
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"nproc_per_node": 0}, "nproc_per_node=0"),
+    ({"max_restarts": -1}, "max_restarts=-1"),
+    ({"rdzv_backend": "etcd-v2"}, "rdzv_endpoint"),
+])
+def test_bad_arguments_are_named(tmp_path: Path, kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        LocalCluster(["t.py"], log_dir=tmp_path, **kwargs)
+
+
+def test_close_kills_orphans_of_an_agent_that_died_alone(tmp_path: Path) -> None:
+    """A worker whose agent already exited is found by the cluster's environment marker."""
+    script = tmp_path / "fake_agent.py"
+    script.write_text(_FAKE_AGENT)
+    pid_file = tmp_path / "worker.pid"
+    cluster = LocalCluster(["unused.py"], log_dir=tmp_path, rdzv_backend="c10d")
+    # Run the fake agent instead of torchrun, with the cluster's environment.
+    cluster.command = lambda: [sys.executable, str(script), str(pid_file)]  # type: ignore[method-assign]
+    agent = cluster.add_agent()
+    worker = _read_pid(pid_file)
+    os.kill(agent.pid, signal.SIGKILL)       # the agent dies on its own: the worker is orphaned
+    agent.proc.wait(timeout=10)
+    assert _alive(worker)
+    cluster.close()
+    wait_for(lambda: not _alive(worker), 10, what=f"orphan {worker} to die")
+    assert "###" in agent.read_log()
+
+
+def test_kill_agent_pause_and_resume(tmp_path: Path) -> None:
+    script = tmp_path / "fake_agent.py"
+    script.write_text(_FAKE_AGENT)
+    pid_files = [tmp_path / f"w{i}.pid" for i in range(2)]
+    with LocalCluster(["unused.py"], log_dir=tmp_path) as cluster:
+        agents, workers = [], []
+        for f in pid_files:
+            cluster.command = lambda f=f: [sys.executable, str(script), str(f)]  # type: ignore[method-assign]
+            # the fake agents open no store port: do not wait for one
+            agents.append(cluster.add_agent(host_timeout=None))
+            workers.append(_read_pid(f))
+        paused = cluster.pause_workers()
+        assert set(workers) <= set(paused)
+        assert psutil.Process(workers[0]).status() == psutil.STATUS_STOPPED
+        cluster.resume_workers(paused)
+        wait_for(lambda: psutil.Process(workers[0]).status() != psutil.STATUS_STOPPED, 5,
+                 what="worker to resume")
+        cluster.kill_agent(agents[1])
+        assert not agents[1].alive and agents[0].alive
+        wait_for(lambda: not _alive(workers[1]), 10, what="killed agent's worker to die")
+        assert _alive(workers[0])
+        assert cluster.wait(0.1) == [None, -signal.SIGKILL]
+    assert not _alive(workers[0]) and not agents[0].alive
+
+
+def test_wait_for_returns_value_times_out_and_aborts() -> None:
+    assert wait_for(lambda: 7, 1) == 7
+    with pytest.raises(TimeoutError, match="the thing"):
+        wait_for(lambda: None, 0.2, interval=0.05, what="the thing")
+    t = time.monotonic()
+    with pytest.raises(RuntimeError, match="abort"):
+        wait_for(lambda: None, 30, interval=0.05, abort_if=lambda: True)
+    assert time.monotonic() - t < 5
+
+
+def test_etcd_server_missing_binary_says_how_to_install() -> None:
+    with pytest.raises(FileNotFoundError, match="apt-get install etcd-server"):
+        EtcdServer(binary="no-such-etcd-binary").start()
+
+
+def test_etcd_server_starts_and_stops(tmp_path: Path) -> None:
+    import shutil
+    import urllib.request
+
+    if shutil.which("etcd") is None:
+        pytest.skip("etcd is not installed (apt-get install etcd-server)")
+    with EtcdServer(log_path=tmp_path / "etcd.log") as etcd:
+        host, port = etcd.endpoint.split(":")
+        assert host == "127.0.0.1"
+        with urllib.request.urlopen(f"http://{etcd.endpoint}/v2/keys/", timeout=5) as r:
+            assert r.status == 200  # the v2 API torchrun's etcd-v2 backend needs
+        pid = etcd.proc.pid
+    assert not _alive(pid)
