@@ -38,7 +38,11 @@ ek_setup() {
   local stamp="$VENV/.elastic_kit-$(cat "$EK_ROOT/setup.cfg" "$EK_ROOT/constraints.txt" | sha256sum | cut -c1-16)-${extras//,/_}"
   if [ ! -f "$stamp" ]; then
     ek_log "installing elastic_kit[$extras] under constraints.txt (torch takes a minute)"
-    "$PY" -m pip install -q --disable-pip-version-check -c "$EK_ROOT/constraints.txt" -e "$EK_ROOT[$extras]"
+    # This machine's pip config names local index folders that may not exist; pip
+    # warns about each one. Drop only those lines, keep pip's exit status.
+    "$PY" -m pip install -q --disable-pip-version-check -c "$EK_ROOT/constraints.txt" -e "$EK_ROOT[$extras]" 2>&1 \
+      | { grep -v "^WARNING: Location '.*' is ignored" || true; } >&2
+    [ "${PIPESTATUS[0]}" -eq 0 ] || { ek_log "pip install failed"; exit 1; }
     touch "$stamp"
   fi
 }
