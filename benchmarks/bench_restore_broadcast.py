@@ -1,6 +1,6 @@
-"""Restore + broadcast to 3 gloo ranks: CheckpointStore vs the pickled-blob broadcast.
+"""Restore + broadcast to N gloo ranks: CheckpointStore vs the pickled-blob broadcast.
 
-Claim measured (issue 3): restoring a checkpoint that one rank holds and sending it
+Claim measured (issues 3 and 6, claim 3): restoring a checkpoint that one rank holds and sending it
 to every rank tensor by tensor (``CheckpointStore.load`` with a process group:
 skeleton via ``broadcast_object``, tensors via ``broadcast_tensors``) is not slower
 than, and peaks at less memory than, what the pytorch/elastic ImageNet example
@@ -8,21 +8,20 @@ does: rank 0 ``torch.load``s the file and ``broadcast_object_list``s the whole
 state as one pickled blob (which every rank then holds about twice).
 
 Each method runs in fresh processes (peak RSS is a per-process high-water mark):
-3 ranks, gloo, CPU. Reported per method: wall time of the restore (max over ranks)
-and peak RSS growth during it (max over ranks), and their ratios ours / blob.
+N = 2 and 3 ranks, gloo, CPU. Reported per method and N: wall time of the restore
+(max over ranks), peak RSS growth during it (max over ranks), their ratios ours /
+blob, and the peak RSS growth over the state size (goal for ours: <= 1.3x).
 
 Usage::
 
-    python benchmarks/bench_restore_broadcast.py            # ~300 MB state
-    python benchmarks/bench_restore_broadcast.py --quick    # ~100 MB state
+    .venv/bin/python benchmarks/bench_restore_broadcast.py            # ~300 MB, best of 3
+    .venv/bin/python benchmarks/bench_restore_broadcast.py --quick    # ~100 MB, once
 
 The last line printed is a JSON object with every figure and ratio.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import resource
 import shutil
@@ -35,6 +34,8 @@ import torch
 from elastic_kit.checkpoint import CheckpointStore
 from elastic_kit.distributed import DistInfo, barrier, init_distributed
 from elastic_kit.testing import spawn_multi_process
+
+import _common
 
 
 def _rss_bytes() -> int:
@@ -78,17 +79,49 @@ def _blob(path: str) -> dict[str, float]:
     return {"s": dt, "peak_mb": (_peak_rss_bytes() - rss0) / 1e6, "sum": _checksum(box[0])}
 
 
+def measure(ranks: int, repeats: int, store_root: str, blob_path: str, expected: float,
+            nbytes: int) -> dict[str, Any]:
+    runs: dict[str, list[dict[str, float]]] = {"ours": [], "blob": []}
+    for _ in range(repeats):
+        for name, fn, arg in (("ours", _ours, store_root), ("blob", _blob, blob_path)):
+            per_rank = spawn_multi_process(ranks, fn, arg, timeout=600)
+            assert all(abs(r["sum"] - expected) < 1e-3 * abs(expected) + 1 for r in per_rank)
+            runs[name].append({"s": max(r["s"] for r in per_rank),
+                               "peak_mb": max(r["peak_mb"] for r in per_rank)})
+
+    def best(name: str, key: str) -> float:
+        return min(r[key] for r in runs[name])
+
+    mb = nbytes / 1e6
+    return {
+        "ranks": ranks,
+        "ours_s": round(best("ours", "s"), 3),
+        "blob_s": round(best("blob", "s"), 3),
+        "ours_peak_rss_growth_mb": round(best("ours", "peak_mb"), 1),
+        "blob_peak_rss_growth_mb": round(best("blob", "peak_mb"), 1),
+        "ratio_time_ours_vs_blob": round(best("ours", "s") / best("blob", "s"), 3),
+        "ratio_peak_rss_ours_vs_blob": round(best("ours", "peak_mb") / best("blob", "peak_mb"), 3),
+        "ratio_peak_rss_vs_state_ours": round(best("ours", "peak_mb") / mb, 3),
+        "ratio_peak_rss_vs_state_blob": round(best("blob", "peak_mb") / mb, 3),
+        "load_avg_1m": _common.load_avg(),
+    }
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="~100 MB state, 1 repeat")
+    ap = _common.parser(__doc__, smoke=True)
     ap.add_argument("--size-mb", type=int, default=None)
     ap.add_argument("--repeats", type=int, default=None)
-    ap.add_argument("--ranks", type=int, default=3)
+    ap.add_argument("--ranks", default="2,3", help="comma-separated world sizes (default 2,3)")
     args = ap.parse_args()
-    size_mb = args.size_mb or (100 if args.quick else 300)
-    repeats = args.repeats or (1 if args.quick else 3)
+    size_mb = args.size_mb or (20 if args.smoke else 100 if args.quick else 300)
+    repeats = args.repeats or (1 if args.quick or args.smoke else 3)
+    ranks_list = [int(r) for r in args.ranks.split(",")]
+    if args.smoke:
+        ranks_list = ranks_list[:1]
+    load0 = _common.load_avg()
 
     base = tempfile.mkdtemp(prefix="ek-bench-bcast-")
+    per_n = {}
     try:
         g = torch.Generator().manual_seed(0)
         numel = 10 * (1 << 20) // 4
@@ -101,37 +134,32 @@ def main() -> None:
         torch.save(state, blob_path)
         expected = _checksum(state)
         del state
-
-        runs: dict[str, list[dict[str, float]]] = {"ours": [], "blob": []}
-        for _ in range(repeats):
-            for name, fn, arg in (("ours", _ours, store_root), ("blob", _blob, blob_path)):
-                per_rank = spawn_multi_process(args.ranks, fn, arg, timeout=600)
-                assert all(abs(r["sum"] - expected) < 1e-3 * abs(expected) + 1 for r in per_rank)
-                runs[name].append({"s": max(r["s"] for r in per_rank),
-                                   "peak_mb": max(r["peak_mb"] for r in per_rank)})
+        for n in ranks_list:
+            r = per_n[str(n)] = measure(n, repeats, store_root, blob_path, expected, nbytes)
+            print(f"restore + broadcast of {nbytes / 1e6:.1f} MB to {n} gloo ranks "
+                  f"(best of {repeats}, load {r['load_avg_1m']}):")
+            for name, label in (("ours", "ours (tensor by tensor)"), ("blob", "pickled blob")):
+                print(f"  {label:<24} {r[name + '_s']:.3f} s, peak RSS "
+                      f"+{r[name + '_peak_rss_growth_mb']:.0f} MB "
+                      f"({r['ratio_peak_rss_vs_state_' + name]:.2f}x state)", flush=True)
     finally:
         shutil.rmtree(base, ignore_errors=True)
 
-    def best(name: str, key: str) -> float:
-        return min(r[key] for r in runs[name])
-
-    res = {
+    res: dict[str, Any] = {
+        "claim": "restore_broadcast",
         "size_mb": round(nbytes / 1e6, 1),
-        "ranks": args.ranks,
         "repeats": repeats,
-        "ours_s": round(best("ours", "s"), 3),
-        "blob_s": round(best("blob", "s"), 3),
-        "ours_peak_rss_growth_mb": round(best("ours", "peak_mb"), 1),
-        "blob_peak_rss_growth_mb": round(best("blob", "peak_mb"), 1),
-        "ratio_time_ours_vs_blob": round(best("ours", "s") / best("blob", "s"), 3),
-        "ratio_peak_rss_ours_vs_blob": round(best("ours", "peak_mb") / best("blob", "peak_mb"), 3),
-        "cpu_count": os.cpu_count(),
-        "load_avg_1m": round(os.getloadavg()[0], 2),
+        "ranks": ranks_list,
+        "ratio_time_ours_vs_blob": {k: v["ratio_time_ours_vs_blob"] for k, v in per_n.items()},
+        "ratio_peak_rss_vs_state_ours": {k: v["ratio_peak_rss_vs_state_ours"]
+                                         for k, v in per_n.items()},
+        "ratio_peak_rss_vs_state_blob": {k: v["ratio_peak_rss_vs_state_blob"]
+                                         for k, v in per_n.items()},
+        "per_ranks": per_n,
+        "load_avg_1m_start": load0,
     }
-    print(f"restore + broadcast of {res['size_mb']} MB to {args.ranks} gloo ranks (best of {repeats}):")
-    print(f"  ours (tensor by tensor): {res['ours_s']:.3f} s, peak RSS +{res['ours_peak_rss_growth_mb']:.0f} MB")
-    print(f"  pickled blob:            {res['blob_s']:.3f} s, peak RSS +{res['blob_peak_rss_growth_mb']:.0f} MB")
-    print(json.dumps(res))
+    res.update(_common.machine())
+    _common.emit(res, args.results)
 
 
 if __name__ == "__main__":

@@ -22,8 +22,8 @@ copy...), and excluding the interpreter and torch import. Timings are the best o
 
 Usage::
 
-    python benchmarks/bench_sampler.py --quick     # 1e6 and 1e7, < 2 minutes
-    python benchmarks/bench_sampler.py             # adds 1e8 (needs ~10 GB free RAM)
+    .venv/bin/python benchmarks/bench_sampler.py --quick     # 1e6 and 1e7, < 2 minutes
+    .venv/bin/python benchmarks/bench_sampler.py             # adds 1e8 (needs ~10 GB free RAM)
 
 The last printed line is a JSON object with every figure and the ratios
 ours / torch (below 1 means ours is faster or smaller).
@@ -33,10 +33,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import subprocess
 import sys
 from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # noqa: E402
 
 PATHS = ("torch_list", "ours_list", "ours_tensor")
 WORLD, RANK = 8, 3
@@ -98,8 +102,7 @@ def _measure(path: str, n: int, repeats: int) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="only 1e6 and 1e7 samples")
+    parser = _common.parser(__doc__, smoke=True)
     parser.add_argument("--repeats", type=int, default=None,
                         help="timed calls per measurement (default 5, 3 with --quick)")
     parser.add_argument("--child", nargs=3, metavar=("PATH", "N", "REPEATS"),
@@ -112,9 +115,11 @@ def main() -> None:
 
     import torch
 
-    sizes = [10**6, 10**7] if args.quick else [10**6, 10**7, 10**8]
-    repeats = args.repeats or (3 if args.quick else 5)
+    sizes = ([10**5] if args.smoke else [10**6, 10**7] if args.quick
+             else [10**6, 10**7, 10**8])
+    repeats = args.repeats or (1 if args.smoke else 3 if args.quick else 5)
     summary: dict[str, Any] = {
+        "claim": "sampler", "load_avg_1m_start": _common.load_avg(),
         "world_size": WORLD, "rank": RANK, "repeats": repeats, "quick": args.quick,
         "python": platform.python_version(), "torch": torch.__version__,
         "machine": platform.machine(), "results": {},
@@ -133,7 +138,13 @@ def main() -> None:
             row[f"{path}_time_ratio"] = round(row[path]["best_s"] / t_ref, 3)
             row[f"{path}_mem_ratio"] = round(row[path]["peak_extra_mib"] / max(m_ref, 1e-9), 3)
         summary["results"][str(n)] = row
-    print(json.dumps(summary))
+    res = summary["results"]
+    summary["max_time_ratio"] = max(max(r["ours_list_time_ratio"], r["ours_tensor_time_ratio"])
+                                    for r in res.values())
+    summary["max_mem_ratio"] = max(max(r["ours_list_mem_ratio"], r["ours_tensor_mem_ratio"])
+                                   for r in res.values())
+    summary.update(_common.machine())
+    _common.emit(summary, args.results)
 
 
 if __name__ == "__main__":
