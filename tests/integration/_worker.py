@@ -1,17 +1,33 @@
-"""A tiny elastic training script for the torchrun integration harness.
+"""A small training script built on elastic_kit, for the torchrun integration scenarios.
 
-It stands in for ``examples/imagenet/main.py`` where the harness itself is tested (and
-where a scenario needs a fault the example cannot be asked for, such as a crash in
-the middle of a checkpoint write). It is deliberately self-contained: plain
-``torch.distributed`` collectives, fsspec checkpoints with a manifest written last,
-and the same summary JSON keys as the example, so scenarios assert the same things
-on either script.
+Everything that makes it elastic is the library's, exactly as a user would wire it:
 
-Training: a 2-layer MLP in float64 on a fixed regression set. Global batch ``k`` of an
-epoch is always the same contiguous chunk of the epoch's permutation, each rank takes
-a strided share of it, and the gradient is the all-reduced *sum* over the global batch
-divided by its size: the trajectory is the same at any world size up to float
-summation order, and bitwise the same at a fixed world size.
+- :func:`elastic_kit.init_distributed` (gloo) and :func:`elastic_kit.wrap_ddp`;
+- :class:`elastic_kit.TrainState` (model, ``torch.optim.SGD`` with momentum, sampler,
+  step/epoch, history, sample audit, RNG states);
+- :class:`elastic_kit.ElasticLoop` with a ``fixed_global`` :class:`LoopConfig`: the
+  loop's :class:`~elastic_kit.ElasticDistributedSampler` deals each global batch of
+  the epoch's permutation to however many ranks there are, with micro-batch gradient
+  accumulation, zero-weighted padding on the epoch's short last step, periodic and
+  epoch-end checkpoints (non-blocking unless ``--blocking-saves``), the SIGTERM
+  checkpoint + exit 143, and the per-epoch sample audit (``audit="error"``);
+- :class:`elastic_kit.CheckpointStore` on any fsspec URL (``s3://`` with
+  ``--storage-options``), or node-local (``--node-local-checkpoints``: every node's
+  local rank 0 writes its own directory, ``$EK_NODE_CHECKPOINT_DIR`` of its torchrun
+  agent or a ``--checkpoint-dir`` containing ``{node_rank}``; on restore the newest
+  step is broadcast from its holder and copied to the nodes that lack it).
+
+The script adds only test plumbing: a tiny float64 MLP on a fixed synthetic regression
+set, a 30 s collective timeout (``init_distributed`` recommends a short one: it is how
+long survivors wait on a lost peer), an ``on_step_end`` hook that logs ``EKW step=...``
+lines (progress a test can wait on) and sleeps ``--step-delay``, a per-rank ``EKW
+rank=R world_size=W restored step=S`` line, ``--save-final``, the summary JSON rank 0
+writes at the end (the same keys as ``examples/imagenet/main.py``), and a test-only
+fault: ``--crash-in-save-at-step N --crash-marker PATH`` wraps
+:meth:`elastic_kit.checkpoint.manifest.Manifest.to_json`, which the real checkpoint
+writer calls after the payload is written and right before the manifest (the commit),
+so the writer process dies with ``os._exit(1)`` inside the store's write of step N
+(once: the marker file records that it happened).
 
 Launch::
 
@@ -23,266 +39,205 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import io
 import json
 import logging
 import os
-import re
-import signal
 import sys
 import time
+from datetime import timedelta
 from typing import Any
 
-import fsspec
 import torch
-import torch.distributed as dist
 from torch import nn
+from torch.utils.data import TensorDataset
 
-from elastic_kit.distributed import all_reduce_max, broadcast_object, init_distributed
+import elastic_kit as ek
+from elastic_kit.checkpoint import CheckpointStore
+from elastic_kit.loop import ElasticLoop, LoopConfig, StepInfo, TrainState
 
 log = logging.getLogger("ek_worker")
 
-_STEP_DIR = re.compile(r"step-(\d+)$")
-
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--checkpoint-dir", required=True, help="fsspec URL or path")
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--checkpoint-dir", required=True,
+                   help="fsspec URL or path of the CheckpointStore ({node_rank} allowed)")
     p.add_argument("--checkpoint-every", type=int, default=2, help="steps between saves")
+    p.add_argument("--no-epoch-checkpoints", action="store_true",
+                   help="no checkpoint at the end of each epoch (LoopConfig)")
+    p.add_argument("--blocking-saves", action="store_true",
+                   help="synchronous periodic checkpoints (default: background writes)")
+    p.add_argument("--keep-last", type=int, default=0,
+                   help="CheckpointStore keep_last (0: keep every checkpoint)")
+    p.add_argument("--storage-options", default=None,
+                   help="JSON dict of fsspec storage_options (s3 endpoint, credentials)")
     p.add_argument("--node-local-checkpoints", action="store_true",
-                   help="each node writes its own dir, from $EK_NODE_CHECKPOINT_DIR")
-    p.add_argument("--dataset-size", type=int, default=48)
+                   help="CheckpointStore(node_local=True); the directory is "
+                        "$EK_NODE_CHECKPOINT_DIR when set, else --checkpoint-dir")
+    p.add_argument("--dataset-size", type=int, default=50)
     p.add_argument("--global-batch-size", type=int, default=6)
+    p.add_argument("--micro-batch-size", type=int, default=2)
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--collective-timeout", type=float, default=30.0,
+                   help="init_distributed timeout (s): how long survivors can block on a "
+                        "lost peer before failing so that torchrun restarts the group")
     p.add_argument("--step-delay", type=float, default=0.0,
-                   help="seconds to sleep per step, so a test can act mid-run")
+                   help="seconds to sleep after each step, so a test can act mid-run")
     p.add_argument("--summary-json", default=None)
     p.add_argument("--save-final", default=None, help="torch.save the final parameters here")
     p.add_argument("--crash-in-save-at-step", type=int, default=None,
-                   help="rank 0 exits after the payload but before the manifest of this step")
+                   help="the checkpoint writer exits after the payload but before the "
+                        "manifest of this step")
     p.add_argument("--crash-marker", default=None,
-                   help="local file created before the injected crash, so it happens once")
+                   help="file created before the injected crash, so it happens once")
     return p.parse_args(argv)
 
 
-class _Preempted:
-    """SIGTERM sets a flag; the loop agrees on it across ranks at a step boundary."""
-
-    def __init__(self) -> None:
-        self.flag = False
-        signal.signal(signal.SIGTERM, self._handle)
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        self.flag = True
-
-
-def make_data(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def make_dataset(n: int, seed: int) -> TensorDataset:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, 8, generator=g, dtype=torch.float64)
     w = torch.randn(8, 1, generator=g, dtype=torch.float64)
     y = torch.tanh(x @ w) + 0.1 * torch.randn(n, 1, generator=g, dtype=torch.float64)
-    return x, y
+    return TensorDataset(x, y)
 
 
 def make_model(seed: int) -> nn.Module:
-    torch.manual_seed(seed)
+    torch.manual_seed(seed)  # identical initial weights on every rank and every restart
     return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1)).double()
-
-
-def _final_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
-    with torch.no_grad():
-        return float(((model(x) - y) ** 2).mean())
 
 
 def param_sha256(model: nn.Module) -> str:
     h = hashlib.sha256()
-    for name, t in sorted(model.state_dict().items()):
+    for name, t in sorted(ek.unwrap_model(model).state_dict().items()):
         h.update(name.encode())
         h.update(t.detach().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()
 
 
-class Store:
-    """``step-<N>/state.pt`` then ``step-<N>/manifest.json`` (the commit) on any fsspec URL."""
+def install_crash_in_save(step: int, marker: str) -> None:
+    """Test-only fault: die inside the real CheckpointStore write of ``step``.
 
-    def __init__(self, url: str) -> None:
-        self.fs, self.root = fsspec.core.url_to_fs(url)
-        self.fs.makedirs(self.root, exist_ok=True)
+    ``write_checkpoint`` serializes the manifest (``Manifest.to_json``) only once the
+    payload is fully written (uploaded, on an object store) and right before it
+    writes the manifest, so exiting there leaves ``step-<n>/state.pt`` without a
+    commit. Only a process that writes checkpoints ever calls it.
+    """
+    from elastic_kit.checkpoint import manifest as manifest_mod
 
-    def steps(self) -> list[int]:
-        try:
-            entries = self.fs.ls(self.root, detail=False)
-        except FileNotFoundError:
-            return []
-        out = []
-        for e in entries:
-            m = _STEP_DIR.search(e.rstrip("/"))
-            if m and self.fs.exists(f"{self.root}/{m.group(0)}/manifest.json"):
-                out.append(int(m.group(1)))
-        return sorted(out)
+    original = manifest_mod.Manifest.to_json
 
-    def save(self, state: dict[str, Any], step: int, *, crash_before_manifest: bool = False) -> None:
-        d = f"{self.root}/step-{step:08d}"
-        self.fs.makedirs(d, exist_ok=True)
-        buf = io.BytesIO()
-        torch.save(state, buf)
-        payload = buf.getvalue()
-        self.fs.pipe_file(f"{d}/state.pt", payload)
-        if crash_before_manifest:
-            log.error("EKW crash injected in save of step %d (payload written, no manifest)", step)
+    def to_json(self: Any) -> str:
+        if self.step == step and not os.path.exists(marker):
+            with open(marker, "w") as f:
+                f.write(f"{os.getpid()}\n")
+            log.error("EKW crash injected in save of step %d (payload written, no manifest)",
+                      step)
             logging.shutdown()
-            os._exit(17)
-        manifest = {"step": step, "size": len(payload),
-                    "sha256": hashlib.sha256(payload).hexdigest(), "time": time.time()}
-        self.fs.pipe_file(f"{d}/manifest.json", json.dumps(manifest).encode())
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
+        return original(self)
 
-    def load(self, step: int) -> dict[str, Any]:
-        d = f"{self.root}/step-{step:08d}"
-        payload = self.fs.cat_file(f"{d}/state.pt")
-        manifest = json.loads(self.fs.cat_file(f"{d}/manifest.json"))
-        if hashlib.sha256(payload).hexdigest() != manifest["sha256"]:
-            raise RuntimeError(f"checkpoint {d} does not match its manifest")
-        return torch.load(io.BytesIO(payload), weights_only=False)
+    manifest_mod.Manifest.to_json = to_json  # type: ignore[method-assign]
+
+
+def write_json_atomically(path: str, payload: dict[str, Any]) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(payload, f, indent=1)
+    os.replace(tmp, path)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stdout,
                         format="%(asctime)s %(name)s: %(message)s")
-    preempt = _Preempted()
-    info = init_distributed(backend="gloo")
-    rank, world = info.rank, info.world_size
-    if args.global_batch_size % world:
-        raise ValueError(f"--global-batch-size={args.global_batch_size} not divisible by "
-                         f"world size {world}")
+    if args.crash_in_save_at_step is not None:
+        if not args.crash_marker:
+            raise SystemExit("--crash-in-save-at-step needs --crash-marker")
+        install_crash_in_save(args.crash_in_save_at_step, args.crash_marker)
+
+    info = ek.init_distributed(backend="gloo",
+                               timeout=timedelta(seconds=args.collective_timeout))
+    model = ek.wrap_ddp(make_model(args.seed))
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    state = TrainState(model, optimizer)
+    dataset = make_dataset(args.dataset_size, args.seed)
 
     url = args.checkpoint_dir
     if args.node_local_checkpoints:
         url = os.environ.get("EK_NODE_CHECKPOINT_DIR", url)
-    store = Store(url)
-    writer = info.is_local_main if args.node_local_checkpoints else info.is_main
+    store = CheckpointStore(
+        url, keep_last=args.keep_last or None, node_local=args.node_local_checkpoints,
+        storage_options=json.loads(args.storage_options) if args.storage_options else None)
 
-    x, y = make_data(args.dataset_size, args.seed)
-    model = make_model(args.seed)
-    # Hand-written momentum SGD: constructing any torch.optim optimizer imports
-    # torch._dynamo (2-5 s per worker start here), which every restart would pay.
-    momentum = [torch.zeros_like(p) for p in model.parameters()]
-    n, gb = args.dataset_size, args.global_batch_size
-    steps_per_epoch = n // gb
-    total_steps = steps_per_epoch * args.epochs
+    def loss_fn(model: nn.Module, batch: Any) -> torch.Tensor:
+        x, y = batch
+        return ((model(x) - y) ** 2).sum(dim=1)  # one loss per sample
 
-    # -- restore the newest state --------------------------------------------------
-    state: dict[str, Any] | None = None
-    if args.node_local_checkpoints:
-        local = store.steps() if info.is_local_main else []
-        mine = local[-1] if local else -1
-        newest = all_reduce_max(mine)
-        holder = -all_reduce_max(-rank if newest >= 0 and mine == newest else -(1 << 30))
-        if newest >= 0:
-            state = broadcast_object(store.load(newest) if rank == holder else None, src=holder)
-            if writer and mine != newest:
-                store.save(state, newest)
-                log.info("EKW rank=%d copied step %d from rank %d to its node", rank, newest, holder)
-            log.info("EKW rank=%d restored step %d from rank %d", rank, newest, holder)
-    else:
-        steps = store.steps() if rank == 0 else []
-        newest = broadcast_object(steps[-1] if steps else -1, src=0)
-        if newest >= 0:
-            state = store.load(newest)
-    if state is not None:
-        model.load_state_dict(state["model"])
-        for buf, saved in zip(momentum, state["momentum"]):
-            buf.copy_(saved)
-        step, counts = state["step"], state["counts"]
-        audit, history = state["audit"], state["world_sizes"]
-    else:
-        step, counts, audit, history = 0, torch.zeros(n, dtype=torch.int64), [], []
-    restored = step if state is not None else None
-    history.append({"world_size": world, "step": step, "restart": info.restart_count,
-                    "restored_step": restored})
-    if rank == 0:
-        log.info("EKW start world_size=%d restart=%d restored_step=%s", world,
-                 info.restart_count, restored)
+    started = {"logged": False}
 
-    def snapshot() -> dict[str, Any]:
-        return {"model": model.state_dict(), "momentum": [b.clone() for b in momentum], "step": step,
-                "counts": counts.clone(), "audit": list(audit), "world_sizes": list(history)}
+    def log_restored() -> None:
+        # Every rank says which step the store gave it (the node-local scenario checks
+        # that all ranks restored the same, newest step).
+        if not started["logged"]:
+            started["logged"] = True
+            log.info("EKW rank=%d world_size=%d restored step=%s", info.rank,
+                     info.world_size, loop.restored_step)
 
-    def save(crash: bool = False) -> None:
-        if writer:
-            store.save(snapshot(), step, crash_before_manifest=crash)
-        dist.barrier()
-
-    # -- train ----------------------------------------------------------------------
-    while step < total_steps:
-        epoch, pos = divmod(step, steps_per_epoch)
-        perm = torch.randperm(n, generator=torch.Generator().manual_seed(args.seed * 1000 + epoch))
-        batch = perm[pos * gb:(pos + 1) * gb]
-        mine_idx = batch[rank::world]
-        model.zero_grad(set_to_none=False)
-        loss = ((model(x[mine_idx]) - y[mine_idx]) ** 2).sum()
-        loss.backward()
-        local_counts = torch.zeros(n, dtype=torch.float64)
-        local_counts[mine_idx] = 1.0
-        flat = torch.cat([*(p.grad.reshape(-1) for p in model.parameters()), local_counts,
-                          torch.tensor([1.0 if preempt.flag else 0.0], dtype=torch.float64)])
-        dist.all_reduce(flat)
-        off = 0
-        for p in model.parameters():
-            p.grad.copy_(flat[off:off + p.numel()].view_as(p) / gb)
-            off += p.numel()
-        counts += flat[off:off + n].round().long()
-        stop = bool(flat[-1] > 0)
-        with torch.no_grad():
-            for p, buf in zip(model.parameters(), momentum):
-                buf.mul_(0.9).add_(p.grad)
-                p.sub_(args.lr * buf)
-        step += 1
-        if step % steps_per_epoch == 0:
-            ok = bool((counts == 1).all())
-            audit.append({"epoch": epoch, "count": int(counts.sum()), "expected": n, "ok": ok})
-            if rank == 0:
-                log.info("EKW audit epoch=%d count=%d ok=%s", epoch, int(counts.sum()), ok)
-            counts = torch.zeros(n, dtype=torch.int64)
-        if rank == 0:
-            log.info("EKW step=%d world_size=%d loss=%.6f", step, world, loss.item())
-        crash = (args.crash_in_save_at_step == step and rank == 0 and args.crash_marker
-                 and not os.path.exists(args.crash_marker))
-        if crash:
-            open(args.crash_marker, "w").close()
-        if stop or step % args.checkpoint_every == 0 or step == total_steps or crash:
-            save(crash=bool(crash))
-        if stop:
-            if rank == 0:
-                log.info("EKW preempted: saved step %d", step)
-            if preempt.flag:
-                log.info("EKW rank=%d exits on SIGTERM after saving step %d", rank, step)
-                return 0
-            preempt.flag = False
+    def on_step_end(state: TrainState, step: StepInfo) -> None:
+        log_restored()
+        if info.is_main:
+            log.info("EKW step=%d world_size=%d loss=%.6f", step.step, step.world_size,
+                     step.loss)
         if args.step_delay:
             time.sleep(args.step_delay)
 
-    if rank == 0:
-        sha = param_sha256(model)
+    loop = ElasticLoop(
+        state, dataset, loss_fn=loss_fn, store=store, on_step_end=on_step_end,
+        config=LoopConfig(
+            epochs=args.epochs, global_batch_size=args.global_batch_size,
+            micro_batch_size=args.micro_batch_size, batch_policy="fixed_global",
+            checkpoint_every_steps=args.checkpoint_every,
+            checkpoint_at_epoch_end=not args.no_epoch_checkpoints,
+            blocking=args.blocking_saves, seed=args.seed, audit="error",
+            log_every=0, progress_bar=False))
+    loop.run()  # SIGTERM: checkpoint, then SystemExit(143) so torchrun restarts the group
+    log_restored()
+
+    sha = param_sha256(model)
+    if info.is_main:
+        history = state.history
+        plain = ek.unwrap_model(model)
         if args.save_final:
-            torch.save({k: v.clone() for k, v in model.state_dict().items()}, args.save_final)
+            torch.save({k: v.detach().clone() for k, v in plain.state_dict().items()},
+                       args.save_final)
+        x, y = dataset.tensors
+        with torch.no_grad():
+            final_loss = float(((plain(x) - y) ** 2).mean())
         summary = {
-            "steps": step, "epochs": args.epochs, "world_sizes": history,
-            "restarts": info.restart_count,
-            "restored_steps": [h["restored_step"] for h in history if h["restored_step"] is not None],
-            "audit": audit, "param_sha256": sha, "global_batch_size": gb, "dataset_size": n,
-            "final_loss": _final_loss(model, x, y),
+            "steps": state.step,
+            "epochs": state.epoch,
+            "world_sizes": [{k: h[k] for k in ("world_size", "step", "restart", "restored_step")}
+                            for h in history],
+            "restarts": max((h["restart"] for h in history), default=0),
+            "restored_steps": [h["restored_step"] for h in history
+                               if h["restored_step"] is not None],
+            "audit": [{"epoch": a.epoch, "count": a.count, "expected": a.expected_count,
+                       "ok": bool(a.ok)}
+                      for _, a in sorted(state.audit.epochs.items()) if a.ok is not None],
+            "param_sha256": sha,
+            "global_batch_size": args.global_batch_size,
+            "dataset_size": args.dataset_size,
+            "final_loss": final_loss,
         }
         if args.summary_json:
-            tmp = args.summary_json + ".tmp"
-            with open(tmp, "w") as f:
-                json.dump(summary, f, indent=1)
-            os.replace(tmp, args.summary_json)
-        log.info("EKW done steps=%d sha=%s", step, sha)
-    dist.barrier()
-    dist.destroy_process_group()
+            write_json_atomically(args.summary_json, summary)
+        log.info("EKW done steps=%d sha=%s", state.step, sha)
+    store.close()
+    ek.destroy_distributed()
     return 0
 
 

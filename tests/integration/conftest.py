@@ -2,7 +2,9 @@
 
 Every cluster a test creates is closed by a finalizer (agents, workers and orphans are
 killed) even when the test fails, and every test gets fresh rendezvous ids and ports.
-The uninterrupted reference run is computed once per session and shared.
+The uninterrupted reference run (``_worker.py`` on two nodes: the library's loop,
+sampler and checkpoint store, no fault, no resize) is computed once per session and
+shared.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ if _REPO not in sys.path:
 
 from elastic_kit.local_cluster import EtcdServer  # noqa: E402
 from tests.integration.harness import (  # noqa: E402
-    Job, TrainingScript, make_job, worker_script,
+    Job, TrainingScript, assert_audit_ok, make_job, worker_script,
 )
 
 EPOCHS = 4
@@ -75,6 +77,7 @@ def reference_run(tmp_path_factory: pytest.TempPathFactory,
         job.cluster.close()
     assert summary["restarts"] == 0, json.dumps(summary)
     assert [w["world_size"] for w in summary["world_sizes"]] == [2], summary["world_sizes"]
+    assert_audit_ok(summary, EPOCHS)
     yield Reference(summary, job.final_path, root)
 
 

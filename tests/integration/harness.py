@@ -8,8 +8,9 @@ for a guessed duration: every wait polls an event with a bounded timeout and giv
 early when every agent has exited.
 
 The training script is abstracted by :class:`TrainingScript` so the same scenarios
-run on ``tests/integration/_worker.py`` (a small self-contained script) or on the
-ImageNet example; both write the same summary keys.
+run on ``tests/integration/_worker.py`` (a tiny float64 MLP trained with the library's
+``ElasticLoop``, ``CheckpointStore`` and sampler: seconds per run) or on the ImageNet
+example; both are built on the library and write the same summary keys.
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ WORKER = Path(__file__).resolve().parent / "_worker.py"
 
 #: torchrun's agent log line (LOGLEVEL=INFO) announcing a completed rendezvous.
 _GROUP_WORLD = re.compile(r"group_world_size=(\d+)")
-_STEP_DIR = re.compile(r"step-(\d+)$")
+#: A committed-or-not checkpoint directory of the library's store (``step-000000000012``);
+#: anchored, so the store's ``.tmp-step-...`` staging directories never match.
+_STEP_DIR = re.compile(r"^step-(\d+)$")
 
 #: Generous but bounded: 2 cores shared by several jobs, a worker start is 2-8 s.
 EVENT_TIMEOUT = 90.0
@@ -61,9 +64,12 @@ class TrainingScript:
 
 
 def worker_script(*, epochs: int = 4, step_delay: float = 0.1) -> TrainingScript:
-    """The harness's own worker: 48 samples, global batch 6 (divisible by 1, 2 and 3)."""
-    return TrainingScript("worker", (str(WORKER), "--epochs", str(epochs), "--dataset-size", "48",
-                                     "--global-batch-size", "6", "--step-delay", str(step_delay)))
+    """The library-based worker: 50 samples, global batch 6 (divisible by 1, 2 and 3)
+    in micro-batches of at most 2, so 9 steps per epoch of which the last has 2 real
+    samples and zero-weighted padding, and 1 to 3 accumulation steps per rank."""
+    return TrainingScript("worker", (str(WORKER), "--epochs", str(epochs), "--dataset-size", "50",
+                                     "--global-batch-size", "6", "--micro-batch-size", "2",
+                                     "--step-delay", str(step_delay)))
 
 
 EXAMPLE = REPO / "examples" / "imagenet" / "main.py"
@@ -189,7 +195,7 @@ def committed_steps(directory: Path) -> list[int]:
         return []
     out = []
     for d in directory.iterdir():
-        m = _STEP_DIR.search(d.name)
+        m = _STEP_DIR.match(d.name)
         if m and (d / "manifest.json").is_file():
             out.append(int(m.group(1)))
     return sorted(out)
@@ -225,6 +231,21 @@ def max_param_diff(a: Path, b: Path) -> float:
     pa, pb = load_params(a), load_params(b)
     assert sorted(pa) == sorted(pb), f"parameter names differ: {sorted(pa)} vs {sorted(pb)}"
     return max(float((pa[k].double() - pb[k].double()).abs().max()) for k in pa)
+
+
+def max_param_rel_diff(a: Path, b: Path) -> float:
+    """Largest ``|a - b| / max(|b|, 1e-3)`` over every element of two parameter dicts."""
+    pa, pb = load_params(a), load_params(b)
+    assert sorted(pa) == sorted(pb), f"parameter names differ: {sorted(pa)} vs {sorted(pb)}"
+    return max(float(((pa[k].double() - pb[k].double()).abs()
+                      / pb[k].double().abs().clamp_min(1e-3)).max()) for k in pa)
+
+
+def assert_params_match(a: Path, b: Path, *, rtol: float, what: str = "") -> None:
+    """The final parameters in ``a`` equal those in ``b`` within ``rtol`` (relative)."""
+    rel = max_param_rel_diff(a, b)
+    assert rel < rtol, (f"final parameters differ from the reference by {rel:.3g} (relative, "
+                        f"max abs {max_param_diff(a, b):.3g}) {what}")
 
 
 def assert_audit_ok(summary: dict[str, Any], epochs: int) -> None:

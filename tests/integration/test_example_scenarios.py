@@ -1,8 +1,9 @@
 """The headline scenarios again, on the real ImageNet example (``examples/imagenet/main.py``).
 
-The other integration modules run the full scenario set on the harness's small
-worker (seconds per run); these two check that the shipped example, built on the
-library's loop, sampler and checkpoint store, does the same under real torchrun:
+The other integration modules run the rest of the scenarios on ``_worker.py``, a
+tiny training script built on the same library pieces (seconds of training per run);
+these two check that the shipped example, built on the library's loop, sampler and
+checkpoint store, does the same under real torchrun:
 a SIGKILLed worker is invisible in the final weights (bitwise), and losing a node
 changes the final weights only by float summation order. Final weights come from
 the newest committed checkpoint (the example checkpoints at every epoch end).
