@@ -102,6 +102,9 @@ class _NoRestore:
     def wait(self) -> Any:
         return self.store.wait()
 
+    def wait_local(self) -> Any:
+        return self.store.wait_local()
+
 
 def _worker(cfg: dict[str, Any]) -> dict[str, Any]:
     import logging

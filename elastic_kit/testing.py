@@ -25,7 +25,7 @@ from typing import Any, Callable, TypeVar
 
 import torch.multiprocessing as mp
 
-__all__ = ["free_port", "spawn_multi_process", "torchrun_env"]
+__all__ = ["free_port", "spawn_multi_process", "torchrun_env", "MultiProcessError"]
 
 T = TypeVar("T")
 
@@ -79,6 +79,27 @@ def _worker(rank: int, world_size: int, port: int, local_world_size: int | None,
             dist.destroy_process_group()
 
 
+class MultiProcessError(RuntimeError):
+    """Ranks of :func:`spawn_multi_process` failed.
+
+    The message leads with the rank that failed *first* (the others usually fail
+    only because a peer went away) and its traceback; the rest follow.
+
+    Attributes:
+        failures: rank -> formatted traceback, in the order the failures arrived.
+        first_rank: the rank whose failure arrived first.
+    """
+
+    def __init__(self, world_size: int, failures: dict[int, str]) -> None:
+        self.failures = dict(failures)
+        self.first_rank = next(iter(failures))
+        parts = [f"rank {self.first_rank} of {world_size} failed:\n{failures[self.first_rank]}"]
+        for rank, tb in failures.items():
+            if rank != self.first_rank:
+                parts.append(f"then rank {rank} failed:\n{tb}")
+        super().__init__("\n".join(parts))
+
+
 _CTX: Any = None
 
 
@@ -116,8 +137,10 @@ def spawn_multi_process(
         The list of return values, indexed by rank.
 
     Raises:
-        RuntimeError: naming the rank and carrying its traceback, when a rank fails
-            or the group does not finish within ``timeout`` seconds.
+        MultiProcessError: (a ``RuntimeError``) when ranks fail; it names the rank
+            that failed first and carries every failed rank's traceback.
+        RuntimeError: when the group does not finish within ``timeout`` seconds or a
+            rank exits without reporting (killed).
     """
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be >= 1")
@@ -166,8 +189,7 @@ def spawn_multi_process(
                 p.kill()
                 p.join()
     if failures:
-        rank = min(failures)
-        raise RuntimeError(f"rank {rank} of {world_size} failed:\n{failures[rank]}")
+        raise MultiProcessError(world_size, failures)
     if len(results) < world_size:
         missing = sorted(set(range(world_size)) - set(results))
         codes = {r: procs[r].exitcode for r in missing}

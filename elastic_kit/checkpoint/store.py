@@ -294,6 +294,24 @@ class CheckpointStore:
         """Wait for the in-flight non-blocking save; re-raise its error. Collective."""
         self._finish_pending()
 
+    def wait_local(self) -> None:
+        """Join the in-flight save on this rank only, with no collective.
+
+        For error paths: when one rank is failing on its own, its peers may be inside
+        another collective (or gone), so the all-reduce of :meth:`wait` would be
+        matched against the wrong operation or block until the timeout. A save that
+        completes here is committed as usual; a failure is logged, not raised, so the
+        error already propagating stays the one the user sees.
+        """
+        self._join_janitor()
+        if self._pending_step is None:
+            return
+        step, self._pending_step = self._pending_step, None
+        err = self._bg.join() if self.is_writer else None
+        if err is not None:
+            log.error("background save of checkpoint step %d to %s failed: %r", step,
+                      self.url, err)
+
     def close(self) -> None:
         """Wait for the in-flight save (collective, like :meth:`wait`)."""
         self._finish_pending()

@@ -233,16 +233,19 @@ class ElasticLoop:
             if cfg.max_steps is None or not self._max_steps_reached():
                 if self.info.is_main:
                     log.info("training finished: %d epochs, step %d", cfg.epochs, state.step)
+            self._wait_for_saves()
         except _Stop as stop:
             if stop.reason == "sigterm":
                 if self._last_saved_step != state.step:  # _end_epoch may have saved it
                     self._save(blocking=True)
+                self._wait_for_saves()
                 if self.info.is_main:
                     log.warning("stop requested (SIGTERM): saved step %d, exiting with %d",
                                 state.step, cfg.sigterm_exit_code)
                 raise SystemExit(cfg.sigterm_exit_code) from None
             if cfg.checkpoint_at_exit and self._last_saved_step != state.step:
                 self._save(blocking=True)
+            self._wait_for_saves()
             if self.info.is_main:
                 log.info("max_steps=%d reached at epoch %d", cfg.max_steps, state.epoch)
         finally:
@@ -251,9 +254,18 @@ class ElasticLoop:
             if self._progress is not None:
                 self._progress.close()
             if self.store is not None:
-                self.store.wait()
+                # Only reached with a save still pending when an exception is
+                # propagating, possibly on this rank alone: no collective here, or it
+                # would be matched against a peer's gradient all-reduce or block until
+                # the timeout, and hide the real error.
+                self.store.wait_local()
             self._loader = None
         return state
+
+    def _wait_for_saves(self) -> None:
+        """Collective wait for the in-flight save, on paths every rank takes together."""
+        if self.store is not None:
+            self.store.wait()
 
     def _max_steps_reached(self) -> bool:
         return self.config.max_steps is not None and self.state.step >= self.config.max_steps
