@@ -9,7 +9,6 @@ reported a misleading ``CheckpointError`` instead of its real error.
 
 from __future__ import annotations
 
-import os
 import time
 from datetime import timedelta
 

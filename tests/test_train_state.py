@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import random
 
 import numpy as np
@@ -143,3 +144,28 @@ def test_linear_lr_scaling_does_not_compound_across_restarts() -> None:
     sd, lr, _ = life(1, sd)
     assert lr == pytest.approx(0.5 * base)
     assert sd["lr_scale"] == 0.5 and sd["initial_world_size"] == 2
+
+
+def test_run_report_lists_segments_restores_and_finished_epoch_audits() -> None:
+    from elastic_kit.loop.audit import expected_digest
+
+    model = torch.nn.Linear(2, 1)
+    state = TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    state.history = [
+        {"world_size": 3, "step": 0, "restart": 0, "restored_step": None},
+        {"world_size": 2, "step": 14, "restart": 1, "restored_step": 12},
+    ]
+    state.step, state.epoch = 20, 1
+    state.audit.epoch(0).add(expected_digest(8))
+    state.audit.epoch(0).finish(8)
+    state.audit.epoch(1)  # running: not reported yet
+    report = state.run_report()
+    assert report == {
+        "steps": 20,
+        "epochs": 1,
+        "world_sizes": state.history,
+        "restarts": 1,
+        "restored_steps": [12],
+        "audit": [{"epoch": 0, "count": 8, "expected": 8, "ok": True}],
+    }
+    json.dumps(report)  # JSON-able as is

@@ -209,6 +209,33 @@ class TrainState:
         if restore_rng and sd.get("rng") is not None:
             restore_rng_state(sd["rng"])
 
+    def run_report(self) -> dict[str, Any]:
+        """What happened to this run so far, as JSON-able values for a run summary.
+
+        Built from :attr:`history` and :attr:`audit`, which travel in checkpoints, so
+        a worker started by the last restart reports every earlier segment too
+        (up to the newest checkpoint).
+
+        Returns:
+            ``steps``, ``epochs``, ``world_sizes`` (one ``{"world_size", "step",
+            "restart", "restored_step"}`` per start of the worker group), ``restarts``
+            (the highest torchrun restart count seen), ``restored_steps`` (checkpoint
+            steps restored, in order) and ``audit`` (``{"epoch", "count",
+            "expected", "ok"}`` per finished epoch).
+        """
+        keys = ("world_size", "step", "restart", "restored_step")
+        return {
+            "steps": self.step,
+            "epochs": self.epoch,
+            "world_sizes": [{k: h.get(k) for k in keys} for h in self.history],
+            "restarts": max((h["restart"] for h in self.history), default=0),
+            "restored_steps": [h["restored_step"] for h in self.history
+                               if h.get("restored_step") is not None],
+            "audit": [{"epoch": a.epoch, "count": a.count, "expected": a.expected_count,
+                       "ok": bool(a.ok)}
+                      for _, a in sorted(self.audit.epochs.items()) if a.ok is not None],
+        }
+
     def apply_lr_scale(self, scale: float) -> None:
         """Make the optimizer's (and scheduler's) learning rates ``base * scale``.
 

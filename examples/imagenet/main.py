@@ -326,19 +326,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         evaluate_and_keep_best(state)
     digest = param_sha256(state.model)
     if info.is_main:
-        history = state.history
         secs, imgs = state.extras["train_seconds"], state.extras["train_images"]
         summary = {
-            "steps": state.step,
-            "epochs": state.epoch,
-            "world_sizes": [{k: h[k] for k in ("world_size", "step", "restart", "restored_step")}
-                            for h in history],
-            "restarts": max((h["restart"] for h in history), default=0),
-            "restored_steps": [h["restored_step"] for h in history
-                               if h["restored_step"] is not None],
-            "audit": [{"epoch": a.epoch, "count": a.count, "expected": a.expected_count,
-                       "ok": bool(a.ok)}
-                      for e, a in sorted(state.audit.epochs.items()) if a.ok is not None],
+            **state.run_report(),
             "final_top1": evals["top1"],
             "final_top5": evals["top5"],
             "best_acc1": state.extras["best_acc1"],

@@ -209,7 +209,6 @@ def main(argv: list[str] | None = None) -> int:
 
     sha = param_sha256(model)
     if info.is_main:
-        history = state.history
         plain = ek.unwrap_model(model)
         if args.save_final:
             torch.save({k: v.detach().clone() for k, v in plain.state_dict().items()},
@@ -218,16 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         with torch.no_grad():
             final_loss = float(((plain(x) - y) ** 2).mean())
         summary = {
-            "steps": state.step,
-            "epochs": state.epoch,
-            "world_sizes": [{k: h[k] for k in ("world_size", "step", "restart", "restored_step")}
-                            for h in history],
-            "restarts": max((h["restart"] for h in history), default=0),
-            "restored_steps": [h["restored_step"] for h in history
-                               if h["restored_step"] is not None],
-            "audit": [{"epoch": a.epoch, "count": a.count, "expected": a.expected_count,
-                       "ok": bool(a.ok)}
-                      for _, a in sorted(state.audit.epochs.items()) if a.ok is not None],
+            **state.run_report(),
             "param_sha256": sha,
             "global_batch_size": args.global_batch_size,
             "dataset_size": args.dataset_size,

@@ -9,7 +9,6 @@ shared.
 
 from __future__ import annotations
 
-import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +25,7 @@ if _REPO not in sys.path:
 
 from elastic_kit.local_cluster import EtcdServer  # noqa: E402
 from tests.integration.harness import (  # noqa: E402
-    Job, TrainingScript, assert_audit_ok, make_job, worker_script,
+    Job, TrainingScript, make_job, run_fault_free, worker_script,
 )
 
 EPOCHS = 4
@@ -68,16 +67,7 @@ def reference_run(tmp_path_factory: pytest.TempPathFactory,
                   training_script: TrainingScript) -> Iterator[Reference]:
     """Two nodes, no fault: the trajectory the fault scenarios must reproduce."""
     root = tmp_path_factory.mktemp("reference")
-    job = make_job(root, training_script, nnodes="2", max_restarts=0)
-    try:
-        job.cluster.add_agent()
-        job.cluster.add_agent()
-        summary = job.finish([0, 0])
-    finally:
-        job.cluster.close()
-    assert summary["restarts"] == 0, json.dumps(summary)
-    assert [w["world_size"] for w in summary["world_sizes"]] == [2], summary["world_sizes"]
-    assert_audit_ok(summary, EPOCHS)
+    job, summary = run_fault_free(root, training_script, epochs=EPOCHS)
     yield Reference(summary, job.final_path, root)
 
 

@@ -220,6 +220,25 @@ def make_job(root: Path, script: TrainingScript, *, nnodes: str, max_restarts: i
     return Job(cluster, root, ckpt, summary, final)
 
 
+def run_fault_free(root: Path, script: TrainingScript, *, epochs: int) -> tuple[Job, dict[str, Any]]:
+    """Two nodes, no fault: the trajectory a fault scenario must reproduce.
+
+    Checks that the run never restarted and audited every epoch, and returns the
+    finished job (its agents closed) and its summary.
+    """
+    job = make_job(root, script, nnodes="2", max_restarts=0)
+    try:
+        job.cluster.add_agent()
+        job.cluster.add_agent()
+        summary = job.finish([0, 0])
+    finally:
+        job.cluster.close()
+    assert world_size_sequence(summary) == [2], summary["world_sizes"]
+    assert summary["restarts"] == 0, summary
+    assert_audit_ok(summary, epochs)
+    return job, summary
+
+
 def load_params(path: Path) -> dict[str, Any]:
     import torch
 

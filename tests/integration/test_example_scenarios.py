@@ -23,8 +23,8 @@ import pytest
 
 from tests.integration.conftest import Reference
 from tests.integration.harness import (
-    EXAMPLE, Job, TrainingScript, assert_audit_ok, example_script, final_model_state, make_job,
-    world_size_sequence,
+    EXAMPLE, Job, TrainingScript, assert_audit_ok, example_script, final_model_state,
+    run_fault_free, world_size_sequence,
 )
 
 pytestmark = [
@@ -57,15 +57,7 @@ def example(tiny_imagefolder: Path) -> TrainingScript:
 def example_reference(tmp_path_factory: pytest.TempPathFactory,
                       example: TrainingScript) -> Iterator[Reference]:
     root = tmp_path_factory.mktemp("example-reference")
-    job = make_job(root, example, nnodes="2", max_restarts=0)
-    try:
-        job.cluster.add_agent()
-        job.cluster.add_agent()
-        summary = job.finish([0, 0])
-    finally:
-        job.cluster.close()
-    assert world_size_sequence(summary) == [2], summary["world_sizes"]
-    assert_audit_ok(summary, EPOCHS)
+    job, summary = run_fault_free(root, example, epochs=EPOCHS)
     yield Reference(summary, job.checkpoint_dir, root)
 
 
