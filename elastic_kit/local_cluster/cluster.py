@@ -1,174 +1,27 @@
-"""Several torchrun agents on one machine, each one "node": for tests, demos, benchmarks.
-
-A real elastic job is one ``torchrun`` agent per host, all pointing at the same
-rendezvous. :class:`LocalCluster` starts such agents on ``127.0.0.1`` so that failures,
-preemptions, scale-down and scale-up can be produced on purpose and observed:
-
-- :meth:`LocalCluster.add_agent` starts one more agent (a node joins);
-- :meth:`LocalCluster.kill_agent` SIGKILLs an agent *and every process below it* (a
-  node is lost). torchrun starts its workers in their own sessions, so killing the
-  agent's process group would leave the workers running: the tree is walked with
-  psutil *before* anything is killed, because an orphan is re-parented and cannot be
-  found from the agent afterwards;
-- :meth:`LocalCluster.terminate_agent` sends SIGTERM to the agent only, which torchrun
-  forwards to its workers (a preemption notice);
-- :meth:`LocalCluster.close` kills whatever is still alive. Every process a cluster
-  starts carries a private marker in its environment, so even a worker orphaned by an
-  agent that died on its own is found and stopped.
-
-:class:`EtcdServer` runs a throw-away ``etcd`` (v2 API enabled) on free loopback
-ports for the ``etcd-v2`` rendezvous backend, where unlike c10d any agent may die.
-
-:func:`wait_for` polls a condition with a bounded timeout, so a test can act "after
-step N" on an observable event (a checkpoint manifest appearing, a log line) instead
-of sleeping.
-
-Example::
-
-    with LocalCluster(["train.py", "--epochs", "2"], nnodes="1:3",
-                      log_dir=tmp_path / "logs") as cluster:
-        for _ in range(3):
-            cluster.add_agent()
-        wait_for(lambda: any(tmp_path.glob("ckpt/step-*/manifest.json")), 120)
-        cluster.kill_agent(cluster.agents[2])      # a non-host agent: c10d survives
-        assert cluster.wait(300)[:2] == [0, 0]
-
-.. warning::
-    With ``rdzv_backend="c10d"`` the first agent hosts the rendezvous store; if it
-    dies every agent fails. Kill only later agents there, or use :class:`EtcdServer`
-    with ``rdzv_backend="etcd-v2"``.
-"""
+"""The cluster of torchrun agents and its :class:`Agent` handles (see the package docstring)."""
 
 from __future__ import annotations
 
 import logging
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
-import urllib.error
-import urllib.request
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType, TracebackType
-from typing import IO, Any, Callable, Mapping, Sequence
+from types import TracebackType
+from typing import IO, Any, Mapping, Sequence
 
-__all__ = ["Agent", "LocalCluster", "EtcdServer", "wait_for", "free_port", "kill_process_tree"]
+from elastic_kit.local_cluster._proc import (
+    MARKER_ENV, _descendants, _port_open, _psutil, kill_process_tree, wait_for,
+)
+from elastic_kit.testing import free_port
+
+__all__ = ["Agent", "LocalCluster"]
 
 log = logging.getLogger(__name__)
-
-#: Environment variable carrying a cluster's private marker into every process it starts.
-MARKER_ENV = "ELASTIC_KIT_LOCAL_CLUSTER_ID"
-
-
-def _psutil() -> ModuleType:
-    """psutil, imported only when processes are actually walked (it is a test extra)."""
-    try:
-        import psutil
-    except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError(
-            "elastic_kit.local_cluster needs psutil to find and stop process trees; "
-            "install it with `pip install psutil` or `pip install elastic_kit[test]`"
-        ) from e
-    return psutil
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port on ``host`` that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
-def _port_open(host: str, port: int) -> bool:
-    try:
-        with socket.create_connection((host, port), timeout=0.5):
-            return True
-    except OSError:
-        return False
-
-
-def wait_for(
-    predicate: Callable[[], Any],
-    timeout: float,
-    *,
-    interval: float = 0.1,
-    what: str = "condition",
-    abort_if: Callable[[], Any] | None = None,
-) -> Any:
-    """Poll ``predicate`` until it returns something truthy, and return that value.
-
-    Args:
-        predicate: the condition; exceptions it raises propagate.
-        timeout: seconds before giving up with :class:`TimeoutError`.
-        interval: seconds between polls.
-        what: a description for the error message.
-        abort_if: checked after each failed poll; when truthy, give up at once with
-            :class:`RuntimeError` (e.g. "every agent has exited", so a test does not sit
-            out the whole timeout waiting for a file that will never appear).
-    """
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if abort_if is not None and abort_if():
-            value = predicate()  # the event may have landed just before the abort
-            if value:
-                return value
-            raise RuntimeError(f"gave up waiting for {what}: abort condition met")
-        if time.monotonic() >= deadline:
-            raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(interval)
-
-
-def _descendants(pid: int) -> list[Any]:
-    psutil = _psutil()
-    try:
-        return list(psutil.Process(pid).children(recursive=True))
-    except psutil.NoSuchProcess:
-        return []
-
-
-def _parent_pid(proc: Any) -> int | None:
-    try:
-        return int(proc.ppid())
-    except Exception:  # gone already: nothing to reap
-        return None
-
-
-def kill_process_tree(pid: int, sig: int = signal.SIGKILL, *, timeout: float = 10.0) -> list[int]:
-    """Send ``sig`` to ``pid`` and to every descendant, found *before* signalling.
-
-    Descendants are collected first because once their parent dies they are
-    re-parented and no longer reachable from ``pid``. Returns the pids signalled.
-    With SIGKILL, waits (up to ``timeout``) until they are all gone, except the
-    caller's own children, which the caller reaps (``Popen.wait``) to keep their status.
-    """
-    psutil = _psutil()
-    try:
-        root = psutil.Process(pid)
-    except psutil.NoSuchProcess:
-        return []
-    procs = [root, *_descendants(pid)]
-    for p in procs:
-        try:
-            p.send_signal(sig)
-        except psutil.NoSuchProcess:
-            pass
-    if sig == signal.SIGKILL:
-        # Never reap our own children here: their Popen object must collect the exit
-        # status (psutil's wait would take it and Popen would then report 0).
-        others = [p for p in procs if _parent_pid(p) != os.getpid()]
-        _, alive = psutil.wait_procs(others, timeout=timeout)
-        if alive:
-            log.warning("processes still alive after SIGKILL: %s", [p.pid for p in alive])
-    return [p.pid for p in procs]
 
 
 @dataclass
@@ -538,113 +391,3 @@ class LocalCluster:
         self.close()
 
 
-class EtcdServer:
-    """A throw-away etcd with the v2 API, on free loopback ports and a temporary data dir.
-
-    For torchrun's ``etcd-v2`` rendezvous backend, where the rendezvous does not live
-    inside an agent, so that any agent (the first one too) may die.
-
-    Args:
-        binary: the etcd executable (looked up on PATH).
-        data_dir: where etcd keeps its data; a temporary directory (removed on stop)
-            when None.
-        log_path: file for etcd's output; inside the data dir's parent when None.
-        start_timeout: seconds to wait for etcd to answer ``/health``.
-
-    Example::
-
-        with EtcdServer() as etcd:
-            cluster = LocalCluster([...], rdzv_backend="etcd-v2",
-                                   rdzv_endpoint=etcd.endpoint, log_dir=...)
-    """
-
-    def __init__(self, *, binary: str = "etcd", data_dir: str | Path | None = None,
-                 log_path: str | Path | None = None, start_timeout: float = 30.0) -> None:
-        self.binary = binary
-        self._own_dir = data_dir is None
-        self.data_dir = Path(data_dir) if data_dir is not None else None
-        self.log_path = Path(log_path) if log_path is not None else None
-        self.start_timeout = start_timeout
-        self.client_port = 0
-        self.peer_port = 0
-        self.proc: subprocess.Popen[bytes] | None = None
-        self._log_file: IO[bytes] | None = None
-        self._tmp: str | None = None
-
-    @property
-    def endpoint(self) -> str:
-        """``127.0.0.1:PORT`` of the client API (torchrun's ``--rdzv-endpoint``)."""
-        if self.proc is None:
-            raise RuntimeError("EtcdServer is not started; call start() first")
-        return f"127.0.0.1:{self.client_port}"
-
-    def start(self) -> EtcdServer:
-        """Start etcd and wait until it reports healthy."""
-        if self.proc is not None:
-            raise RuntimeError(f"EtcdServer already running on {self.endpoint}")
-        exe = shutil.which(self.binary)
-        if exe is None:
-            raise FileNotFoundError(
-                f"etcd binary {self.binary!r} not found on PATH; install it with "
-                "`apt-get install etcd-server` (Debian/Ubuntu) or from "
-                "https://github.com/etcd-io/etcd/releases"
-            )
-        if self.data_dir is None:
-            self._tmp = tempfile.mkdtemp(prefix="elastic_kit_etcd_")
-            self.data_dir = Path(self._tmp) / "data"
-        log_path = self.log_path or self.data_dir.parent / "etcd.log"
-        self.client_port, self.peer_port = free_port(), free_port()
-        while self.peer_port == self.client_port:
-            self.peer_port = free_port()
-        client = f"http://127.0.0.1:{self.client_port}"
-        peer = f"http://127.0.0.1:{self.peer_port}"
-        cmd = [
-            exe, "--enable-v2=true",
-            "--name", "elastic-kit-test",
-            "--data-dir", str(self.data_dir),
-            "--listen-client-urls", client, "--advertise-client-urls", client,
-            "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-            "--initial-cluster", f"elastic-kit-test={peer}",
-        ]
-        self._log_file = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=self._log_file,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            wait_for(self._healthy, self.start_timeout, interval=0.2,
-                     what=f"etcd on {client} to be healthy",
-                     abort_if=lambda: self.proc is not None and self.proc.poll() is not None)
-        except (TimeoutError, RuntimeError) as e:
-            self.stop()
-            raise RuntimeError(f"etcd did not start ({e}); see {log_path}") from e
-        log.info("etcd running on %s (pid %d)", client, self.proc.pid)
-        return self
-
-    def _healthy(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.client_port}/health",
-                                        timeout=1) as r:
-                return b"true" in r.read()
-        except (urllib.error.URLError, OSError):
-            return False
-
-    def stop(self) -> None:
-        """Kill etcd and remove its temporary data directory (idempotent)."""
-        if self.proc is not None:
-            if self.proc.poll() is None:
-                self.proc.kill()
-            self.proc.wait(timeout=10)
-            self.proc = None
-        if self._log_file is not None:
-            self._log_file.close()
-            self._log_file = None
-        if self._tmp is not None:
-            shutil.rmtree(self._tmp, ignore_errors=True)
-            self._tmp = None
-            self.data_dir = None
-
-    def __enter__(self) -> EtcdServer:
-        return self.start()
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self.stop()

@@ -1,0 +1,50 @@
+"""Several torchrun agents on one machine, each one "node": for tests, demos, benchmarks.
+
+A real elastic job is one ``torchrun`` agent per host, all pointing at the same
+rendezvous. :class:`LocalCluster` starts such agents on ``127.0.0.1`` so that failures,
+preemptions, scale-down and scale-up can be produced on purpose and observed:
+
+- :meth:`LocalCluster.add_agent` starts one more agent (a node joins);
+- :meth:`LocalCluster.kill_agent` SIGKILLs an agent *and every process below it* (a
+  node is lost). torchrun starts its workers in their own sessions, so killing the
+  agent's process group would leave the workers running: the tree is walked with
+  psutil *before* anything is killed, because an orphan is re-parented and cannot be
+  found from the agent afterwards;
+- :meth:`LocalCluster.terminate_agent` sends SIGTERM to the agent only, which torchrun
+  forwards to its workers (a preemption notice);
+- :meth:`LocalCluster.close` kills whatever is still alive. Every process a cluster
+  starts carries a private marker in its environment, so even a worker orphaned by an
+  agent that died on its own is found and stopped.
+
+:class:`EtcdServer` runs a throw-away ``etcd`` (v2 API enabled) on free loopback
+ports for the ``etcd-v2`` rendezvous backend, where unlike c10d any agent may die.
+
+:func:`wait_for` polls a condition with a bounded timeout, so a test can act "after
+step N" on an observable event (a checkpoint manifest appearing, a log line) instead
+of sleeping.
+
+Example::
+
+    with LocalCluster(["train.py", "--epochs", "2"], nnodes="1:3",
+                      log_dir=tmp_path / "logs") as cluster:
+        for _ in range(3):
+            cluster.add_agent()
+        wait_for(lambda: any(tmp_path.glob("ckpt/step-*/manifest.json")), 120)
+        cluster.kill_agent(cluster.agents[2])      # a non-host agent: c10d survives
+        assert cluster.wait(300)[:2] == [0, 0]
+
+.. warning::
+    With ``rdzv_backend="c10d"`` the first agent hosts the rendezvous store; if it
+    dies every agent fails. Kill only later agents there, or use :class:`EtcdServer`
+    with ``rdzv_backend="etcd-v2"``.
+"""
+
+from __future__ import annotations
+
+from elastic_kit.local_cluster._proc import MARKER_ENV, kill_process_tree, wait_for
+from elastic_kit.local_cluster.cluster import Agent, LocalCluster
+from elastic_kit.local_cluster.etcd import EtcdServer
+from elastic_kit.testing import free_port
+
+__all__ = ["Agent", "LocalCluster", "EtcdServer", "wait_for", "free_port", "kill_process_tree",
+           "MARKER_ENV"]

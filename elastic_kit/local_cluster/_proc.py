@@ -1,0 +1,120 @@
+"""Process-tree and polling helpers for :class:`~elastic_kit.local_cluster.LocalCluster`.
+
+torchrun starts workers in their own sessions, so a lost node is simulated by walking
+the agent's process tree (psutil) and SIGKILLing every process in it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import time
+from types import ModuleType
+from typing import Any, Callable
+
+__all__ = ["MARKER_ENV", "kill_process_tree", "wait_for"]
+
+log = logging.getLogger(__name__)
+
+#: Environment variable carrying a cluster's private marker into every process it starts.
+MARKER_ENV = "ELASTIC_KIT_LOCAL_CLUSTER_ID"
+
+
+def _psutil() -> ModuleType:
+    """psutil, imported only when processes are actually walked (it is a test extra)."""
+    try:
+        import psutil
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            "elastic_kit.local_cluster needs psutil to find and stop process trees; "
+            "install it with `pip install psutil` or `pip install elastic_kit[test]`"
+        ) from e
+    return psutil
+
+
+def _port_open(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+def wait_for(
+    predicate: Callable[[], Any],
+    timeout: float,
+    *,
+    interval: float = 0.1,
+    what: str = "condition",
+    abort_if: Callable[[], Any] | None = None,
+) -> Any:
+    """Poll ``predicate`` until it returns something truthy, and return that value.
+
+    Args:
+        predicate: the condition; exceptions it raises propagate.
+        timeout: seconds before giving up with :class:`TimeoutError`.
+        interval: seconds between polls.
+        what: a description for the error message.
+        abort_if: checked after each failed poll; when truthy, give up at once with
+            :class:`RuntimeError` (e.g. "every agent has exited", so a test does not sit
+            out the whole timeout waiting for a file that will never appear).
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if abort_if is not None and abort_if():
+            value = predicate()  # the event may have landed just before the abort
+            if value:
+                return value
+            raise RuntimeError(f"gave up waiting for {what}: abort condition met")
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(interval)
+
+
+def _descendants(pid: int) -> list[Any]:
+    psutil = _psutil()
+    try:
+        return list(psutil.Process(pid).children(recursive=True))
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _parent_pid(proc: Any) -> int | None:
+    try:
+        return int(proc.ppid())
+    except Exception:  # gone already: nothing to reap
+        return None
+
+
+def kill_process_tree(pid: int, sig: int = signal.SIGKILL, *, timeout: float = 10.0) -> list[int]:
+    """Send ``sig`` to ``pid`` and to every descendant, found *before* signalling.
+
+    Descendants are collected first because once their parent dies they are
+    re-parented and no longer reachable from ``pid``. Returns the pids signalled.
+    With SIGKILL, waits (up to ``timeout``) until they are all gone, except the
+    caller's own children, which the caller reaps (``Popen.wait``) to keep their status.
+    """
+    psutil = _psutil()
+    try:
+        root = psutil.Process(pid)
+    except psutil.NoSuchProcess:
+        return []
+    procs = [root, *_descendants(pid)]
+    for p in procs:
+        try:
+            p.send_signal(sig)
+        except psutil.NoSuchProcess:
+            pass
+    if sig == signal.SIGKILL:
+        # Never reap our own children here: their Popen object must collect the exit
+        # status (psutil's wait would take it and Popen would then report 0).
+        others = [p for p in procs if _parent_pid(p) != os.getpid()]
+        _, alive = psutil.wait_procs(others, timeout=timeout)
+        if alive:
+            log.warning("processes still alive after SIGKILL: %s", [p.pid for p in alive])
+    return [p.pid for p in procs]
