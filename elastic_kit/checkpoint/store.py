@@ -280,15 +280,23 @@ class CheckpointStore:
         if failed:
             raise CheckpointError(f"{what} failed on a writer rank (see its log)")
 
-    def _finish_pending(self) -> None:
+    def _join_pending(self) -> tuple[int, BaseException | None] | None:
+        """Join the in-flight save on this rank: ``(step, error)``, or None if none."""
         self._join_janitor()
         if self._pending_step is None:
-            return
+            return None
         step, self._pending_step = self._pending_step, None
         err = self._bg.join() if self.is_writer else None
         if err is not None:
-            log.error("background save of checkpoint step %d failed: %r", step, err)
-        self._agree(err, f"background save of checkpoint step {step} to {self.url}")
+            log.error("background save of checkpoint step %d to %s failed: %r", step,
+                      self.url, err)
+        return step, err
+
+    def _finish_pending(self) -> None:
+        joined = self._join_pending()
+        if joined is not None:
+            step, err = joined
+            self._agree(err, f"background save of checkpoint step {step} to {self.url}")
 
     def wait(self) -> None:
         """Wait for the in-flight non-blocking save; re-raise its error. Collective."""
@@ -303,14 +311,7 @@ class CheckpointStore:
         completes here is committed as usual; a failure is logged, not raised, so the
         error already propagating stays the one the user sees.
         """
-        self._join_janitor()
-        if self._pending_step is None:
-            return
-        step, self._pending_step = self._pending_step, None
-        err = self._bg.join() if self.is_writer else None
-        if err is not None:
-            log.error("background save of checkpoint step %d to %s failed: %r", step,
-                      self.url, err)
+        self._join_pending()
 
     def close(self) -> None:
         """Wait for the in-flight save (collective, like :meth:`wait`)."""
