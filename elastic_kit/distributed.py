@@ -17,7 +17,7 @@ import logging
 import os
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -34,6 +34,7 @@ __all__ = [
     "barrier",
     "all_reduce_max",
     "all_reduce_sum",
+    "all_reduce_sum_async",
     "broadcast_object",
     "broadcast_tensors",
     "DEFAULT_TIMEOUT",
@@ -272,6 +273,28 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     t = tensor.detach().to(_collective_device()).clone()
     dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t.to(tensor.device)
+
+
+def all_reduce_sum_async(tensor: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """Start summing ``tensor`` over all ranks; call the returned function for the sum.
+
+    The all-reduce runs while the caller does other work (the loop issues its
+    per-step flags before ``optimizer.step`` and reads them after), so a small
+    collective costs no time on the critical path. Every rank must call the returned
+    function before its next collective on the same group; it returns a new tensor
+    on the input's device.
+    """
+    if not is_dist_ready():
+        done = tensor.detach().clone()
+        return lambda: done
+    t = tensor.detach().to(_collective_device()).clone()
+    work = dist.all_reduce(t, op=dist.ReduceOp.SUM, async_op=True)
+
+    def result() -> torch.Tensor:
+        work.wait()
+        return t.to(tensor.device)
+
+    return result
 
 
 def broadcast_object(obj: Any, src: int = 0) -> Any:

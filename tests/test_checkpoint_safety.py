@@ -34,10 +34,10 @@ def _replace_payload(path: str, obj) -> None:
     payload = os.path.join(path, PAYLOAD_NAME)
     torch.save(obj, payload)
     data = open(payload, "rb").read()
-    h = new_hasher("crc32")
-    h.update(data)
     mpath = os.path.join(path, MANIFEST_NAME)
     m = Manifest.from_json(open(mpath).read())
+    h = new_hasher(m.checksum)
+    h.update(data)
     m.files[PAYLOAD_NAME] = type(m.files[PAYLOAD_NAME])(size=len(data), checksum=h.hexdigest())
     open(mpath, "w").write(m.to_json())
 
@@ -178,7 +178,7 @@ def test_node_rank_template_and_manifest_contents(tmp_path):
     info = store.list()[0]
     assert info.path.startswith(str(tmp_path / "n4"))
     m = json.loads(open(os.path.join(info.path, MANIFEST_NAME)).read())
-    assert m["step"] == 3 and m["epoch"] == 2 and m["checksum"] == "crc32"
+    assert m["step"] == 3 and m["epoch"] == 2 and m["checksum"] == "xxh3_128"
     assert m["torch_version"] == torch.__version__ and m["elastic_kit_version"]
     assert set(m["files"]) == {PAYLOAD_NAME} and m["files"][PAYLOAD_NAME]["size"] > 0
     assert not [n for n in os.listdir(tmp_path / "n4") if n.startswith(".tmp")]
@@ -195,3 +195,24 @@ def test_sha256_checksum_option_verifies_and_catches_a_flipped_byte(tmp_path):
     data[-30] ^= 0x01
     open(payload, "wb").write(bytes(data))
     assert store.load().step == 1
+
+
+@pytest.mark.parametrize("checksum", ["crc32", "sha256", "xxh3_128"])
+def test_every_checksum_detects_a_flipped_byte_and_a_default_store_reads_them(
+        tmp_path, checksum, caplog):
+    """Checkpoints written with any algorithm (crc32 was the first default) load in a
+    store with the current default, and a flipped byte falls back with a reason."""
+    old = CheckpointStore(str(tmp_path), checksum=checksum, keep_last=None)
+    old.save({"w": torch.full((1000,), 1.0)}, step=1)
+    old.save({"w": torch.full((1000,), 2.0)}, step=2)
+    infos = old.list()
+    assert [i.manifest.checksum for i in infos] == [checksum, checksum]
+    store = CheckpointStore(str(tmp_path))  # default checksum: xxh3_128
+    assert store.load().state["w"][0].item() == 2.0
+    payload = os.path.join(infos[-1].path, PAYLOAD_NAME)
+    data = bytearray(open(payload, "rb").read())
+    data[len(data) // 2] ^= 0x01
+    open(payload, "wb").write(bytes(data))
+    with caplog.at_level("WARNING"):
+        assert store.load().state["w"][0].item() == 1.0
+    assert "corrupt payload" in caplog.text and f"has {checksum} " in caplog.text

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import uuid
+import threading
 from typing import Any, Callable
 
 import fsspec
@@ -118,6 +119,43 @@ class StoreContract:
         store.save(make_state(2, n=10), step=2, blocking=False)
         store.close()
         assert [i.step for i in store.list()] == [1, 2]
+
+    def test_copy_later_tensors_are_copied_in_the_background_before_wait_staged(
+            self, make, monkeypatch):
+        from elastic_kit.checkpoint import store as store_mod
+
+        gate = threading.Event()
+        real_copy = store_mod.copy_deferred
+
+        def gated_copy(pairs, after=None):  # the copy starts only when the test allows it
+            assert gate.wait(30)
+            real_copy(pairs, after)
+
+        monkeypatch.setattr(store_mod, "copy_deferred", gated_copy)
+        store = make()
+        state = make_state(1)
+        w = state["model"]["w"]
+        store.save(state, step=1, blocking=False, copy_later=[w])
+        # Not in copy_later: staged inside save(), so it may change at once.
+        state["model"]["b"].zero_()
+        staged = threading.Thread(target=store.wait_staged)
+        staged.start()
+        staged.join(0.2)
+        assert staged.is_alive()  # wait_staged blocks until the deferred copy ran
+        gate.set()
+        staged.join(30)
+        assert not staged.is_alive()
+        w.fill_(-1.0)  # allowed once wait_staged() returned
+        store.wait()
+        assert_state_is(store.load().state, 1)
+
+    def test_wait_staged_without_a_deferred_copy_returns_at_once(self, make):
+        store = make()
+        store.wait_staged()  # nothing in flight
+        store.save(make_state(1), step=1, blocking=False)
+        store.wait_staged()  # everything was copied inside save()
+        store.close()
+        assert_state_is(store.load().state, 1)
 
     # ---------------------------------------------------------------- damage
     @pytest.mark.parametrize("damage, reason", [

@@ -57,7 +57,7 @@ def test_verify_exit_0_when_intact_and_1_when_a_checkpoint_is_corrupt(store_url,
     _corrupt(store_url, 20)
     assert main(["verify", store_url]) == EXIT_CORRUPT
     out = capsys.readouterr().out
-    assert "CORRUPT  step 20" in out and "crc32" in out and "2 ok, 1 corrupt" in out
+    assert "CORRUPT  step 20" in out and "xxh3_128" in out and "2 ok, 1 corrupt" in out
     assert main(["verify", store_url, "--step", "30"]) == EXIT_OK
     assert main(["verify", store_url, "--step", "99"]) == EXIT_USAGE
 

@@ -180,3 +180,54 @@ def test_linear_lr_policy_rescales_lr_on_resume_without_compounding(
     lr, st = life(1, 3)
     assert lr == pytest.approx(0.2) and st.step == 3
     assert [h["world_size"] for h in st.history] == [2, 1, 1]
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_nonblocking_checkpoints_hold_the_state_of_their_step_with_a_slow_copy(
+        tmp_path: object, monkeypatch: pytest.MonkeyPatch, overlap: bool) -> None:
+    """The deferred copy of the parameters and optimizer state is slowed down: the loop
+    must still wait for it before optimizer.step, so each checkpoint holds its step."""
+    import time
+
+    from elastic_kit.checkpoint import CheckpointStore
+    from elastic_kit.checkpoint import store as store_mod
+
+    real_copy = store_mod.copy_deferred
+    deferred_counts: list[int] = []
+
+    def slow_copy(pairs, after=None):  # type: ignore[no-untyped-def]
+        deferred_counts.append(len(pairs))
+        time.sleep(0.05)
+        real_copy(pairs, after)
+
+    monkeypatch.setattr(store_mod, "copy_deferred", slow_copy)
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    crit = nn.CrossEntropyLoss(reduction="none")
+    state = TrainState(model, opt)
+    seen: dict[int, dict[str, torch.Tensor]] = {}
+
+    def on_step_end(st: TrainState, info: object) -> None:
+        seen[st.step] = {k: v.clone() for k, v in st.model.state_dict().items()}
+        seen[st.step]["momentum"] = opt.state[model.weight]["momentum_buffer"].clone()
+
+    store = CheckpointStore(str(tmp_path), keep_last=None)
+    loop = ElasticLoop(state, _Augmented(), loss_fn=lambda m, b: crit(m(b[0]), b[1]),
+                       store=store, on_step_end=on_step_end,
+                       config=LoopConfig(epochs=2, global_batch_size=8, micro_batch_size=8,
+                                         checkpoint_every_steps=1, blocking=False,
+                                         overlap_staging=overlap, log_every=0,
+                                         progress_bar=False))
+    loop.run()
+    saved = [i.step for i in store.list()]
+    assert saved == list(range(1, 9))
+    # with overlap every save defers the 2 parameters and the 2 momentum buffers
+    # (the first save has no momentum yet); without it nothing is deferred
+    assert (sum(deferred_counts) > 0) == overlap
+    for info in store.list():
+        ck = torch.load(f"{info.path}/state.pt", weights_only=True)
+        for k in ("weight", "bias"):
+            assert torch.equal(ck["model"][k], seen[info.step][k]), (info.step, k)
+        mom = ck["optimizer"]["state"][0]["momentum_buffer"]
+        assert torch.equal(mom, seen[info.step]["momentum"]), info.step

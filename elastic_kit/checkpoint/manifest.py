@@ -23,7 +23,7 @@ __all__ = ["MANIFEST_NAME", "FORMAT", "FileEntry", "Manifest"]
 MANIFEST_NAME = "manifest.json"
 #: Bumped when the layout changes incompatibly; readers refuse other formats.
 FORMAT = "elastic_kit.checkpoint/1"
-CHECKSUMS = ("crc32", "sha256")
+CHECKSUMS = ("xxh3_128", "crc32", "sha256")
 
 
 def _library_version() -> str:
@@ -50,7 +50,8 @@ class Manifest:
     Attributes:
         step: the global step the state belongs to.
         files: payload file name (relative to the step directory) -> :class:`FileEntry`.
-        checksum: the algorithm of every file's checksum, ``"crc32"`` or ``"sha256"``.
+        checksum: the algorithm of every file's checksum: ``"xxh3_128"``, ``"crc32"``
+            or ``"sha256"`` (a manifest without the field is crc32).
         metadata: the caller's JSON-able metadata (``{"epoch": 3, ...}``).
         epoch: ``metadata["epoch"]`` when given, for quick listing.
         world_size: the world size of the job that saved it.

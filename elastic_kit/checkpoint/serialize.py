@@ -32,7 +32,7 @@ import torch
 
 from elastic_kit.errors import UnsafeCheckpointError
 
-__all__ = ["prepare_state", "validate_state", "HashingWriter", "iter_tensors", "torch_zip_crc_off", "new_hasher", "hash_stream", "load_payload"]
+__all__ = ["prepare_state", "validate_state", "storage_keys", "copy_deferred", "HashingWriter", "iter_tensors", "torch_zip_crc_off", "new_hasher", "hash_stream", "load_payload"]
 
 _PRIMITIVES = (int, float, complex, str, bytes, bool, type(None), torch.Size, torch.dtype,
                torch.device)
@@ -53,7 +53,9 @@ def _check_key(key: Any, path: str) -> None:
 
 def prepare_state(state: Any, *, copy: bool, path: str = "",
                   pool: dict[str, torch.Tensor] | None = None,
-                  used: dict[str, torch.Tensor] | None = None) -> Any:
+                  used: dict[str, torch.Tensor] | None = None,
+                  later: frozenset[int] = frozenset(),
+                  deferred: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> Any:
     """Validate ``state`` for weights-only loading and return what to serialize.
 
     Args:
@@ -69,6 +71,11 @@ def prepare_state(state: Any, *, copy: bool, path: str = "",
             keeps a non-blocking save's blocked time small.
         used: receives the buffers this call used (the caller keeps it as the next
             ``pool``, so buffers of keys that disappeared are freed).
+        later: storage addresses (``untyped_storage().data_ptr()``) of tensors whose
+            copy is deferred: with ``copy``, their staging buffer is allocated (or
+            reused) but not filled; ``(source, buffer)`` goes to ``deferred`` for the
+            caller to copy later (:func:`copy_deferred`).
+        deferred: receives those pairs.
 
     Raises:
         TypeError: naming the key path and type of the first value that
@@ -78,13 +85,20 @@ def prepare_state(state: Any, *, copy: bool, path: str = "",
     t = type(state)
     if t in _TENSOR_TYPES:
         x = state.detach()
-        if copy and pool is not None and x.layout == torch.strided:
-            buf = pool.get(path)
+        defer = (copy and deferred is not None and x.layout == torch.strided
+                 and x.untyped_storage().data_ptr() in later)
+        if copy and (pool is not None or defer) and x.layout == torch.strided:
+            buf = pool.get(path) if pool is not None else None
             if buf is None or buf.shape != x.shape or buf.dtype != x.dtype:
                 buf = torch.empty(x.shape, dtype=x.dtype, device="cpu",
                                   pin_memory=x.device.type == "cuda")
-                pool[path] = buf
-            buf.copy_(x, non_blocking=x.device.type == "cuda")
+                if pool is not None:
+                    pool[path] = buf
+            if defer:
+                assert deferred is not None
+                deferred.append((x, buf))
+            else:
+                buf.copy_(x, non_blocking=x.device.type == "cuda")
             if used is not None:
                 used[path] = buf
             return buf
@@ -101,10 +115,12 @@ def prepare_state(state: Any, *, copy: bool, path: str = "",
         for k, v in state.items():
             sub = f"{path}[{k!r}]"
             _check_key(k, sub)
-            out[k] = prepare_state(v, copy=copy, path=sub, pool=pool, used=used)
+            out[k] = prepare_state(v, copy=copy, path=sub, pool=pool, used=used,
+                                   later=later, deferred=deferred)
         return out
     if t in (list, tuple):
-        items = [prepare_state(v, copy=copy, path=f"{path}[{i}]", pool=pool, used=used)
+        items = [prepare_state(v, copy=copy, path=f"{path}[{i}]", pool=pool, used=used,
+                               later=later, deferred=deferred)
                  for i, v in enumerate(state)]
         return items if t is list else tuple(items)
     if t is set:
@@ -123,6 +139,40 @@ def prepare_state(state: Any, *, copy: bool, path: str = "",
         f"torch.load(weights_only=True) cannot read back; expected tensors, dict/list/"
         f"tuple/set, or int/float/str/bytes/bool/None{hint}"
     )
+
+
+def storage_keys(tensors: Iterable[torch.Tensor]) -> frozenset[int]:
+    """The storage addresses of ``tensors``: the ``later`` set of :func:`prepare_state`.
+
+    Matching by storage rather than by object finds a parameter through the
+    ``param.detach()`` views that ``state_dict()`` returns.
+    """
+    return frozenset(t.untyped_storage().data_ptr() for t in tensors
+                     if isinstance(t, torch.Tensor) and t.layout == torch.strided)
+
+
+def copy_deferred(pairs: list[tuple[torch.Tensor, torch.Tensor]],
+                  after: Any = None) -> None:
+    """Fill the staging buffers that :func:`prepare_state` left empty, in order.
+
+    Runs on the background save thread. CUDA sources are copied on a side stream
+    that first waits for ``after`` (a ``torch.cuda.Event`` recorded on the caller's
+    stream when it called ``save``, so the copy sees every update issued before it)
+    and is synchronized before returning.
+    """
+    cuda = [p for p in pairs if p[0].device.type == "cuda"]
+    for src, dst in pairs:
+        if src.device.type != "cuda":
+            dst.copy_(src)
+    if not cuda:
+        return
+    stream = torch.cuda.Stream(device=cuda[0][0].device)
+    if after is not None:
+        stream.wait_event(after)
+    with torch.cuda.stream(stream):
+        for src, dst in cuda:
+            dst.copy_(src, non_blocking=True)
+    stream.synchronize()
 
 
 def validate_state(state: Any, *, path: str = "") -> None:
@@ -145,13 +195,18 @@ def new_hasher(algorithm: str) -> Any:
     """A hasher object with ``update(bytes)`` and ``hexdigest()`` for ``algorithm``."""
     if algorithm == "sha256":
         return hashlib.sha256()
+    if algorithm == "xxh3_128":
+        import xxhash  # a dependency; imported here so that loading never needs it first
+
+        return xxhash.xxh3_128()
     if algorithm == "crc32":
         return _Crc32()
-    raise ValueError(f"checksum={algorithm!r} must be 'crc32' or 'sha256'")
+    raise ValueError(f"checksum={algorithm!r} must be 'xxh3_128', 'crc32' or 'sha256'")
 
 
 class _Crc32:
-    """zlib.crc32 with hashlib's interface; about 2x faster than sha256 here."""
+    """zlib.crc32 with hashlib's interface (checkpoints written before xxh3_128 became
+    the default use it)."""
 
     def __init__(self) -> None:
         self.value = 0
@@ -177,14 +232,14 @@ class HashingWriter(io.RawIOBase):
     Example::
 
         with open(path, "wb") as f:
-            w = HashingWriter(f, "crc32", stable=tensors)
+            w = HashingWriter(f, "xxh3_128", stable=tensors)
             torch.save(state, w)
             f.flush()
             os.fsync(f.fileno())     # overlaps with the hashing
             size, digest = w.finish()
     """
 
-    def __init__(self, raw: IO[bytes], algorithm: str = "crc32", *,
+    def __init__(self, raw: IO[bytes], algorithm: str = "xxh3_128", *,
                  stable: Iterable[torch.Tensor] = ()) -> None:
         super().__init__()
         self._raw = raw

@@ -154,7 +154,7 @@ def _save_into(f: IO[bytes], state: Any, checksum: str, *, fsync: bool) -> FileE
 
 
 def write_checkpoint(fs: fsspec.AbstractFileSystem, root: str, state: Any, *, step: int,
-                     checksum: str = "crc32", metadata: dict[str, Any] | None = None,
+                     checksum: str = "xxh3_128", metadata: dict[str, Any] | None = None,
                      world_size: int = 1) -> tuple[str, Manifest]:
     """Write and commit ``state`` as ``root/step-<n>``; returns (path, manifest).
 

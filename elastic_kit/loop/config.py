@@ -31,6 +31,12 @@ class LoopConfig:
         checkpoint_at_epoch_end: checkpoint after every epoch (after ``on_epoch_end``).
         checkpoint_at_exit: checkpoint when ``max_steps`` ends the run.
         blocking: make the periodic checkpoints synchronous (SIGTERM ones always are).
+        overlap_staging: a non-blocking checkpoint copies the parameters and optimizer
+            state on the background thread while the next forward and backward run,
+            and the loop waits for that copy before ``optimizer.step()`` (the only
+            place they change). Turn off if ``loss_fn`` or a hook modifies
+            parameters or optimizer state in place outside ``optimizer.step()``;
+            the copy then happens inside the save call.
         scheduler_interval: ``"epoch"`` (``scheduler.step()`` after every epoch) or
             ``"step"`` (after every optimizer step).
         clip_grad_norm: clip the gradient norm to this value before each step.
@@ -57,6 +63,7 @@ class LoopConfig:
     checkpoint_at_epoch_end: bool = True
     checkpoint_at_exit: bool = True
     blocking: bool = False
+    overlap_staging: bool = True
     scheduler_interval: str = "epoch"
     clip_grad_norm: float | None = None
     audit: str = "error"

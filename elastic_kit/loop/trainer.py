@@ -27,7 +27,9 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from elastic_kit.distributed import DistInfo, all_reduce_sum, init_distributed
+from elastic_kit.distributed import (
+    DistInfo, all_reduce_sum, all_reduce_sum_async, init_distributed,
+)
 from elastic_kit.errors import SampleAuditError
 from elastic_kit.loop.config import EpochSummary, LoopConfig, StepInfo
 from elastic_kit.loop.data import CollateWithIds, KeyedDataset, ScheduleBatchSampler, to_device
@@ -335,6 +337,18 @@ class ElasticLoop:
                             loss.backward()
                     loss_sum += loss.detach().to(torch.float64)
                     used.append(ids[real])
+                # One small collective per step: stop flag, rank 0's clock, the loss.
+                # Issued before optimizer.step and read after it, so it never waits
+                # on the critical path.
+                time_due = (info.is_main and cfg.checkpoint_every_seconds is not None and
+                            time.monotonic() - self._last_save_time
+                            >= cfg.checkpoint_every_seconds)
+                flags_of = all_reduce_sum_async(torch.stack([
+                    torch.tensor(float(self._stop.is_set()), dtype=torch.float64,
+                                 device=device),
+                    torch.tensor(float(time_due), dtype=torch.float64, device=device),
+                    loss_sum]))
+                self._before_optimizer_step()
                 if scaler is not None:
                     if cfg.clip_grad_norm is not None:
                         scaler.unscale_(optimizer)
@@ -350,16 +364,8 @@ class ElasticLoop:
                 state.step += 1
                 state.sampler.advance(step.n_real)
                 state.audit.record(epoch, torch.cat(used))
-                # One small collective per step: stop flag, rank 0's clock, the loss.
-                time_due = (info.is_main and cfg.checkpoint_every_seconds is not None and
-                            time.monotonic() - self._last_save_time
-                            >= cfg.checkpoint_every_seconds)
-                flags = torch.stack([
-                    torch.tensor(float(self._stop.is_set()), dtype=torch.float64),
-                    torch.tensor(float(time_due), dtype=torch.float64),
-                    loss_sum.cpu()])
-                flags = all_reduce_sum(flags)
-                loss_value = float(flags[2]) / info.world_size
+                flags = flags_of().tolist()
+                loss_value = flags[2] / info.world_size
                 losses.append(loss_value)
                 samples += step.n_real
                 self._after_step(epoch, step.n_real, loss_value)
@@ -377,6 +383,20 @@ class ElasticLoop:
                             samples / seconds if seconds > 0 else 0.0,
                             sum(losses) / len(losses), info.world_size,
                             state.audit.epoch(epoch))
+
+    def _before_optimizer_step(self) -> None:
+        """The parameters and optimizer state change next: finish the save's copy."""
+        wait_staged = getattr(self.store, "wait_staged", None)
+        if wait_staged is not None:
+            wait_staged()
+
+    def _copy_later(self) -> list[torch.Tensor]:
+        """Tensors that change only in ``optimizer.step()``: params and optimizer state."""
+        opt = self.state.optimizer
+        out = [p for g in opt.param_groups for p in g["params"]]
+        for st in opt.state.values():
+            out.extend(v for v in st.values() if isinstance(v, torch.Tensor))
+        return out
 
     def _after_step(self, epoch: int, n_real: int, loss: float) -> None:
         assert self._progress is not None and self.info is not None
@@ -434,6 +454,10 @@ class ElasticLoop:
         assert self.info is not None
         meta = {"epoch": state.epoch, "world_size": self.info.world_size,
                 "consumed": int(state.sampler.consumed)}
-        self.store.save(state.state_dict(), step=state.step, metadata=meta, blocking=blocking)
+        kw: dict[str, Any] = {}
+        if not blocking and self.config.overlap_staging and hasattr(self.store, "wait_staged"):
+            kw["copy_later"] = self._copy_later()
+        self.store.save(state.state_dict(), step=state.step, metadata=meta, blocking=blocking,
+                        **kw)
         self._last_saved_step = state.step
         self._last_save_time = time.monotonic()
