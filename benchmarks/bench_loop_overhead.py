@@ -26,9 +26,11 @@ Adjacent steps see the same machine load, which matters on a shared 2-core box.
   no periodic checkpoint.
 - ``ek_ckpt``: the same (a second run, again paired step by step with plain steps)
   plus a non-blocking checkpoint every ``--ckpt-every`` steps (model + momentum +
-  loop state, ~90 MB, local disk). Caveat: rank 0's background write overlaps the
-  plain steps that follow as well as the elastic ones, so part of its CPU cost is
-  charged to the baseline; the blocking part (staging copy) is charged to ek only.
+  loop state, ~90 MB, local disk). Caveat: rank 0's background copy and write
+  overlap the plain steps that follow as well as the elastic ones, so part of their
+  CPU cost is charged to the baseline; the blocking part (time in ``save()`` and in
+  ``wait_staged()`` before the next optimizer step) is charged to ek only, and is
+  reported per save against one synchronous save of the same state.
 
 Reported: throughput of each (images / summed step time over ``--steps`` timed steps
 after ``--warmup``) and the ratio ek / plain (1.0 = no overhead; the goal is >= 0.99
@@ -92,12 +94,22 @@ class _NoRestore:
 
     def __init__(self, store: Any) -> None:
         self.store = store
+        self.blocked_s: list[float] = []  # per save: time in save() + in wait_staged()
 
     def load(self, **kwargs: Any) -> None:
         return None
 
     def save(self, *args: Any, **kwargs: Any) -> Any:
-        return self.store.save(*args, **kwargs)
+        t0 = time.perf_counter()
+        out = self.store.save(*args, **kwargs)
+        self.blocked_s.append(time.perf_counter() - t0)
+        return out
+
+    def wait_staged(self) -> None:
+        t0 = time.perf_counter()
+        self.store.wait_staged()
+        if self.blocked_s:
+            self.blocked_s[-1] += time.perf_counter() - t0
 
     def wait(self) -> Any:
         return self.store.wait()
@@ -167,8 +179,9 @@ def _worker(cfg: dict[str, Any]) -> dict[str, Any]:
                 plain_t.append(p)
             last_end[0] = time.perf_counter()
 
+        wrapped = _NoRestore(store)
         ElasticLoop(
-            state, data, loss_fn=loss_fn, store=_NoRestore(store), on_step_end=on_step,
+            state, data, loss_fn=loss_fn, store=wrapped, on_step_end=on_step,
             config=LoopConfig(epochs=1, global_batch_size=G, micro_batch_size=per_rank,
                               max_steps=warm + n, checkpoint_every_steps=ckpt_every,
                               checkpoint_at_epoch_end=False, checkpoint_at_exit=False,
@@ -177,13 +190,19 @@ def _worker(cfg: dict[str, Any]) -> dict[str, Any]:
         store.wait()
         saves = sum(1 for s in range(warm + 1, warm + n) if ckpt_every and s % ckpt_every == 0)
         mb = None
+        sync_s = None
+        if ckpt_every:  # one synchronous save of the same state, for the blocked ratio
+            t0 = time.perf_counter()
+            store.save(state.state_dict(), step=10**9, blocking=True)
+            sync_s = time.perf_counter() - t0
         if info.rank == 0 and ckpt_every:
             infos = store.list()
             d = os.path.join(cfg["dir"], name)
             mb = sum(os.path.getsize(os.path.join(dp, f)) for dp, _, fs in os.walk(d)
                      for f in fs) / 1e6 / max(len(infos), 1)
         store.close()
-        return {"ek": ek_t, "plain": plain_t, "saves": saves, "ckpt_mb": mb}
+        return {"ek": ek_t, "plain": plain_t, "saves": saves, "ckpt_mb": mb,
+                "blocked_s": wrapped.blocked_s, "sync_save_s": sync_s}
 
     out = {"ek": paired("ek", None), "images_per_step": G, "rank": info.rank}
     if every:
@@ -258,6 +277,18 @@ def main() -> None:
                         (sum(pl_t) / steps) * (1 / res["ratio_ek_vs_plain"] - 1) * steps)
             per_save = (extra - extra_ek) / saves if saves else 0.0
             res["ckpt_extra_s_per_save"] = round(per_save, 3)
+            # what a save blocks the training thread for (rank 0 writes): time in
+            # save() + in wait_staged() before the next optimizer step, per save,
+            # against one synchronous save of the same state
+            blocked = r0[name]["blocked_s"]
+            sync_s = r0[name]["sync_save_s"]
+            if blocked and sync_s:
+                res["ckpt_blocked_s_per_save"] = round(statistics.median(blocked), 4)
+                res["ckpt_sync_save_s"] = round(sync_s, 4)
+                res["ratio_ckpt_blocked_vs_sync"] = round(statistics.median(blocked) / sync_s, 3)
+                lines.append(f"  a save blocks rank 0 for {statistics.median(blocked):.4f} s "
+                             f"(median of {len(blocked)}), a sync save takes {sync_s:.3f} s: "
+                             f"ratio {res['ratio_ckpt_blocked_vs_sync']:.3f}")
             if every != 50:
                 step_s = sum(pl_t) / steps
                 res["ratio_ek_ckpt_vs_plain_extrapolated_every_50"] = round(

@@ -35,11 +35,11 @@ def test_bench_checkpoint_smoke(tmp_path: Path) -> None:
     assert res["claim"] == "checkpoint_save"
     assert res["sizes_mb"] == [20]
     size = res["per_size"]["20"]
-    for key in ("raw_write_fsync", "torch_save_fsync", "dcp_save", "ours_sync_crc32",
-                "ours_sync_sha256", "crc32_only"):
+    for key in ("raw_write_fsync", "torch_save_fsync", "dcp_save", "ours_sync",
+                "ours_sync_crc32", "ours_sync_sha256", "hash_only"):
         assert size["seconds"][key] > 0, key
     for key in ("ratio_ours_vs_raw", "ratio_ours_vs_torch_save", "ratio_ours_vs_dcp",
-                "ratio_nonblocking_blocked_vs_sync"):
+                "ratio_nonblocking_blocked_vs_sync", "ratio_copy_in_save_blocked_vs_sync"):
         assert 0 < res[key]["20"] < 100, key
     assert isinstance(res["load_avg_1m_end"], float)
     assert list(tmp_path.iterdir()) == []  # cleaned up

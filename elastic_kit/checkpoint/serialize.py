@@ -8,7 +8,10 @@ Three jobs, one concern (the payload's bytes):
   when asked (the staging of a non-blocking save).
 - :class:`HashingWriter` computes the checksum while ``torch.save`` writes, so the
   file is never read a second time; a helper thread hashes behind the writes and
-  overlaps with the final fsync (zlib, hashlib and file writes release the GIL).
+  overlaps with the final fsync (xxhash, zlib, hashlib and file writes release the
+  GIL). On a local file it also starts the disk's writeback every few MB
+  (:func:`~elastic_kit.checkpoint.fs.start_writeback`), so the fsync at the end only
+  waits for the tail.
 - :func:`load_payload` reads with ``weights_only=True`` and turns the refusal of a
   pickled object into :class:`UnsafeCheckpointError`.
 """
@@ -30,6 +33,7 @@ import numpy as np
 
 import torch
 
+from elastic_kit.checkpoint.fs import start_writeback
 from elastic_kit.errors import UnsafeCheckpointError
 
 __all__ = ["prepare_state", "validate_state", "storage_keys", "copy_deferred", "HashingWriter", "iter_tensors", "torch_zip_crc_off", "new_hasher", "hash_stream", "load_payload"]
@@ -240,7 +244,8 @@ class HashingWriter(io.RawIOBase):
     """
 
     def __init__(self, raw: IO[bytes], algorithm: str = "xxh3_128", *,
-                 stable: Iterable[torch.Tensor] = ()) -> None:
+                 stable: Iterable[torch.Tensor] = (),
+                 writeback_every: int | None = None) -> None:
         super().__init__()
         self._raw = raw
         self._hasher = new_hasher(algorithm)
@@ -251,6 +256,8 @@ class HashingWriter(io.RawIOBase):
         self._starts = [r[0] for r in self._ranges]
         self.on_first_write: Callable[[], None] | None = None
         self.size = 0
+        self._writeback_every = writeback_every
+        self._written_back = 0
 
     def writable(self) -> bool:
         return True
@@ -287,6 +294,12 @@ class HashingWriter(io.RawIOBase):
         while written is not None and written < n:
             written += self._raw.write(mv[written:])
         self.size += n
+        if self._writeback_every and self.size - self._written_back >= self._writeback_every:
+            self._raw.flush()
+            if not start_writeback(self._raw.fileno(), self._written_back,
+                                   self.size - self._written_back):
+                self._writeback_every = None  # unavailable here: stop asking
+            self._written_back = self.size
         return n
 
     def flush(self) -> None:

@@ -43,6 +43,7 @@ __all__ = ["PAYLOAD_NAME", "StepDir", "scan", "read_manifest", "verify", "write_
 log = logging.getLogger(__name__)
 
 PAYLOAD_NAME = "state.pt"
+WRITEBACK_EVERY = 8 << 20  # local files: start the disk's writeback every 8 MiB written
 _HOST = socket.gethostname().replace("-", "_") or "host"
 
 
@@ -140,7 +141,8 @@ def verify(fs: fsspec.AbstractFileSystem, d: StepDir, *, deep: bool = True,
 
 def _save_into(f: IO[bytes], state: Any, checksum: str, *, fsync: bool) -> FileEntry:
     """torch.save ``state`` into ``f`` while checksumming; fsync overlaps the hashing."""
-    w = HashingWriter(f, checksum, stable=list(iter_tensors(state)))
+    w = HashingWriter(f, checksum, stable=list(iter_tensors(state)),
+                      writeback_every=WRITEBACK_EVERY if fsync else None)
     try:
         with torch_zip_crc_off(w):
             torch.save(state, w)
