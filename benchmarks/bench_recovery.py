@@ -166,8 +166,9 @@ def phases(events: list[tuple[float, int, str, tuple[str, ...]]], t_event: float
             "first_step": t_step - t_restored, "total": t_step - t_event}
 
 
-def run_once(work: Path, data: Path, *, log_dir: Path,
-             keep_logs: Path | None = None) -> dict[str, Any]:
+def run_once(work: Path, data: Path, *, log_dir: Path, keep_logs: Path | None = None,
+             monitor_interval: float = 0.1, fork: bool = False,
+             rdzv_backend: str = "c10d", rdzv_endpoint: str | None = None) -> dict[str, Any]:
     from elastic_kit.local_cluster import LocalCluster
 
     ckpt = work / "ckpt"
@@ -180,7 +181,9 @@ def run_once(work: Path, data: Path, *, log_dir: Path,
     watcher.start()
     marks: list[dict[str, Any]] = []
     cluster = LocalCluster(argv, nnodes="1:3", max_restarts=5, log_dir=log_dir,
-                           env={"OMP_NUM_THREADS": "1"})
+                           env={"OMP_NUM_THREADS": "1"}, monitor_interval=monitor_interval,
+                           rdzv_backend=rdzv_backend, rdzv_endpoint=rdzv_endpoint,
+                           torchrun_args=["--start-method=fork", "--run-path"] if fork else ())
     try:
         cluster.add_agent()
         cluster.add_agent()
@@ -265,6 +268,13 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=None, help="scenario runs (default 2, quick 1)")
     ap.add_argument("--keep-logs", default=None, metavar="DIR", help="copy agent logs here")
     ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument("--monitor-interval", type=float, default=0.1,
+                    help="torchrun --monitor-interval (default 0.1, torchrun's own default)")
+    ap.add_argument("--fork", action="store_true",
+                    help="torchrun --start-method=fork --run-path: workers are forked from "
+                         "the agent, which has torch imported already")
+    ap.add_argument("--rdzv-backend", default="c10d", choices=["c10d", "etcd-v2"],
+                    help="etcd-v2 starts a local etcd server (needs the etcd binary)")
     args = ap.parse_args()
     repeats = args.repeats or (1 if args.quick else 2)
     load0 = _common.load_avg()
@@ -276,9 +286,21 @@ def main() -> None:
                         "--classes", "4", "--per-class", "150", "--val-per-class", "4",
                         "--size", "32", "--seed", "0"], check=True, capture_output=True)
         for i in range(repeats):
-            runs.append(run_once(base / f"run{i}", data, log_dir=base / f"run{i}" / "logs",
-                                 keep_logs=Path(args.keep_logs) / f"run{i}"
-                                 if args.keep_logs else None))
+            etcd = None
+            if args.rdzv_backend == "etcd-v2":
+                from elastic_kit.local_cluster import EtcdServer
+
+                etcd = EtcdServer(log_path=base / f"etcd{i}.log").start()
+            try:
+                runs.append(run_once(
+                    base / f"run{i}", data, log_dir=base / f"run{i}" / "logs",
+                    keep_logs=Path(args.keep_logs) / f"run{i}" if args.keep_logs else None,
+                    monitor_interval=args.monitor_interval, fork=args.fork,
+                    rdzv_backend=args.rdzv_backend,
+                    rdzv_endpoint=etcd.endpoint if etcd is not None else None))
+            finally:
+                if etcd is not None:
+                    etcd.stop()
     finally:
         shutil.rmtree(base, ignore_errors=True)
 
@@ -288,8 +310,14 @@ def main() -> None:
                for i, n in enumerate(names)}
     res: dict[str, Any] = {
         "claim": "recovery",
-        "scenario": "examples/imagenet tinycnn 32px -j 0, 2 torchrun agents x 1 worker, c10d, "
-                    "last_call_timeout=1, monitor 0.5 s, checkpoint every 5 steps",
+        "scenario": "examples/imagenet tinycnn 32px -j 0, 2 torchrun agents x 1 worker, "
+                    f"{args.rdzv_backend}, last_call_timeout=1, monitor "
+                    f"{args.monitor_interval} s, checkpoint every 5 steps, workers "
+                    + ("forked from the agent (--start-method=fork --run-path)" if args.fork
+                       else "started as new Python processes (torchrun's default)"),
+        "monitor_interval_s": args.monitor_interval,
+        "fork": args.fork,
+        "rdzv_backend": args.rdzv_backend,
         "repeats": repeats,
         "median_s": summary,
         "goal_total_s": 10.0,

@@ -114,3 +114,26 @@ def test_stopped_then_sigkilled_and_resumed_at_same_world_size_gives_identical_w
     assert s["final_top1"] == uninterrupted["final_top1"]
     # the best model was committed to its own one-slot store
     assert len([p for p in (ckpt / "best").iterdir() if p.name.startswith("step-")]) == 1
+
+
+def test_workers_forked_from_the_agent_resume_exactly_after_sigkill(
+        data: Path, tmp_path: Path, uninterrupted: dict[str, Any]) -> None:
+    """The fast-restart setup of the README (``--start-method=fork --run-path``: workers
+    are forked from the agent, which has torch imported) trains the same trajectory."""
+    ckpt, summary = tmp_path / "ckpt", tmp_path / "forked.json"
+    with LocalCluster(script_args(data, ckpt, summary), nnodes="1", nproc_per_node=2,
+                      max_restarts=1, env={"OMP_NUM_THREADS": "1"}, log_dir=tmp_path / "logs",
+                      torchrun_args=["--start-method=fork", "--run-path"]) as cluster:
+        agent = cluster.add_agent()
+        wait_for(lambda: (ckpt / "step-000000000004" / "manifest.json").exists(), 120,
+                 what="checkpoint step 4", abort_if=cluster.all_exited)
+        cluster.kill_worker(agent, local_rank=0)
+        assert cluster.wait(150) == [0], cluster.logs()[-6000:]
+    logs = cluster.logs()
+    assert "start_method: fork" in logs or "run_script_path" in logs, logs[-3000:]
+    s = json.loads(summary.read_text())
+    assert s["restarts"] == 1 and len(s["restored_steps"]) == 1
+    assert 4 <= s["restored_steps"][0] < s["steps"]
+    assert s["steps"] == uninterrupted["steps"]
+    assert s["audit"] == uninterrupted["audit"]
+    assert s["param_sha256"] == uninterrupted["param_sha256"]

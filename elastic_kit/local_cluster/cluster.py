@@ -93,6 +93,9 @@ class LocalCluster:
         log_dir: where ``agent-<index>.log`` files go (created if missing).
         monitor_interval: how often agents poll their workers, in seconds.
         python: the interpreter that runs ``torch.distributed.run``.
+        torchrun_args: more torchrun options, placed before the script (e.g.
+            ``["--start-method=fork", "--run-path"]``; see the example's README on
+            fast restarts).
     """
 
     def __init__(
@@ -110,6 +113,7 @@ class LocalCluster:
         log_dir: str | Path,
         monitor_interval: float = 0.5,
         python: str = sys.executable,
+        torchrun_args: Sequence[str] = (),
     ) -> None:
         if not script_and_args:
             raise ValueError("script_and_args is empty: give the training script to run")
@@ -134,6 +138,7 @@ class LocalCluster:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.monitor_interval = monitor_interval
         self.python = python
+        self.torchrun_args = list(torchrun_args)
         self.agents: list[Agent] = []
         self.marker = f"{self.rdzv_id}-{uuid.uuid4().hex[:8]}"
         self._closed = False
@@ -155,6 +160,7 @@ class LocalCluster:
             f"--rdzv-conf={self.rdzv_conf}",
             f"--max-restarts={self.max_restarts}",
             f"--monitor-interval={self.monitor_interval}",
+            *self.torchrun_args,
             *script,
         ]
 
