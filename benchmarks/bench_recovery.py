@@ -235,7 +235,7 @@ def run_once(work: Path, data: Path, *, log_dir: Path, keep_logs: Path | None = 
     return {"events": out, "timeline": timeline}
 
 
-def plot(run: dict[str, Any], path: Path) -> None:
+def plot(run: dict[str, Any], path: Path, fork: bool = False) -> None:
     plt = _common.pyplot()
     tl = run["timeline"]
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9, 5.5), sharex=True,
@@ -258,7 +258,8 @@ def plot(run: dict[str, Any], path: Path) -> None:
                         label=name if ev is run["events"][0] else None)
             t += ev[name]
     ax2.legend(loc="upper left", fontsize=8, title="recovery phases", title_fontsize=8)
-    fig.suptitle("examples/imagenet under torchrun: SIGKILL worker, lose node, add node")
+    fig.suptitle("examples/imagenet under torchrun: SIGKILL worker, lose node, add node"
+                 + (" (workers forked)" if fork else ""))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -333,8 +334,9 @@ def main() -> None:
               f"{s['rendezvous']:.2f} + worker start {s['worker_start']:.2f} + restore "
               f"{s['restore']:.2f} + first step {s['first_step']:.2f}")
     if not args.no_plot:
-        out = _common.plot_path("recovery_cpu2_202611.png")
-        plot(runs[0], out)
+        out = _common.plot_path("recovery_fork_cpu2_202611.png" if args.fork
+                                else "recovery_cpu2_202611.png")
+        plot(runs[0], out, fork=args.fork)
         res["plot"] = str(out.relative_to(_common.ROOT))
     _common.emit(res, args.results)
 
