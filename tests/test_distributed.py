@@ -16,6 +16,10 @@ def _collectives(scale: int) -> dict:
     info = ekd.init_distributed()
     mx = ekd.all_reduce_max(info.rank * scale)
     total = ekd.all_reduce_sum(torch.tensor([float(info.rank + 1)]))
+    src = torch.tensor([float(info.rank), 1.0], dtype=torch.float64)
+    pending = ekd.all_reduce_sum_async(src)
+    src.fill_(-100.0)  # the caller may reuse its tensor while the all-reduce runs
+    later = pending().tolist()
     obj = ekd.broadcast_object({"hello": info.rank}, src=1)
     ts = [torch.full((3,), float(info.rank)), torch.arange(6.0).reshape(2, 3).t()[0:1]]
     if info.rank != 1:
@@ -24,7 +28,7 @@ def _collectives(scale: int) -> dict:
     model = ekd.wrap_ddp(nn.Linear(2, 2))
     return {
         "rank": info.rank, "world": info.world_size, "node": info.node_rank,
-        "backend": info.backend, "max": mx, "sum": total.item(), "obj": obj,
+        "backend": info.backend, "max": mx, "sum": total.item(), "obj": obj, "later": later,
         "ts": [t.tolist() for t in ts], "ddp": type(model).__name__,
         "unwrapped": type(ekd.unwrap_model(model)).__name__,
     }
@@ -38,6 +42,7 @@ def test_collectives_on_three_gloo_ranks_agree() -> None:
         assert r["world"] == 3 and r["backend"] == "gloo"
         assert r["max"] == 20
         assert r["sum"] == 6.0
+        assert r["later"] == [3.0, 3.0]
         assert r["obj"] == {"hello": 1}
         assert r["ts"] == [[1.0, 1.0, 1.0], [[0.0, 3.0]]]
         assert r["ddp"] == "DistributedDataParallel"
@@ -53,6 +58,10 @@ def test_plain_python_is_world_size_one(monkeypatch: pytest.MonkeyPatch) -> None
     m = ekd.wrap_ddp(nn.Linear(2, 2))
     assert isinstance(m, nn.Linear)
     assert ekd.all_reduce_max(7) == 7
+    t = torch.tensor([2.0])
+    pending = ekd.all_reduce_sum_async(t)
+    t.zero_()
+    assert pending().tolist() == [2.0]
     assert ekd.broadcast_object("x") == "x"
 
 

@@ -187,9 +187,10 @@ class CheckpointStore:
             state_dict: nested dicts/lists/tuples of tensors and Python primitives.
             step: the global step (``>= 0``); saving an existing step replaces it.
             metadata: small JSON-able dict recorded in the manifest (``epoch``...).
-            blocking: when False, writers copy the tensors to CPU memory (the only
-                time the caller waits) and write on a background thread. The next
-                ``save``/``wait``/``load``/``close`` waits for it and raises its error.
+            blocking: when False, writers copy the tensors to CPU memory (inside
+                ``save()``, except those in ``copy_later``) and write on a background
+                thread. The next ``save``/``wait``/``load``/``close`` waits for it and
+                raises its error.
             copy_later: with ``blocking=False``, tensors of ``state_dict`` (matched by
                 storage, so parameters match their ``state_dict()`` views) that the
                 caller promises not to modify until :meth:`wait_staged` returns: they
