@@ -48,7 +48,9 @@ def split_launch(argv: list[str]) -> tuple[argparse.Namespace, argparse.Namespac
     assert argv[0] in ("torchrun", "python"), argv
     rest = argv[1:] if argv[0] == "torchrun" else argv[3:]  # python -m torch.distributed.run
     tr = strict_parse(get_args_parser(), rest)
-    assert tr.training_script == SCRIPT, f"launches {tr.training_script}, not {SCRIPT}"
+    # --run-path needs an absolute path: the docs write it as $PWD/<script>
+    script = SCRIPT if not tr.run_path else f"$PWD/{SCRIPT}"
+    assert tr.training_script == script, f"launches {tr.training_script}, not {script}"
     return tr, strict_parse(load_main().build_parser(), tr.training_script_args)
 
 
@@ -120,10 +122,14 @@ def test_documented_torchrun_commands_parse(doc: str) -> None:
     cmds = _documented_commands((EXAMPLE / doc).read_text())
     assert len(cmds) >= 4, f"{doc}: expected single-node, fault-tolerant, elastic and etcd commands"
     seen = set()
+    forked = False
     for cmd in cmds:
         tr, _ = split_launch(cmd)
         seen.add((tr.nnodes, tr.rdzv_backend))
+        forked |= tr.start_method == "fork" and bool(tr.run_path)
     assert ("1:4", "etcd-v2") in seen and any(n == "2" for n, _ in seen)
+    if doc == "README.md":
+        assert forked, "the fast-restart command (--start-method=fork --run-path) is missing"
 
 
 def test_a_renamed_flag_is_caught() -> None:
