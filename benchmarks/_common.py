@@ -101,6 +101,13 @@ def plot_path(name: str) -> Path:
     return RESULTS / name
 
 
+def save_plot(fig: Any, name: str) -> str:
+    """Save ``fig`` as ``benchmarks/results/<name>``; its path from the repository root."""
+    out = plot_path(name)
+    fig.savefig(out, dpi=110)
+    return str(out.relative_to(ROOT))
+
+
 def pyplot() -> Any:
     """matplotlib.pyplot with the Agg backend (no display needed)."""
     import matplotlib

@@ -77,23 +77,22 @@ def _fsync_path(path: str) -> None:
 
 def bench_raw(state: dict[str, Any], d: str) -> float:
     """Plain write of the same bytes (each tensor's memory, in order), then fsync."""
-    path = os.path.join(d, "raw.bin")
-    t0 = time.perf_counter()
-    with open(path, "wb") as f:
+    def write(f: Any) -> None:
         for t in state["model"].values():
             f.write(memoryview(t.numpy()).cast("B"))
-        f.flush()
-        os.fsync(f.fileno())
-    dt = time.perf_counter() - t0
-    os.remove(path)
-    return dt
+
+    return _timed_write(os.path.join(d, "raw.bin"), write)
 
 
 def bench_torch_save(state: dict[str, Any], d: str) -> float:
-    path = os.path.join(d, "torch.pt")
+    return _timed_write(os.path.join(d, "torch.pt"), lambda f: torch.save(state, f))
+
+
+def _timed_write(path: str, write: Callable[[Any], None]) -> float:
+    """Seconds to ``write(f)`` into a new file at ``path``, flush and fsync it."""
     t0 = time.perf_counter()
     with open(path, "wb") as f:
-        torch.save(state, f)
+        write(f)
         f.flush()
         os.fsync(f.fileno())
     dt = time.perf_counter() - t0
@@ -304,9 +303,7 @@ def main() -> None:
         ax.set_title("synchronous save to local disk, incl. fsync")
         ax.legend(fontsize=8)
         fig.tight_layout()
-        out = _common.plot_path("checkpoint_cpu2_202611.png")
-        fig.savefig(out, dpi=110)
-        res["plot"] = str(out.relative_to(_common.ROOT))
+        res["plot"] = _common.save_plot(fig, "checkpoint_cpu2_202611.png")
     _common.emit(res, args.results)
 
 

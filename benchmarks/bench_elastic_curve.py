@@ -182,9 +182,7 @@ def main() -> None:
         ax.set_title(f"fixed_global: max |Δparam| at the end = {param_diff:.2g}")
         ax.legend(loc="center right")
         fig.tight_layout()
-        out = _common.plot_path("elastic_curve_cpu2_202611.png")
-        fig.savefig(out, dpi=110)
-        res["plot"] = str(out.relative_to(_common.ROOT))
+        res["plot"] = _common.save_plot(fig, "elastic_curve_cpu2_202611.png")
     _common.emit(res, args.results)
 
 

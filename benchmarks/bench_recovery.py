@@ -235,7 +235,8 @@ def run_once(work: Path, data: Path, *, log_dir: Path, keep_logs: Path | None = 
     return {"events": out, "timeline": timeline}
 
 
-def plot(run: dict[str, Any], path: Path, fork: bool = False) -> None:
+def plot(run: dict[str, Any], png: str, fork: bool = False) -> str:
+    """Plot one run's timeline to ``benchmarks/results/<png>``; returns its path."""
     plt = _common.pyplot()
     tl = run["timeline"]
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9, 5.5), sharex=True,
@@ -261,7 +262,7 @@ def plot(run: dict[str, Any], path: Path, fork: bool = False) -> None:
     fig.suptitle("examples/imagenet under torchrun: SIGKILL worker, lose node, add node"
                  + (" (workers forked)" if fork else ""))
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    return _common.save_plot(fig, png)
 
 
 def main() -> None:
@@ -334,10 +335,8 @@ def main() -> None:
               f"{s['rendezvous']:.2f} + worker start {s['worker_start']:.2f} + restore "
               f"{s['restore']:.2f} + first step {s['first_step']:.2f}")
     if not args.no_plot:
-        out = _common.plot_path("recovery_fork_cpu2_202611.png" if args.fork
-                                else "recovery_cpu2_202611.png")
-        plot(runs[0], out, fork=args.fork)
-        res["plot"] = str(out.relative_to(_common.ROOT))
+        res["plot"] = plot(runs[0], "recovery_fork_cpu2_202611.png" if args.fork
+                           else "recovery_cpu2_202611.png", fork=args.fork)
     _common.emit(res, args.results)
 
 

@@ -27,7 +27,7 @@ import resource
 import shutil
 import tempfile
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -51,32 +51,38 @@ def _checksum(state: dict[str, Any]) -> float:
     return float(sum(t.double().sum() for t in state["model"].values()))
 
 
-def _ours(root: str) -> dict[str, float]:
+def _timed_restore(restore: Callable[[Any], dict[str, Any]]) -> dict[str, float]:
+    """Run ``restore(info) -> state`` on every rank between barriers: wall time, peak
+    RSS growth and a checksum of the state it produced."""
     info = init_distributed()
     torch.set_num_threads(1)
     barrier()
     rss0 = _rss_bytes()
     t0 = time.perf_counter()
-    loaded = CheckpointStore(root, info=info).load()
+    state = restore(info)
     barrier()
     dt = time.perf_counter() - t0
-    assert loaded is not None
-    return {"s": dt, "peak_mb": (_peak_rss_bytes() - rss0) / 1e6, "sum": _checksum(loaded.state)}
+    return {"s": dt, "peak_mb": (_peak_rss_bytes() - rss0) / 1e6, "sum": _checksum(state)}
+
+
+def _ours(root: str) -> dict[str, float]:
+    def restore(info: Any) -> dict[str, Any]:
+        loaded = CheckpointStore(root, info=info).load()
+        assert loaded is not None
+        return loaded.state
+
+    return _timed_restore(restore)
 
 
 def _blob(path: str) -> dict[str, float]:
     import torch.distributed as dist
 
-    info = init_distributed()
-    torch.set_num_threads(1)
-    barrier()
-    rss0 = _rss_bytes()
-    t0 = time.perf_counter()
-    box = [torch.load(path, weights_only=True) if info.rank == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    barrier()
-    dt = time.perf_counter() - t0
-    return {"s": dt, "peak_mb": (_peak_rss_bytes() - rss0) / 1e6, "sum": _checksum(box[0])}
+    def restore(info: Any) -> dict[str, Any]:
+        box = [torch.load(path, weights_only=True) if info.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    return _timed_restore(restore)
 
 
 def measure(ranks: int, repeats: int, store_root: str, blob_path: str, expected: float,

@@ -268,11 +268,7 @@ def all_reduce_max(value: int) -> int:
 
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     """Sum of ``tensor`` over all ranks, as a new tensor on the input's device."""
-    if not is_dist_ready():
-        return tensor.clone()
-    t = tensor.detach().to(_collective_device()).clone()
-    dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return t.to(tensor.device)
+    return all_reduce_sum_async(tensor)()
 
 
 def all_reduce_sum_async(tensor: torch.Tensor) -> Callable[[], torch.Tensor]:

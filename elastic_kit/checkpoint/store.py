@@ -247,20 +247,19 @@ class CheckpointStore:
                     after = torch.cuda.Event()
                     after.record()  # the deferred copies wait for work issued so far
                 torch.cuda.synchronize()  # the pinned copies were issued non_blocking
-            self._staged = threading.Event()
-            if not deferred:
-                self._staged.set()
+            self._staged = threading.Event() if deferred else None
             self._bg.start(self._stage_and_write, deferred, after, self._staged, staged, step,
                            metadata)
         self._pending_step = step
 
     def _stage_and_write(self, deferred: list[tuple[torch.Tensor, torch.Tensor]], after: Any,
-                         staged: threading.Event, state: Any, step: int,
+                         staged: threading.Event | None, state: Any, step: int,
                          metadata: dict[str, Any]) -> None:
-        try:
-            copy_deferred(deferred, after)
-        finally:
-            staged.set()  # also on failure: the error surfaces at the next store call
+        if staged is not None:
+            try:
+                copy_deferred(deferred, after)
+            finally:
+                staged.set()  # also on failure: the error surfaces at the next store call
         self._write(state, step, metadata, True)
 
     def wait_staged(self) -> None:
