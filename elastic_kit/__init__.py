@@ -1,21 +1,29 @@
 """elastic_kit: make a plain PyTorch DDP training script elastic under torchrun.
 
-The pieces, each usable alone:
+``import elastic_kit as ek`` gives everything a training script calls; each piece works
+alone in a script that keeps its own loop:
 
-- :class:`ElasticDistributedSampler`: one world-size-independent permutation per
-  epoch and a global position in it, so an epoch resumes exactly at any world size.
+- :class:`ElasticDistributedSampler`: a drop-in for ``DistributedSampler`` whose epoch
+  order does not depend on the world size and which keeps a global position in it, so
+  an epoch resumes exactly at any world size.
 - :class:`CheckpointStore` / :func:`save_checkpoint` / :func:`load_checkpoint`:
-  crash-safe checkpoints on any fsspec URL, with a broadcast from the holder of the
-  newest checkpoint when storage is node-local.
+  crash-safe checkpoints on any fsspec URL; ``if rank == 0: save_checkpoint(...)``
+  works, loading is collective and broadcasts from the holder of the newest one.
+- :class:`Checkpointer` and :class:`TrainState`: make a script's own loop resumable
+  mid-epoch with a handful of lines (restore, ``step(n)``, ``end_epoch()``).
+- :class:`ElasticLoop`: the loop built from the same pieces, for scripts that hand it
+  over, with a global batch kept fixed across world sizes.
 - :func:`init_distributed` / :func:`wrap_ddp`: the torchrun environment and DDP.
-- :class:`TrainState` and the elastic run loop: resume from the newest state after
-  any restart, with a trajectory that does not depend on the world size.
+
+Test helpers (a local torchrun cluster, etcd, N gloo ranks) are in
+:mod:`elastic_kit.testing`; exception types also in :mod:`elastic_kit.errors`.
 """
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
+from elastic_kit import errors
 from elastic_kit.distributed import (
     DistInfo,
     destroy_distributed,
@@ -31,27 +39,22 @@ from elastic_kit.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
+from elastic_kit.sampler import ElasticDistributedSampler
 from elastic_kit.loop import (
-    BatchPolicy,
     ElasticLoop,
-    EpochAudit,
     EpochSummary,
-    FixedGlobalBatch,
-    LinearLRScaling,
     LoopConfig,
     SeededDataset,
     StepInfo,
     TrainState,
 )
-from elastic_kit.sampler import ElasticDistributedSampler
+from elastic_kit.checkpointer import Checkpointer
 from elastic_kit.errors import (
-    BatchPolicyError,
     CheckpointCorruptError,
     CheckpointError,
     CheckpointMismatchError,
     ElasticKitError,
     SampleAuditError,
-    UnsafeCheckpointError,
 )
 
 __all__ = [
@@ -62,15 +65,12 @@ __all__ = [
     "LoadedCheckpoint",
     "save_checkpoint",
     "load_checkpoint",
+    "Checkpointer",
     "TrainState",
     "ElasticLoop",
     "LoopConfig",
     "StepInfo",
     "EpochSummary",
-    "BatchPolicy",
-    "FixedGlobalBatch",
-    "LinearLRScaling",
-    "EpochAudit",
     "SeededDataset",
     "DistInfo",
     "init_distributed",
@@ -78,11 +78,10 @@ __all__ = [
     "destroy_distributed",
     "wrap_ddp",
     "unwrap_model",
+    "errors",
     "ElasticKitError",
     "CheckpointError",
     "CheckpointCorruptError",
     "CheckpointMismatchError",
-    "UnsafeCheckpointError",
     "SampleAuditError",
-    "BatchPolicyError",
 ]

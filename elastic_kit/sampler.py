@@ -21,14 +21,20 @@ of the world size ``W`` by cycling ``rem`` from its start (or cut down to one wh
 ``j`` of rank ``r`` is padding exactly when ``r + j * W >= R``, and a global batch of
 ``G`` samples (``G / W`` consecutive local indices per rank) is always the contiguous
 chunk ``rem[k * G:(k + 1) * G]``, whatever ``W`` is.
+
+A *pass* is what one ``__iter__`` deals: this rank's share from the position current
+when it starts (``pass_start``); ``len()`` stays that pass's length while the loop
+advances through it, as a ``DataLoader`` and progress loggers expect.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Iterator, Sized
-from typing import Any
+import numbers
+import operator
+from collections.abc import Iterator, Mapping, Sized
+from typing import Any, SupportsIndex
 
 import torch
 from torch.utils.data import Sampler
@@ -54,32 +60,108 @@ def _epoch_seed(seed: int, epoch: int) -> int:
     return int.from_bytes(digest.digest(), "little")
 
 
+def _is_bool(value: Any) -> bool:
+    """True for ``bool`` and for one-element numpy / torch booleans (not ``bool`` subclasses)."""
+    if isinstance(value, bool):
+        return True
+    if str(getattr(value, "dtype", None)) not in ("bool", "torch.bool"):
+        return False
+    return (value.numel() if isinstance(value, torch.Tensor) else getattr(value, "size", 1)) == 1
+
+
 def _check_int(name: str, value: Any) -> int:
-    # bool is an int subclass, but `rank=True` is always a mistake.
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}={value!r} must be an int, got {type(value).__name__}")
-    return value
+    """``value`` as a Python int; numpy and torch integer scalars are accepted.
+
+    Scripts pass epochs and world sizes that came out of numpy or tensors, so anything
+    ``operator.index`` takes is an int here. ``bool`` is an int subclass, but
+    ``rank=True`` is always a mistake; a float is refused rather than truncated.
+    """
+    if _is_bool(value):
+        raise TypeError(f"{name}={value!r}: expected an int, got a bool")
+    try:
+        return operator.index(value)
+    except TypeError:
+        pass
+    raise TypeError(
+        f"{name}={value!r}: expected an int (numpy and torch integer scalars are "
+        f"accepted), got {type(value).__name__}"
+    )
+
+
+def _check_bool(name: str, value: Any, hint: str = "") -> bool:
+    """``value`` as a Python bool; numpy and torch booleans are accepted."""
+    if _is_bool(value):
+        return bool(value)
+    raise TypeError(f"{name}={value!r}: expected a bool, got {type(value).__name__}{hint}")
+
+
+def _state_int(key: str, value: Any) -> int:
+    """An int-valued sampler state entry, with the key named when it is not one.
+
+    Integer-valued floats are accepted (a state that went through JSON, say); any
+    other float, a string or a bool would be adopted silently and crash much later.
+    """
+    if not _is_bool(value):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+        if isinstance(value, torch.Tensor) and value.numel() == 1 and value.is_floating_point():
+            value = value.item()
+        if isinstance(value, numbers.Real) and float(value).is_integer():
+            return int(value)
+    raise TypeError(
+        f"sampler state {key!r}={value!r}: expected an int (numpy/torch integers and "
+        f"integral floats are accepted), got {type(value).__name__}"
+    )
+
+
+def _state_bool(key: str, value: Any) -> bool:
+    """A bool-valued sampler state entry (``0`` and ``1`` are accepted too)."""
+    if _is_bool(value):
+        return bool(value)
+    if not isinstance(value, (str, bytes)):
+        try:
+            as_int = operator.index(value)
+        except TypeError:
+            as_int = None
+        if as_int in (0, 1):
+            return bool(as_int)
+    raise TypeError(
+        f"sampler state {key!r}={value!r}: expected a bool, got {type(value).__name__}"
+    )
 
 
 class ElasticDistributedSampler(Sampler[int]):
     """Shard a dataset over ranks so that an epoch resumes exactly at any world size.
 
-    A drop-in for ``torch.distributed.elastic.utils.data.ElasticDistributedSampler``
-    and ``torch.utils.data.DistributedSampler``: ``ElasticDistributedSampler(dataset)``
-    takes the rank and world size from the initialized process group, else from the
-    torchrun environment (``RANK``/``WORLD_SIZE``), else runs as rank 0 of 1.
+    A drop-in for ``torch.utils.data.DistributedSampler`` and
+    ``torch.distributed.elastic.utils.data.ElasticDistributedSampler``: the same
+    positional arguments, the same attributes (``num_replicas``, ``rank``, ``epoch``,
+    ``shuffle``, ``seed``, ``drop_last``, ``num_samples``, ``total_size``), and
+    integer-like arguments (numpy or torch integers) wherever an int is expected.
+    ``ElasticDistributedSampler(dataset)`` takes the rank and world size from the
+    initialized process group, else from the torchrun environment
+    (``RANK``/``WORLD_SIZE``), else runs as rank 0 of 1.
 
     Each epoch has one permutation of the whole dataset, seeded by ``(seed, epoch)``
     and independent of the world size. :attr:`consumed` is the global position in
     it. The training loop calls :meth:`advance` with the number of samples every
     optimizer step consumed (over all ranks), and checkpoints :meth:`state_dict`. A
     worker group restarted with another world size loads that state and deals out
-    exactly the samples not yet trained on.
+    exactly the samples not yet trained on. A sampler that is never advanced behaves
+    like ``DistributedSampler``: every pass deals the whole epoch.
 
     With ``drop_last=False`` the last ranks' shares are padded (by cycling the
     remaining order) so all ranks take the same number of steps; the padded
     positions are reported by :meth:`local_padding_mask` so the loop can give them
     zero weight and every sample counts exactly once per epoch.
+
+    ``len(sampler)``, :attr:`num_samples` and :attr:`total_size` describe the pass
+    dealt by the latest ``__iter__`` (starting at :attr:`pass_start`) and stay
+    constant while :meth:`advance` moves the position through it; before the first
+    pass after construction, :meth:`set_epoch` to a new epoch or
+    :meth:`load_state_dict`, they describe the pass an ``__iter__`` would deal now.
 
     Args:
         dataset: anything with ``__len__``; its length is fixed at construction.
@@ -91,11 +173,12 @@ class ElasticDistributedSampler(Sampler[int]):
             every rank.
         drop_last: drop the tail of the epoch that does not fill one sample per rank
             instead of padding it.
-        start_index: position in the epoch's *permutation* to start from (not an
-            index into the dataset). It applies to the first epoch iterated: the
-            current epoch (0), or the epoch given to the first :meth:`set_epoch`
-            call, so ``start_index=k`` followed by ``set_epoch(e)`` starts epoch
-            ``e`` at position ``k``.
+        start_index: keyword-only (torch's elastic sampler takes it fourth, where
+            ``DistributedSampler`` has ``shuffle``). Position in the epoch's
+            *permutation* to start from (not an index into the dataset). It applies
+            to the first epoch iterated: the current epoch (0), or the epoch given to
+            the first :meth:`set_epoch` call, so ``start_index=k`` followed by
+            ``set_epoch(e)`` starts epoch ``e`` at position ``k``.
 
     Example::
 
@@ -109,7 +192,7 @@ class ElasticDistributedSampler(Sampler[int]):
             sampler.set_epoch(epoch)    # same epoch as loaded: resumes mid-epoch
             for batch in loader:
                 train_step(batch)
-                sampler.advance(32 * sampler.num_replicas)   # after optimizer.step()
+                sampler.advance(min(32 * sampler.num_replicas, sampler.remaining))
                 maybe_save({"sampler": sampler.state_dict(), ...})
 
     .. warning::
@@ -124,18 +207,29 @@ class ElasticDistributedSampler(Sampler[int]):
         loader's iterator does not see :meth:`advance` calls made while it runs,
         which is what a training loop wants. Create a new iterator after
         :meth:`load_state_dict`.
+
+    .. warning::
+        Call :meth:`set_epoch` at the start of every epoch. A script that forgets it
+        (torchvision's reference calls it only when distributed) and iterates again
+        after advancing to the end of an epoch would get an empty pass every epoch.
+        Instead the sampler logs a warning ("set_epoch() was not called ...;
+        starting epoch e+1") once and starts the next epoch at position 0 with that
+        epoch's fresh permutation, so each epoch is still seen exactly once. A pass
+        that starts at the end of an epoch right after :meth:`load_state_dict` or
+        :meth:`set_epoch` (a checkpoint saved after the epoch's last step) is
+        legitimately empty: the loop goes on to its end-of-epoch work.
     """
 
     def __init__(
         self,
         dataset: Sized,
-        *,
-        num_replicas: int | None = None,
-        rank: int | None = None,
+        num_replicas: SupportsIndex | None = None,
+        rank: SupportsIndex | None = None,
         shuffle: bool = True,
-        seed: int = 0,
+        seed: SupportsIndex = 0,
         drop_last: bool = False,
-        start_index: int = 0,
+        *,
+        start_index: SupportsIndex = 0,
     ) -> None:
         if not isinstance(dataset, Sized):
             raise TypeError(
@@ -153,7 +247,14 @@ class ElasticDistributedSampler(Sampler[int]):
             rank = info.rank if rank is None else rank
         num_replicas = _check_int("num_replicas", num_replicas)
         rank = _check_int("rank", rank)
+        # torch's elastic sampler takes start_index fourth; here that is shuffle.
+        shuffle = _check_bool(
+            "shuffle", shuffle,
+            "; the fourth positional argument is shuffle, as in DistributedSampler "
+            "(start_index is keyword-only: start_index=...)",
+        )
         seed = _check_int("seed", seed)
+        drop_last = _check_bool("drop_last", drop_last)
         start_index = _check_int("start_index", start_index)
         if num_replicas < 1:
             raise ValueError(f"num_replicas={num_replicas} must be >= 1")
@@ -170,26 +271,39 @@ class ElasticDistributedSampler(Sampler[int]):
         self.dataset_length: int = length
         self.num_replicas: int = num_replicas
         self.rank: int = rank
-        self.shuffle: bool = bool(shuffle)
+        self.shuffle: bool = shuffle
         self.seed: int = seed
-        self.drop_last: bool = bool(drop_last)
+        self.drop_last: bool = drop_last
         self.epoch: int = 0
         self.consumed: int = start_index
         # start_index belongs to the first epoch the user iterates, which a
         # torch-style loop names with set_epoch() right after construction.
         self._start_pending: bool = start_index > 0
+        self._pass_start: int = start_index
+        # True once __iter__ has dealt a pass since the position was last set from
+        # outside (construction, set_epoch to a new epoch, load_state_dict): len()
+        # then describes that pass, not the shrinking rest of the epoch.
+        self._pass_dealt: bool = False
+        # True when a pass of this sampler reached the end of the epoch (advance()
+        # through it, or an empty pass dealt there) since the position was last set
+        # from outside: iterating again then means set_epoch() was forgotten.
+        self._end_reached: bool = False
+        self._warned_rollover: bool = False
+        self._warned_same_epoch: bool = False
 
     # -- position ---------------------------------------------------------------------
 
-    def set_epoch(self, epoch: int) -> None:
+    def set_epoch(self, epoch: SupportsIndex) -> None:
         """Move to ``epoch``: position 0 if it is a new epoch, unchanged if the same.
 
         Keeping the position for the same epoch is what makes the usual
         "load state, then ``set_epoch(epoch)`` at the top of the epoch loop" resume in
-        the middle of the epoch.
+        the middle of the epoch, and lets a state saved after the epoch's last step
+        resume into an empty pass followed by the loop's end-of-epoch work.
 
         Args:
-            epoch: the epoch number (mixed with ``seed`` to pick the permutation).
+            epoch: the epoch number (mixed with ``seed`` to pick the permutation); a
+                numpy or torch integer is fine.
         """
         epoch = _check_int("epoch", epoch)
         if epoch < 0:
@@ -198,10 +312,24 @@ class ElasticDistributedSampler(Sampler[int]):
             if not self._start_pending:
                 self.consumed = 0
             self.epoch = epoch
+            self._pass_start = self.consumed
+            self._pass_dealt = False
+        elif self._pass_ran_to_end():
+            if not self._warned_same_epoch:
+                self._warned_same_epoch = True
+                log.warning(
+                    "set_epoch(%d) keeps the position of epoch %d, which this sampler "
+                    "has already consumed to the end, so the next pass yields nothing; "
+                    "pass the next epoch's number (set_epoch(%d)) to start it",
+                    epoch, epoch, epoch + 1,
+                )
+        self._end_reached = False
         self._start_pending = False
 
-    def advance(self, n: int) -> None:
+    def advance(self, n: SupportsIndex) -> None:
         """Record that ``n`` more samples of this epoch were consumed over all ranks.
+
+        Does not change ``len()``: the pass being iterated keeps its length.
 
         Args:
             n: real (non-padding) samples that reached an optimizer step since the
@@ -220,11 +348,52 @@ class ElasticDistributedSampler(Sampler[int]):
             )
         self.consumed += n
         self._start_pending = False
+        if n > 0 and self._pass_dealt and self._local_length(self.consumed) == 0:
+            self._end_reached = True
 
     @property
     def remaining(self) -> int:
         """Samples of the current epoch not yet consumed, over all ranks."""
         return self.dataset_length - self.consumed
+
+    @property
+    def pass_start(self) -> int:
+        """Global position at which the pass dealt by the latest ``__iter__`` began.
+
+        Before any pass since construction, :meth:`set_epoch` to a new epoch or
+        :meth:`load_state_dict`, the position those set. This rank's index within
+        the pass being iterated is ``(consumed - pass_start) // num_replicas``, and
+        ``local_indices(position=pass_start)`` is what the pass yields.
+        """
+        return self._pass_start
+
+    @property
+    def num_samples(self) -> int:
+        """Indices this rank yields in the current pass (``DistributedSampler``'s meaning)."""
+        return len(self)
+
+    @property
+    def total_size(self) -> int:
+        """``num_samples * num_replicas``: the current pass over all ranks, padding included."""
+        return len(self) * self.num_replicas
+
+    def _pass_ran_to_end(self) -> bool:
+        """Whether a non-empty pass of this sampler was advanced to the end of the epoch."""
+        return self._rollover_due() and self._local_length(self._pass_start) > 0
+
+    def _rollover_due(self) -> bool:
+        """Whether the next ``__iter__`` must start the next epoch (set_epoch forgotten).
+
+        Only when a pass of this sampler reached the end of the epoch, never right
+        after the position was set from outside (construction, :meth:`set_epoch`,
+        :meth:`load_state_dict`), and only when the next epoch has anything to deal
+        (with ``drop_last`` and fewer samples than ranks no epoch does).
+        """
+        return (
+            self._end_reached
+            and self._local_length(self.consumed) == 0
+            and self._local_length(0) > 0
+        )
 
     # -- checkpointing ----------------------------------------------------------------
 
@@ -243,52 +412,74 @@ class ElasticDistributedSampler(Sampler[int]):
             "drop_last": bool(self.drop_last),
         }
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Resume from :meth:`state_dict` of a sampler of any world size.
 
         ``seed`` and ``shuffle`` are taken from the state, since they define the
-        order the saved position refers to; so is ``drop_last``. A difference from
-        the constructor arguments is logged.
+        order the saved position refers to (a difference from the constructor is
+        logged as a warning). ``drop_last`` is not: it is how *this* script consumes
+        the data, not part of the position, so the constructor's value is kept and a
+        difference is only logged. Every entry is checked before anything is
+        adopted, so a bad state leaves the sampler as it was.
 
         Raises:
             CheckpointMismatchError: (a ``ValueError``) when the state comes from a
                 dataset of another length.
+            TypeError: when the state is not a mapping or an entry has the wrong type
+                (a non-integral float, a string, a bool where an int belongs).
             ValueError: when keys are missing or the position is out of range.
         """
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(
+                f"sampler state of type {type(state_dict).__name__}: expected a mapping "
+                f"with keys {list(_STATE_KEYS)}"
+            )
         missing = [k for k in _STATE_KEYS if k not in state_dict]
         if missing:
             raise ValueError(
                 f"sampler state is missing keys {missing}; expected keys {list(_STATE_KEYS)}"
             )
-        length = int(state_dict["dataset_length"])
+        length = _state_int("dataset_length", state_dict["dataset_length"])
+        epoch = _state_int("epoch", state_dict["epoch"])
+        consumed = _state_int("consumed", state_dict["consumed"])
+        seed = _state_int("seed", state_dict["seed"])
+        shuffle = _state_bool("shuffle", state_dict["shuffle"])
+        drop_last = _state_bool("drop_last", state_dict["drop_last"])
         if length != self.dataset_length:
             raise CheckpointMismatchError(
                 f"sampler state was saved for a dataset of length {length}, but this "
                 f"dataset has length {self.dataset_length}"
             )
-        epoch, consumed = int(state_dict["epoch"]), int(state_dict["consumed"])
         if epoch < 0:
-            raise ValueError(f"sampler state has epoch={epoch}; expected >= 0")
+            raise ValueError(f"sampler state 'epoch'={epoch}: expected >= 0")
         if not 0 <= consumed <= length:
             raise ValueError(
-                f"sampler state has consumed={consumed}; expected 0 <= consumed <= {length}"
+                f"sampler state 'consumed'={consumed}: expected 0 <= consumed <= {length}"
             )
-        for key in ("seed", "shuffle", "drop_last"):
-            if state_dict[key] != getattr(self, key):
+        for key, value in (("seed", seed), ("shuffle", shuffle)):
+            if value != getattr(self, key):
                 log.warning(
                     "sampler state has %s=%r, constructor had %r: using the state's",
-                    key, state_dict[key], getattr(self, key),
+                    key, value, getattr(self, key),
                 )
-        self.seed = int(state_dict["seed"])
-        self.shuffle = bool(state_dict["shuffle"])
-        self.drop_last = bool(state_dict["drop_last"])
+        if drop_last != self.drop_last:
+            log.info(
+                "sampler state has drop_last=%r, this sampler was built with %r: keeping "
+                "%r (it describes how this script consumes the data, not the position)",
+                drop_last, self.drop_last, self.drop_last,
+            )
+        self.seed = seed
+        self.shuffle = shuffle
         self.epoch = epoch
         self.consumed = consumed
         self._start_pending = False
+        self._pass_start = consumed
+        self._pass_dealt = False
+        self._end_reached = False
 
     # -- the order --------------------------------------------------------------------
 
-    def permutation(self, epoch: int | None = None) -> torch.Tensor:
+    def permutation(self, epoch: SupportsIndex | None = None) -> torch.Tensor:
         """The global order of ``epoch`` (default: the current one), as int64.
 
         Identical on every rank and for every world size; ``arange`` when
@@ -301,40 +492,68 @@ class ElasticDistributedSampler(Sampler[int]):
         g.manual_seed(_epoch_seed(self.seed, epoch))
         return torch.randperm(self.dataset_length, generator=g, dtype=torch.int64)
 
-    def _local_length(self) -> int:
-        r, w = self.remaining, self.num_replicas
+    def _position(self, position: SupportsIndex | None) -> int:
+        """``position`` checked against the epoch; ``None`` means :attr:`consumed`."""
+        if position is None:
+            return self.consumed
+        position = _check_int("position", position)
+        if not 0 <= position <= self.dataset_length:
+            raise ValueError(
+                f"position={position} is outside the epoch of a dataset of length "
+                f"{self.dataset_length}; expected 0 <= position <= {self.dataset_length}"
+            )
+        return position
+
+    def _local_length(self, position: int) -> int:
+        r, w = self.dataset_length - position, self.num_replicas
         return r // w if self.drop_last else -(-r // w)
+
+    def _local_real(self, position: int) -> int:
+        if self.drop_last:
+            return self._local_length(position)
+        r = self.dataset_length - position
+        return max(0, -(-(r - self.rank) // self.num_replicas))
 
     @property
     def num_local_real(self) -> int:
         """Non-padding indices in this rank's share from the current position."""
-        if self.drop_last:
-            return self._local_length()
-        r = self.remaining
-        return max(0, -(-(r - self.rank) // self.num_replicas))
+        return self._local_real(self.consumed)
 
-    def local_padding_mask(self) -> torch.Tensor:
+    def local_padding_mask(self, *, position: SupportsIndex | None = None) -> torch.Tensor:
         """Bool mask over :meth:`local_indices`: True where the index is padding.
 
         Position ``j`` is padding when ``rank + j * num_replicas >= remaining``, so at
         most one position per rank, always the last. Needs no permutation.
-        """
-        positions = torch.arange(self._local_length(), dtype=torch.int64)
-        return positions.mul_(self.num_replicas).add_(self.rank) >= self.remaining
 
-    def local_indices(self) -> torch.Tensor:
+        Args:
+            position: the global position the share is dealt from (default:
+                :attr:`consumed`); ``position=pass_start`` gives the mask of the pass
+                being iterated.
+        """
+        start = self._position(position)
+        positions = torch.arange(self._local_length(start), dtype=torch.int64)
+        return positions.mul_(self.num_replicas).add_(self.rank) >= self.dataset_length - start
+
+    def local_indices(self, *, position: SupportsIndex | None = None) -> torch.Tensor:
         """This rank's share of the rest of the epoch, padding included, as int64.
 
-        Exactly what ``__iter__`` yields. Holds the permutation once plus this rank's
-        ``1/num_replicas`` of it: the share is a strided slice of the permutation and
-        only the (at most one element) padded tail is built separately.
+        Exactly what ``__iter__`` yields when it starts at ``position``. Holds the
+        permutation once plus this rank's ``1/num_replicas`` of it: the share is a
+        strided slice of the permutation and only the (at most one element) padded
+        tail is built separately.
+
+        Args:
+            position: the global position the share is dealt from (default:
+                :attr:`consumed`); ``position=pass_start`` gives the pass being
+                iterated.
         """
-        rem_len, w, rank = self.remaining, self.num_replicas, self.rank
-        length = self._local_length()
+        start = self._position(position)
+        rem_len, w, rank = self.dataset_length - start, self.num_replicas, self.rank
+        length = self._local_length(start)
         if length == 0:
             return torch.empty(0, dtype=torch.int64)
-        rem = self.permutation()[self.consumed:]
-        n_real = self.num_local_real
+        rem = self.permutation()[start:]
+        n_real = self._local_real(start)
         real = rem[rank::w][:n_real]
         if n_real == length:
             # With one replica this is a view of the permutation itself: no copy.
@@ -344,16 +563,49 @@ class ElasticDistributedSampler(Sampler[int]):
         return torch.cat([real, rem[pad_pos.remainder_(rem_len)]])
 
     def __iter__(self) -> Iterator[int]:
-        return iter(self.local_indices().tolist())
+        """Deal a pass: this rank's share from the current position.
+
+        Records the pass (:attr:`pass_start`, ``len()``). Iterating again at the end
+        of an epoch this sampler consumed itself starts the next epoch (see the class
+        warning about :meth:`set_epoch`).
+        """
+        if self._rollover_due():
+            if not self._warned_rollover:
+                self._warned_rollover = True
+                log.warning(
+                    "set_epoch() was not called after epoch %d was consumed to the end; "
+                    "starting epoch %d at position 0 with its own permutation. Call "
+                    "sampler.set_epoch(epoch) at the start of every epoch (this "
+                    "warning is logged once)",
+                    self.epoch, self.epoch + 1,
+                )
+            else:
+                log.debug("set_epoch() not called: starting epoch %d", self.epoch + 1)
+            self.epoch += 1
+            self.consumed = 0
+            self._end_reached = False
+        self._start_pending = False
+        self._pass_start = self.consumed
+        self._pass_dealt = True
+        indices = self.local_indices()
+        if len(indices) == 0:
+            self._end_reached = True
+        return iter(indices.tolist())
 
     def __len__(self) -> int:
-        """Indices this rank yields from the current position (padding included)."""
-        return self._local_length()
+        """Indices this rank yields in the current pass (padding included).
+
+        Constant while the pass is iterated and advanced through, so that
+        ``len(loader)`` stays the number of batches of the epoch being trained.
+        """
+        # Before the first pass, the pass an __iter__ would deal now (a rollover to
+        # the next epoch needs a pass dealt, so it cannot be due here).
+        return self._local_length(self._pass_start if self._pass_dealt else self.consumed)
 
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(dataset_length={self.dataset_length}, "
             f"num_replicas={self.num_replicas}, rank={self.rank}, epoch={self.epoch}, "
-            f"consumed={self.consumed}, shuffle={self.shuffle}, seed={self.seed}, "
-            f"drop_last={self.drop_last})"
+            f"consumed={self.consumed}, pass_start={self._pass_start}, "
+            f"shuffle={self.shuffle}, seed={self.seed}, drop_last={self.drop_last})"
         )

@@ -19,8 +19,8 @@ import pytest
 
 pytest.importorskip("torchvision")
 
-from elastic_kit.data import make_imagefolder  # noqa: E402
-from elastic_kit.local_cluster import LocalCluster, wait_for  # noqa: E402
+from elastic_kit.testing import make_imagefolder  # noqa: E402
+from elastic_kit.testing import LocalCluster, wait_for  # noqa: E402
 
 pytestmark = pytest.mark.integration
 

@@ -1,4 +1,4 @@
-"""Fast checks of elastic_kit.local_cluster itself (no training, no torch in the children).
+"""Fast checks of elastic_kit.testing itself (no training, no torch in the children).
 
 The point of the utility is that a killed "node" really is gone, workers in their own
 sessions included, and that nothing a cluster started outlives ``close()``.
@@ -18,7 +18,7 @@ import pytest
 
 psutil = pytest.importorskip("psutil")
 
-from elastic_kit.local_cluster import (  # noqa: E402
+from elastic_kit.testing import (  # noqa: E402
     MARKER_ENV,
     EtcdServer,
     LocalCluster,

@@ -87,7 +87,8 @@ def test_reference_run_sees_each_sample_once_per_epoch(reference: dict[str, Any]
     assert reference["extras"]["seen_epochs"] == EPOCHS
     assert reference["lr"] == pytest.approx(0.2 * 0.5 ** EPOCHS)
     assert reference["history"] == [
-        {"world_size": 2, "step": 0, "restart": 0, "restored_step": None}]
+        {"world_size": 2, "step": 0, "restart": 0, "restored_step": None,
+        "restored_from": None}]
 
 
 def test_resume_at_same_world_size_is_bitwise_identical(

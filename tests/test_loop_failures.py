@@ -9,7 +9,6 @@ reported a misleading ``CheckpointError`` instead of its real error.
 
 from __future__ import annotations
 
-import time
 from datetime import timedelta
 
 import pytest
@@ -44,17 +43,15 @@ def _fail_on_rank_one(ckpt: str) -> str:
 
 
 def test_rank_failing_alone_reports_its_own_error_without_a_collective(tmp_path) -> None:
-    t0 = time.monotonic()
     with pytest.raises(MultiProcessError) as exc:
         spawn_multi_process(2, _fail_on_rank_one, str(tmp_path / "ck"), timeout=90)
-    elapsed = time.monotonic() - t0
     assert exc.value.first_rank == 1, str(exc.value)
     report = exc.value.failures[1]
     last_line = report.strip().splitlines()[-1]
     assert last_line == "KeyError: 'boom on rank 1'", report
     assert "CheckpointError" not in report, report
-    # well below the 20 s collective timeout the ranks were given
-    assert elapsed < 15, f"took {elapsed:.1f}s: the failing rank blocked in a collective"
+    # a collective on the failing rank's way out would have ended in the gloo
+    # timeout error (20 s here) instead of the KeyError above
     # the checkpoints the writer committed before the failure are intact
     store = ek.CheckpointStore(str(tmp_path / "ck"))
     steps = [i.step for i in store.list()]

@@ -65,7 +65,8 @@ def test_minimal_example_runs_without_torchrun(reference: Any) -> None:
     assert [a["ok"] for a in state["audit"]] == [True, True]
     assert [a["count"] for a in state["audit"]] == [96, 96]
     assert state["history"] == [
-        {"world_size": 1, "step": 0, "restart": 0, "restored_step": None}]
+        {"world_size": 1, "step": 0, "restart": 0, "restored_step": None,
+        "restored_from": None}]
 
 
 def _assert_same_model(url: Path, ref_url: Path) -> None:
@@ -86,17 +87,14 @@ def test_sigterm_saves_current_step_and_exits_nonzero(reference: Any, tmp_path: 
                                 stdout=out, stderr=subprocess.STDOUT, env=_env(), cwd=ROOT)
         try:
             _wait_for(lambda: re.search(r"step 4 epoch 0", log.read_text()), 90, proc)
-            sent = time.monotonic()
             proc.send_signal(signal.SIGTERM)
-            rc = proc.wait(timeout=30)
-            took = time.monotonic() - sent
+            rc = proc.wait(timeout=30)  # torchrun would SIGKILL after 30 s
         finally:
             if proc.poll() is None:
                 proc.kill()
     text = log.read_text()
     assert rc == 143, text[-3000:]
-    assert took < 30
-    saved = int(re.search(r"SIGTERM\): saved step (\d+)", text).group(1))
+    saved = int(re.search(r"SIGTERM: checkpoint step (\d+) saved", text).group(1))
     assert 4 <= saved < 16
     step, state = _final_model(url)
     assert step == saved == state["step"]

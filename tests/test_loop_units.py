@@ -128,7 +128,8 @@ def test_loop_without_store_or_torchrun_trains_and_audits_with_workers() -> None
     assert a.step == 2 * 4 and a.epoch == 2  # 30 samples / 8: 4 steps, the last partial
     assert [s.samples for s in loop.summaries] == [30, 30]
     assert all(x.ok for x in a.audit.epochs.values())
-    assert a.history == [{"world_size": 1, "step": 0, "restart": 0, "restored_step": None}]
+    assert a.history == [{"world_size": 1, "step": 0, "restart": 0, "restored_step": None,
+                          "restored_from": None}]
 
 
 def test_max_steps_stops_mid_epoch() -> None:
@@ -151,7 +152,7 @@ def test_linear_lr_policy_rescales_lr_on_resume_without_compounding(
     """Life 1 at (faked) W0=2, then two lives at W=1: lr = base / 2 both times."""
     from elastic_kit.checkpoint import CheckpointStore
     from elastic_kit.distributed import DistInfo
-    from elastic_kit.loop import trainer
+    from elastic_kit.loop import _trainer as trainer
 
     def life(world: int, max_steps: int) -> tuple[float, TrainState]:
         if world != 1:

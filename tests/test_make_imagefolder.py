@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from elastic_kit.data import make_imagefolder
+from elastic_kit.testing import make_imagefolder
 
 torchvision = pytest.importorskip("torchvision")
 
@@ -28,7 +28,7 @@ def _digest_tree(root: Path) -> dict[str, str]:
 def test_same_seed_gives_byte_identical_files_and_cli_matches_api(tmp_path: Path) -> None:
     a = make_imagefolder(tmp_path / "a", classes=3, per_class=5, val_per_class=2, size=16, seed=7)
     subprocess.run(
-        [sys.executable, "-m", "elastic_kit.data.make_imagefolder", str(tmp_path / "b"),
+        [sys.executable, "-m", "elastic_kit.testing.make_imagefolder", str(tmp_path / "b"),
          "--classes", "3", "--per-class", "5", "--val-per-class", "2", "--size", "16",
          "--seed", "7"],
         check=True, capture_output=True,

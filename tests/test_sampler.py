@@ -12,7 +12,6 @@ from hypothesis import strategies as st
 from torch.distributed.elastic.utils.data import (
     ElasticDistributedSampler as TorchElasticSampler,
 )
-from torch.utils.data import DistributedSampler
 
 from elastic_kit.errors import CheckpointMismatchError
 from elastic_kit.sampler import ElasticDistributedSampler
@@ -152,7 +151,7 @@ def test_state_dict_round_trip_restores_position_and_order(
     sd = a.state_dict()
     assert set(sd) == {"epoch", "consumed", "seed", "dataset_length", "shuffle", "drop_last"}
     assert all(type(v) in (int, bool) for v in sd.values())
-    b = ElasticDistributedSampler(range(n), num_replicas=2, rank=0)
+    b = ElasticDistributedSampler(range(n), num_replicas=2, rank=0, drop_last=drop_last)
     b.load_state_dict(sd)
     assert b.state_dict() == sd
     assert torch.equal(b.permutation(), a.permutation())
@@ -251,26 +250,6 @@ def test_torch_elastic_sampler_repeats_and_skips_on_resize_but_ours_does_not() -
     assert ours == Counter(range(n))
 
 
-def test_rank_share_is_not_slower_than_torch_distributed_sampler_by_much() -> None:
-    # A coarse guard only (the benchmark measures properly): generating a rank's
-    # indices must not cost more than torch's DistributedSampler does.
-    import time
-
-    n = 1_000_000
-
-    def best(fn) -> float:
-        times = []
-        for _ in range(3):
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
-        return min(times)
-
-    ours = ElasticDistributedSampler(range(n), num_replicas=8, rank=3)
-    theirs = DistributedSampler(range(n), num_replicas=8, rank=3)
-    assert best(lambda: list(iter(ours))) < 1.5 * best(lambda: list(iter(theirs)))
-
-
 def test_dataloader_with_sampler_loads_this_ranks_share() -> None:
     from torch.utils.data import DataLoader
 
@@ -317,7 +296,8 @@ def test_state_with_missing_keys_or_bad_position_is_rejected() -> None:
     s = ElasticDistributedSampler(range(10), num_replicas=1, rank=0)
     with pytest.raises(ValueError, match=r"missing keys \['consumed'\]"):
         s.load_state_dict({k: v for k, v in s.state_dict().items() if k != "consumed"})
-    with pytest.raises(ValueError, match=r"consumed=11"):
+    expected = r"sampler state 'consumed'=11: expected 0 <= consumed <= 10"
+    with pytest.raises(ValueError, match=expected):
         s.load_state_dict({**s.state_dict(), "consumed": 11})
 
 

@@ -98,7 +98,7 @@ def test_state_round_trips_under_weights_only_and_restores_rngs() -> None:
 def test_extras_that_weights_only_would_refuse_are_named() -> None:
     st = _state()
     st.extras["when"] = np.float64(1.0)
-    with pytest.raises(TypeError, match=r"extras\['when'\] is a float64"):
+    with pytest.raises(TypeError, match=r"extras\['when'\] is a numpy.float64"):
         st.state_dict()
 
 
@@ -147,13 +147,15 @@ def test_linear_lr_scaling_does_not_compound_across_restarts() -> None:
 
 
 def test_run_report_lists_segments_restores_and_finished_epoch_audits() -> None:
-    from elastic_kit.loop.audit import expected_digest
+    from elastic_kit.loop._audit import expected_digest
 
     model = torch.nn.Linear(2, 1)
     state = TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
     state.history = [
-        {"world_size": 3, "step": 0, "restart": 0, "restored_step": None},
-        {"world_size": 2, "step": 14, "restart": 1, "restored_step": 12},
+        {"world_size": 3, "step": 0, "restart": 0, "restored_step": None,
+         "restored_from": None},
+        {"world_size": 2, "step": 14, "restart": 1, "restored_step": 12,
+         "restored_from": "store"},
     ]
     state.step, state.epoch = 20, 1
     state.audit.epoch(0).add(expected_digest(8))
@@ -169,3 +171,63 @@ def test_run_report_lists_segments_restores_and_finished_epoch_audits() -> None:
         "audit": [{"epoch": 0, "count": 8, "expected": 8, "ok": True}],
     }
     json.dumps(report)  # JSON-able as is
+
+
+def test_ema_module_ordered_dict_and_grad_scaler_round_trip() -> None:
+    """What own loops put in a TrainState: an EMA model (live, loaded in place), a
+    state_dict() OrderedDict and a GradScaler."""
+    import collections
+
+    a = _state(0)
+    ema = torch.optim.swa_utils.AveragedModel(
+        a.model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.5))
+    a.extras["ema"] = ema
+    a.extras["ema_sd"] = a.model.state_dict()           # an OrderedDict
+    assert type(a.extras["ema_sd"]) is collections.OrderedDict
+    _train_a_bit(a)
+    ema.update_parameters(a.model)
+    a.scaler.scale(torch.tensor(1.0))                   # initializes the scale lazily
+    a.scaler.update(64.0)
+    sd = _roundtrip(a.state_dict())
+
+    b = _state(1)
+    ema_b = torch.optim.swa_utils.AveragedModel(
+        b.model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.5))
+    b.extras["ema"] = ema_b
+    b.load_state_dict(sd)
+    assert b.extras["ema"] is ema_b                         # loaded in place, not replaced
+    for pa, pb in zip(ema.module.parameters(), ema_b.module.parameters()):
+        assert torch.equal(pa, pb)
+    assert int(ema_b.n_averaged) == int(ema.n_averaged) == 1
+    assert list(b.extras["ema_sd"]) == list(a.model.state_dict())
+    assert b.scaler.get_scale() == a.scaler.get_scale() == 64.0
+
+
+def test_namespace_in_extras_says_to_store_vars() -> None:
+    import argparse
+
+    s = _state()
+    s.extras["args"] = argparse.Namespace(lr=0.1)
+    with pytest.raises(TypeError, match=r"extras\['args'\].*vars\(args\)"):
+        s.state_dict()
+    s.extras["args"] = vars(s.extras["args"])
+    assert _roundtrip(s.state_dict())["extras"]["args"] == {"lr": 0.1}
+
+
+def test_mismatched_checkpoint_changes_nothing_before_raising() -> None:
+    """A checkpoint of another model is refused before the model, the optimizer or the
+    sampler were overwritten."""
+    src = _state(0)
+    _train_a_bit(src)
+    sd = _roundtrip(src.state_dict())
+    sd["model"]["2.weight"] = torch.zeros(5, 3)             # one layer of another shape
+    dst = _state(1)
+    before = {k: v.clone() for k, v in dst.model.state_dict().items()}
+    opt_before = json.dumps(dst.optimizer.state_dict()["param_groups"], default=str)
+    consumed = dst.sampler.consumed
+    with pytest.raises(CheckpointMismatchError, match=r"2\.weight.*nothing was loaded"):
+        dst.load_state_dict(sd)
+    for k, v in dst.model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert json.dumps(dst.optimizer.state_dict()["param_groups"], default=str) == opt_before
+    assert dst.sampler.consumed == consumed and dst.step == 0

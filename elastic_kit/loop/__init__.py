@@ -61,13 +61,13 @@ reports.
 
 from __future__ import annotations
 
-from elastic_kit.loop.audit import EpochAudit, SampleAudit, expected_digest, sample_digest
-from elastic_kit.loop.policy import BatchPlan, BatchPolicy, FixedGlobalBatch, LinearLRScaling
-from elastic_kit.loop.seeded import SeededDataset, seeded_rng
-from elastic_kit.loop.signals import TerminationFlag
-from elastic_kit.loop.state import TrainState
-from elastic_kit.loop.config import EpochSummary, LoopConfig, StepInfo
-from elastic_kit.loop.trainer import ElasticLoop
+from elastic_kit.loop._audit import EpochAudit, SampleAudit, expected_digest, sample_digest
+from elastic_kit.loop._policy import BatchPlan, BatchPolicy, FixedGlobalBatch, LinearLRScaling
+from elastic_kit.loop._seeded import SeededDataset, seeded_rng
+from elastic_kit.loop._signals import TerminationFlag
+from elastic_kit.loop._state import TrainState
+from elastic_kit.loop._config import EpochSummary, LoopConfig, StepInfo
+from elastic_kit.loop._trainer import ElasticLoop
 
 __all__ = [
     "TrainState",

@@ -32,8 +32,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from elastic_kit.data import make_imagefolder
-from elastic_kit.local_cluster import LocalCluster, wait_for
+from elastic_kit.testing import make_imagefolder
+from elastic_kit.testing import LocalCluster, wait_for
 
 log = logging.getLogger("demo")
 

@@ -7,7 +7,7 @@ seeded augmentation and a per-epoch audit that every image was trained on once.
 
 Make a small CPU-sized ImageNet-style data set first (or pass a real ImageNet root)::
 
-    python -m elastic_kit.data.make_imagefolder /tmp/tiny-imagenet --classes 10 \\
+    python -m elastic_kit.testing.make_imagefolder /tmp/tiny-imagenet --classes 10 \\
         --per-class 64 --size 64
 
 Single node, 2 workers (``--standalone`` runs its own c10d rendezvous)::
@@ -67,18 +67,9 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 from torchvision import transforms
 
+import torch.distributed as dist
+
 import elastic_kit as ek
-from elastic_kit.checkpoint import CheckpointStore
-from elastic_kit.distributed import all_reduce_sum
-from elastic_kit.loop import (
-    ElasticLoop,
-    EpochSummary,
-    LoopConfig,
-    SeededDataset,
-    StepInfo,
-    TrainState,
-)
-from elastic_kit.sampler import ElasticDistributedSampler
 
 log = logging.getLogger("imagenet")
 
@@ -90,7 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The command line (the flags of the pytorch/elastic ImageNet example, plus ours)."""
     arch_names = ["tinycnn"] + sorted(torchvision.models.list_models(module=torchvision.models))
     p = argparse.ArgumentParser(description="Elastic ImageNet training (elastic_kit + torchrun)")
-    p.add_argument("data", metavar="DIR", help="dataset root with train/ and val/ (ImageFolder)")
+    p.add_argument("data", metavar="DIR", nargs="?", default=None,
+                   help="dataset root with train/ and val/ (ImageFolder); not needed with --dummy")
     p.add_argument("-a", "--arch", metavar="ARCH", default="resnet18", choices=arch_names,
                    help="tinycnn (tiny, no batch norm: fast exact CPU runs) or any torchvision "
                         "model name (default: resnet18)")
@@ -198,7 +190,7 @@ def validate(model: nn.Module, val_set: Dataset, *, batch_size: int, workers: in
     length, and padded positions are masked out, so every image counts exactly once
     whatever the world size; correct counts are summed over ranks.
     """
-    sampler = ElasticDistributedSampler(val_set, shuffle=False)
+    sampler = ek.ElasticDistributedSampler(val_set, shuffle=False)
     padding = sampler.local_padding_mask()
     loader = DataLoader(val_set, batch_size=batch_size, sampler=sampler, num_workers=workers)
     model.eval()
@@ -215,7 +207,8 @@ def validate(model: nn.Module, val_set: Dataset, *, batch_size: int, workers: in
         counts[1] += (hit.any(dim=1) & real).sum()
         counts[2] += real.sum()
     model.train()
-    counts = all_reduce_sum(counts)
+    if dist.is_initialized():
+        dist.all_reduce(counts)
     total = max(float(counts[2]), 1.0)
     return 100.0 * float(counts[0]) / total, 100.0 * float(counts[1]) / total
 
@@ -252,7 +245,10 @@ def write_json_atomically(path: str, payload: dict[str, Any]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Parse flags, build data/model/optimizer, run the elastic loop, report on rank 0."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.data is None and not args.dummy:
+        parser.error("the dataset directory DIR is required unless --dummy is given")
     info = ek.init_distributed(backend=args.dist_backend)
     logging.basicConfig(
         level=logging.INFO if info.is_main else logging.WARNING,
@@ -267,14 +263,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
                                 weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=30, gamma=0.1)
-    state = TrainState(model, optimizer, scheduler=scheduler,
+    state = ek.TrainState(model, optimizer, scheduler=scheduler,
                        extras={"best_acc1": 0.0, "train_images": 0, "train_seconds": 0.0})
 
     url = checkpoint_url(args, info.run_id)
-    store = CheckpointStore(url, keep_last=3, node_local=args.node_local_checkpoints)
+    store = ek.CheckpointStore(url, keep_last=3, node_local=args.node_local_checkpoints)
     # The best model goes to its own one-slot store: committed by manifest like any
     # checkpoint, so a crash while saving it never leaves a half-written "best".
-    best_store = CheckpointStore(url.rstrip("/") + "/best", keep_last=1,
+    best_store = ek.CheckpointStore(url.rstrip("/") + "/best", keep_last=1,
                                  node_local=args.node_local_checkpoints)
     criterion = nn.CrossEntropyLoss(reduction="none")
     evals: dict[str, Any] = {"step": None, "top1": 0.0, "top5": 0.0}
@@ -284,7 +280,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         images, target = batch
         return criterion(model(images), target)
 
-    def evaluate_and_keep_best(state: TrainState) -> None:
+    def evaluate_and_keep_best(state: ek.TrainState) -> None:
         top1, top5 = validate(state.model, val_set, batch_size=args.batch_size,
                               workers=args.workers, device=info.device)
         evals.update(step=state.step, top1=top1, top5=top5)
@@ -296,7 +292,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                              "arch": args.arch, "acc1": top1, "acc5": top5},
                             step=state.step, metadata={"acc1": top1, "epoch": state.epoch})
 
-    def on_step_end(state: TrainState, step: StepInfo) -> None:
+    def on_step_end(state: ek.TrainState, step: ek.StepInfo) -> None:
         # Training throughput across restarts; the first step after a (re)start or an
         # epoch end is not timed, so restore and validation time are left out.
         now = time.monotonic()
@@ -305,13 +301,13 @@ def main(argv: Sequence[str] | None = None) -> None:
             state.extras["train_images"] += step.samples
         clock["t"] = now
 
-    def on_epoch_end(state: TrainState, summary: EpochSummary) -> None:
+    def on_epoch_end(state: ek.TrainState, summary: ek.EpochSummary) -> None:
         evaluate_and_keep_best(state)
         clock["t"] = None
 
-    loop = ElasticLoop(
-        state, SeededDataset(train_set, seed=args.seed), loss_fn=loss_fn, store=store,
-        config=LoopConfig(
+    loop = ek.ElasticLoop(
+        state, ek.SeededDataset(train_set, seed=args.seed), loss_fn=loss_fn, store=store,
+        config=ek.LoopConfig(
             epochs=args.epochs, global_batch_size=args.global_batch_size,
             micro_batch_size=args.batch_size, batch_policy=args.batch_policy,
             max_steps=args.max_steps, checkpoint_every_steps=args.checkpoint_every,

@@ -23,8 +23,6 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import elastic_kit as ek
-from elastic_kit.checkpoint import CheckpointStore
-from elastic_kit.loop import ElasticLoop, LoopConfig, TrainState
 
 
 def make_dataset(n: int = 96, seed: int = 0) -> TensorDataset:
@@ -61,20 +59,20 @@ def main() -> None:
         x, y = batch
         return criterion(model(x), y)
 
-    def on_epoch_end(state: TrainState, summary) -> None:
+    def on_epoch_end(state: ek.TrainState, summary: ek.EpochSummary) -> None:
         if info.is_main:
             print(f"epoch {summary.epoch}: loss {summary.loss:.4f}, "
                   f"{summary.samples_per_second:.0f} samples/s, audit ok={summary.audit.ok}",
                   flush=True)
 
-    state = TrainState(model, optimizer)
-    loop = ElasticLoop(
-        state, make_dataset(), loss_fn=loss_fn, store=CheckpointStore(args.ckpt),
+    state = ek.TrainState(model, optimizer)
+    loop = ek.ElasticLoop(
+        state, make_dataset(), loss_fn=loss_fn, store=ek.CheckpointStore(args.ckpt),
         on_epoch_end=on_epoch_end,
-        config=LoopConfig(epochs=args.epochs, global_batch_size=args.global_batch,
-                          micro_batch_size=args.micro_batch, max_steps=args.max_steps,
-                          checkpoint_every_steps=args.checkpoint_every,
-                          blocking=args.blocking, log_every=4),
+        config=ek.LoopConfig(epochs=args.epochs, global_batch_size=args.global_batch,
+                             micro_batch_size=args.micro_batch, max_steps=args.max_steps,
+                             checkpoint_every_steps=args.checkpoint_every,
+                             blocking=args.blocking, log_every=4),
     )
     loop.run()
     if info.is_main:

@@ -23,7 +23,7 @@ _REPO = str(Path(__file__).resolve().parents[2])
 if _REPO not in sys.path:
     sys.path.insert(0, _REPO)
 
-from elastic_kit.local_cluster import EtcdServer  # noqa: E402
+from elastic_kit.testing import EtcdServer  # noqa: E402
 from tests.integration.harness import (  # noqa: E402
     Job, TrainingScript, make_job, run_fault_free, worker_script,
 )

@@ -1,6 +1,6 @@
 """Helpers shared by the torchrun integration scenarios.
 
-A scenario starts a :class:`~elastic_kit.local_cluster.LocalCluster` running a
+A scenario starts a :class:`~elastic_kit.testing.LocalCluster` running a
 training script, waits for *observable* events (a checkpoint manifest appearing, a
 torchrun rendezvous line in an agent log) before it injects a fault, then asserts on
 the summary JSON that rank 0 writes at the end and on the logs. Nothing here sleeps
@@ -25,7 +25,7 @@ from typing import Any, Sequence
 
 import pytest
 
-from elastic_kit.local_cluster import Agent, LocalCluster, wait_for
+from elastic_kit.testing import Agent, LocalCluster, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).resolve().parent / "_worker.py"

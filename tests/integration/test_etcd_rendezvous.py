@@ -14,7 +14,7 @@ from typing import Callable
 
 import pytest
 
-from elastic_kit.local_cluster import EtcdServer
+from elastic_kit.testing import EtcdServer
 from tests.integration.conftest import EPOCHS, Reference
 from tests.integration.harness import (
     Job, assert_audit_ok, assert_params_match, world_size_sequence,

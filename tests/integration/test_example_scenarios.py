@@ -42,7 +42,7 @@ def tiny_imagefolder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """4 classes x 24 training images of 32 px: 4 optimizer steps per epoch at batch 24."""
     pytest.importorskip("torchvision")
     out = tmp_path_factory.mktemp("data") / "imagefolder"
-    subprocess.run([sys.executable, "-m", "elastic_kit.data.make_imagefolder", str(out),
+    subprocess.run([sys.executable, "-m", "elastic_kit.testing.make_imagefolder", str(out),
                     "--classes", "4", "--per-class", "24", "--size", "32", "--seed", "0"],
                    check=True, timeout=120, capture_output=True)
     return out

@@ -1,8 +1,8 @@
 """Write a tiny ImageNet-style image folder of real JPEG files, deterministically.
 
-Usage (the command is :mod:`elastic_kit.data.make_imagefolder`)::
+Usage (the command is :mod:`elastic_kit.testing.make_imagefolder`)::
 
-    python -m elastic_kit.data.make_imagefolder OUT --classes 10 --per-class 64 --size 64 --seed 0
+    python -m elastic_kit.testing.make_imagefolder OUT --classes 10 --per-class 64 --size 64 --seed 0
 
 writes ``OUT/train/class_XX/img_YYYY.jpg`` and ``OUT/val/class_XX/img_YYYY.jpg`` plus
 ``OUT/dataset.json`` describing how it was made.
@@ -181,9 +181,9 @@ def make_imagefolder(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Command line entry point (``python -m elastic_kit.data.make_imagefolder``)."""
+    """Command line entry point (``python -m elastic_kit.testing.make_imagefolder``)."""
     parser = argparse.ArgumentParser(
-        prog="python -m elastic_kit.data.make_imagefolder",
+        prog="python -m elastic_kit.testing.make_imagefolder",
         description="Write a small synthetic ImageNet-style train/ + val/ tree of JPEG files.",
     )
     parser.add_argument("out", help="output directory")

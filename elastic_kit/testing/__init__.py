@@ -1,4 +1,17 @@
-"""Several torchrun agents on one machine, each one "node": for tests, demos, benchmarks.
+"""Test helpers for distributed training code: for this library's tests and for users'.
+
+Everything here is for tests, demos and benchmarks, never for a training run, and its
+extra dependencies (psutil to walk process trees, Pillow for the image folder) come
+with ``pip install elastic_kit[testing]``; ``import elastic_kit`` needs none of them.
+
+- :func:`spawn_multi_process` runs a function on N gloo ranks on the CPU and returns
+  each rank's result (:func:`free_port`, :func:`torchrun_env`, :class:`MultiProcessError`).
+- :class:`LocalCluster` / :class:`Agent`: several torchrun agents on one machine, each one
+  "node"; :class:`EtcdServer`: a throw-away etcd for the ``etcd-v2`` rendezvous.
+- :func:`make_imagefolder`: a small deterministic ImageNet-style folder of real JPEGs
+  (``python -m elastic_kit.testing.make_imagefolder OUT --classes 10 --per-class 64``).
+
+Several torchrun agents on one machine, each one "node":
 
 A real elastic job is one ``torchrun`` agent per host, all pointing at the same
 rendezvous. :class:`LocalCluster` starts such agents on ``127.0.0.1`` so that failures,
@@ -41,10 +54,17 @@ Example::
 
 from __future__ import annotations
 
-from elastic_kit.local_cluster._proc import MARKER_ENV, kill_process_tree, wait_for
-from elastic_kit.local_cluster.cluster import Agent, LocalCluster
-from elastic_kit.local_cluster.etcd import EtcdServer
-from elastic_kit.testing import free_port
+from elastic_kit.testing._spawn import (
+    MultiProcessError, free_port, spawn_multi_process, torchrun_env,
+)
+from elastic_kit.testing._proc import MARKER_ENV, kill_process_tree, wait_for
+from elastic_kit.testing._cluster import Agent, LocalCluster
+from elastic_kit.testing._etcd import EtcdServer
+from elastic_kit.testing._imagefolder import make_imagefolder
+from elastic_kit.testing._faultfs import Fault, FaultFileSystem
 
-__all__ = ["Agent", "LocalCluster", "EtcdServer", "wait_for", "free_port", "kill_process_tree",
-           "MARKER_ENV"]
+__all__ = [
+    "spawn_multi_process", "MultiProcessError", "free_port", "torchrun_env",
+    "Agent", "LocalCluster", "EtcdServer", "wait_for", "kill_process_tree", "MARKER_ENV",
+    "make_imagefolder", "FaultFileSystem", "Fault",
+]

@@ -11,6 +11,8 @@ states are converted to tensors on the way.
 
 from __future__ import annotations
 
+import argparse
+import collections
 import logging
 import random
 from typing import Any
@@ -21,8 +23,8 @@ from torch import nn
 
 from elastic_kit.distributed import unwrap_model
 from elastic_kit.errors import CheckpointMismatchError
-from elastic_kit.loop.audit import SampleAudit
-from elastic_kit.loop.policy import rescale_lr
+from elastic_kit.loop._audit import SampleAudit
+from elastic_kit.loop._policy import rescale_lr
 
 __all__ = ["TrainState", "capture_rng_state", "restore_rng_state"]
 
@@ -68,23 +70,81 @@ def restore_rng_state(state: dict[str, Any]) -> None:
                      p["gauss_next"]))
 
 
+def _is_stateful(obj: Any) -> bool:
+    """True for objects saved through their own ``state_dict()`` (modules, EMA models,
+    optimizers, schedulers, GradScalers): kept live in ``extras`` and loaded in place."""
+    return (not isinstance(obj, (dict, type)) and callable(getattr(obj, "state_dict", None))
+            and callable(getattr(obj, "load_state_dict", None)))
+
+
+def _ddp_inner(obj: Any) -> Any:
+    """The module inside a DDP wrapper (so its state loads with or without DDP); any
+    other object as it is: an EMA ``AveragedModel`` also has ``.module``, but its own
+    state (``n_averaged``) must be kept."""
+    return obj.module if isinstance(obj, nn.parallel.DistributedDataParallel) else obj
+
+
 def _check_plain(obj: Any, path: str) -> None:
     # Exact types: numpy scalars subclass float/int but weights_only refuses them.
     if type(obj) in _PLAIN or isinstance(obj, torch.Tensor):
         return
-    if type(obj) is dict:
+    if type(obj) in (dict, collections.OrderedDict):
         for k, v in obj.items():
-            if not isinstance(k, (str, int)):
-                raise TypeError(f"{path}: key {k!r} must be a str or int")
+            if type(k) not in (str, int):
+                raise TypeError(f"{path}: key {k!r} must be a str or int, got {type(k).__name__}")
             _check_plain(v, f"{path}[{k!r}]")
         return
     if type(obj) in (list, tuple):
         for i, v in enumerate(obj):
             _check_plain(v, f"{path}[{i}]")
         return
+    hint = ""
+    if isinstance(obj, argparse.Namespace):
+        hint = "; store vars(args) (a dict) instead of the argparse.Namespace"
+    elif type(obj).__module__ == "numpy":
+        hint = "; convert it with .item() (scalars) or torch.from_numpy (arrays)"
     raise TypeError(
-        f"{path} is a {type(obj).__name__}; checkpoints hold only dicts, lists, tuples, "
-        f"tensors, ints, floats, str, bool and None (torch.load(weights_only=True))")
+        f"{path} is a {type(obj).__module__}.{type(obj).__qualname__}; checkpoints hold only "
+        f"dicts, lists, tuples, tensors, ints, floats, str, bool and None "
+        f"(torch.load(weights_only=True)), or objects with state_dict()/load_state_dict() "
+        f"such as modules{hint}")
+
+
+def _check_model_fits(model: nn.Module, saved: Any) -> None:
+    """Raise before anything is loaded when ``saved`` is not a state dict of ``model``."""
+    if not isinstance(saved, dict):
+        raise CheckpointMismatchError(
+            f"checkpoint 'model' is a {type(saved).__name__}, expected a state dict")
+    current = model.state_dict()
+    missing = [k for k in current if k not in saved]
+    unexpected = [k for k in saved if k not in current]
+    shapes = [f"{k}: checkpoint {tuple(saved[k].shape)} vs model {tuple(v.shape)}"
+              for k, v in current.items() if k in saved and isinstance(v, torch.Tensor)
+              and isinstance(saved[k], torch.Tensor) and saved[k].shape != v.shape]
+    if missing or unexpected or shapes:
+        parts = []
+        if missing:
+            parts.append(f"missing keys {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        if unexpected:
+            parts.append(f"unexpected keys {unexpected[:5]}"
+                         f"{' ...' if len(unexpected) > 5 else ''}")
+        if shapes:
+            parts.append(f"other shapes ({'; '.join(shapes[:5])})")
+        raise CheckpointMismatchError(
+            "checkpoint does not fit the model: " + ", ".join(parts)
+            + "; nothing was loaded")
+
+
+def _check_optimizer_fits(optimizer: torch.optim.Optimizer, saved: Any) -> None:
+    groups = saved.get("param_groups") if isinstance(saved, dict) else None
+    if not isinstance(groups, list):
+        raise CheckpointMismatchError("checkpoint optimizer state has no 'param_groups' list")
+    ours = [len(g["params"]) for g in optimizer.param_groups]
+    theirs = [len(g.get("params", [])) for g in groups]
+    if ours != theirs:
+        raise CheckpointMismatchError(
+            f"checkpoint optimizer has parameter groups of sizes {theirs}, this optimizer "
+            f"{ours}; nothing was loaded")
 
 
 class TrainState:
@@ -98,15 +158,17 @@ class TrainState:
         scaler: a ``torch.amp.GradScaler``.
         sampler: the :class:`~elastic_kit.ElasticDistributedSampler` (the loop
             creates one when left ``None``).
-        extras: user values to keep across restarts (``{"best_acc1": 0.0}``); plain
-            types only.
+        extras: user values to keep across restarts: plain values
+            (``{"best_acc1": 0.0}``: dicts, lists, tensors, numbers, str) and objects
+            with ``state_dict()``/``load_state_dict()`` (an EMA model, a second
+            optimizer), which are saved through ``state_dict()`` and loaded in place.
 
     Attributes:
         epoch: the epoch in progress (or next to start).
         step: global optimizer step count.
         extras: the user's dict.
         history: one entry per (re)start of the worker group: ``{"world_size",
-            "step", "restart", "restored_step"}``.
+            "step", "restart", "restored_step", "restored_from"}``.
         audit: the :class:`~elastic_kit.loop.SampleAudit`; ``audit.epochs[e]`` is the
             :class:`~elastic_kit.loop.EpochAudit` of epoch ``e``.
         initial_world_size: the world size the run started with (``W0`` of
@@ -148,7 +210,13 @@ class TrainState:
         The tensors are the live ones (parameters, optimizer moments): copy them
         before the next step if the result is kept (the checkpoint store stages them).
         """
-        _check_plain(self.extras, "extras")
+        extras: dict[str, Any] = {}
+        for k, v in self.extras.items():
+            if _is_stateful(v):
+                extras[k] = _ddp_inner(v).state_dict()
+            else:
+                _check_plain(v, f"extras[{k!r}]")
+                extras[k] = v
         sd: dict[str, Any] = {
             "format": STATE_FORMAT,
             "model": unwrap_model(self.model).state_dict(),
@@ -158,7 +226,7 @@ class TrainState:
             "sampler": self.sampler.state_dict() if self.sampler is not None else None,
             "epoch": int(self.epoch),
             "step": int(self.step),
-            "extras": dict(self.extras),
+            "extras": extras,
             "history": [dict(h) for h in self.history],
             "audit": self.audit.state_dict(),
             "initial_world_size": self.initial_world_size,
@@ -178,6 +246,31 @@ class TrainState:
             raise CheckpointMismatchError(
                 f"not a TrainState checkpoint: expected a dict with 'model', 'step', ... "
                 f"got {type(sd).__name__} with keys {sorted(sd)[:8] if isinstance(sd, dict) else ''}")
+        for key in ("epoch", "step"):
+            if type(sd.get(key)) is not int or sd[key] < 0:
+                raise CheckpointMismatchError(
+                    f"TrainState checkpoint {key!r}={sd.get(key)!r}: expected an int >= 0")
+        # Check everything that can be checked before changing anything, so a
+        # checkpoint of another model or dataset leaves the live objects untouched.
+        _check_model_fits(unwrap_model(self.model), sd["model"])
+        if self.optimizer is not None and sd.get("optimizer") is not None:
+            _check_optimizer_fits(self.optimizer, sd["optimizer"])
+        if self.sampler is not None and sd.get("sampler") is not None:
+            check = getattr(self.sampler, "check_state_dict", None)
+            saved_len = sd["sampler"].get("dataset_length") if isinstance(
+                sd["sampler"], dict) else None
+            if callable(check):
+                check(sd["sampler"])
+            elif saved_len is not None and saved_len != getattr(self.sampler, "dataset_length",
+                                                                 saved_len):
+                raise CheckpointMismatchError(
+                    f"sampler state was saved for a dataset of length {saved_len}, but this "
+                    f"dataset has length {self.sampler.dataset_length}; nothing was loaded")
+        saved_extras = sd.get("extras") or {}
+        if not isinstance(saved_extras, dict):
+            raise CheckpointMismatchError(
+                f"TrainState checkpoint 'extras' is a {type(saved_extras).__name__}, "
+                "expected a dict")
         try:
             unwrap_model(self.model).load_state_dict(sd["model"])
         except RuntimeError as e:
@@ -199,9 +292,19 @@ class TrainState:
                 if isinstance(e, CheckpointMismatchError):
                     raise
                 raise CheckpointMismatchError(str(e)) from e
+        for k, v in saved_extras.items():
+            live = self.extras.get(k)
+            if _is_stateful(live):
+                try:
+                    _ddp_inner(live).load_state_dict(v)
+                except (ValueError, KeyError, RuntimeError) as e:
+                    raise CheckpointMismatchError(
+                        f"checkpoint extras[{k!r}] does not fit {type(live).__name__}: {e}"
+                    ) from e
+            else:
+                self.extras[k] = v
         self.epoch = int(sd["epoch"])
         self.step = int(sd["step"])
-        self.extras.update(sd.get("extras") or {})
         self.history = [dict(h) for h in sd.get("history") or []]
         self.audit.load_state_dict(sd.get("audit") or [])
         self.initial_world_size = sd.get("initial_world_size")
@@ -223,7 +326,7 @@ class TrainState:
             steps restored, in order) and ``audit`` (``{"epoch", "count",
             "expected", "ok"}`` per finished epoch).
         """
-        keys = ("world_size", "step", "restart", "restored_step")
+        keys = ("world_size", "step", "restart", "restored_step", "restored_from")
         return {
             "steps": self.step,
             "epochs": self.epoch,

@@ -1,4 +1,10 @@
-"""Progress reporting on rank 0: a log line every ``log_every`` steps, tqdm on a tty."""
+"""Progress reporting on rank 0: a line every ``log_every`` steps, tqdm on a tty.
+
+A user who hands the loop to :class:`~elastic_kit.ElasticLoop` loses the prints of
+their own loop, so progress must be visible without configuring :mod:`logging`:
+:func:`say` goes through the ``elastic_kit`` logger when the application configured
+logging (a handler anywhere up the logger tree) and to stderr otherwise.
+"""
 
 from __future__ import annotations
 
@@ -7,9 +13,20 @@ import sys
 import time
 from typing import Any
 
-__all__ = ["ProgressReporter", "format_eta"]
+__all__ = ["ProgressReporter", "format_eta", "say"]
 
 log = logging.getLogger("elastic_kit.loop")
+
+
+def say(logger: logging.Logger, msg: str, *args: Any) -> None:
+    """Log ``msg % args`` at INFO, or print it to stderr when logging is unconfigured.
+
+    Called on rank 0 only, for what a training script would print itself.
+    """
+    if logger.hasHandlers():
+        logger.info(msg, *args)
+    else:
+        print(f"[elastic_kit] {msg % args if args else msg}", file=sys.stderr, flush=True)
 
 
 def format_eta(seconds: float | None) -> str:
@@ -74,7 +91,7 @@ class ProgressReporter:
                                   sps=f"{self.samples_per_second:.1f}", refresh=False)
         if self.log_every and step % self.log_every == 0:
             lr_txt = f" lr {lr:.4g}" if lr is not None else ""
-            log.info("step %d epoch %d loss %.4f%s %.1f samples/s (W=%d) eta %s",
+            say(log, "step %d epoch %d loss %.4f%s %.1f samples/s (W=%d) eta %s",
                      step, epoch, loss, lr_txt, self.samples_per_second, world_size,
                      format_eta(self.eta()))
             self.window_samples = 0

@@ -1,4 +1,4 @@
-"""Process-tree and polling helpers for :class:`~elastic_kit.local_cluster.LocalCluster`.
+"""Process-tree and polling helpers for :class:`~elastic_kit.testing.LocalCluster`.
 
 torchrun starts workers in their own sessions, so a lost node is simulated by walking
 the agent's process tree (psutil) and SIGKILLing every process in it.
@@ -28,8 +28,8 @@ def _psutil() -> ModuleType:
         import psutil
     except ImportError as e:  # pragma: no cover - depends on the environment
         raise ImportError(
-            "elastic_kit.local_cluster needs psutil to find and stop process trees; "
-            "install it with `pip install psutil` or `pip install elastic_kit[test]`"
+            "elastic_kit.testing needs psutil to find and stop process trees; "
+            "install it with `pip install psutil` or `pip install elastic_kit[testing]`"
         ) from e
     return psutil
 

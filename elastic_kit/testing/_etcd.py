@@ -12,8 +12,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO
 
-from elastic_kit.local_cluster._proc import wait_for
-from elastic_kit.testing import free_port
+from elastic_kit.testing._proc import wait_for
+from elastic_kit.testing._spawn import free_port
 
 __all__ = ["EtcdServer"]
 

@@ -14,10 +14,10 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any, Mapping, Sequence
 
-from elastic_kit.local_cluster._proc import (
+from elastic_kit.testing._proc import (
     MARKER_ENV, _descendants, _port_open, _psutil, kill_process_tree, wait_for,
 )
-from elastic_kit.testing import free_port
+from elastic_kit.testing._spawn import free_port
 
 __all__ = ["Agent", "LocalCluster"]
 

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset, default_collate
 
-from elastic_kit.loop.seeded import SeededDataset
+from elastic_kit.loop._seeded import SeededDataset
 
 __all__ = ["KeyedDataset", "CollateWithIds", "ScheduleBatchSampler", "to_device"]
 

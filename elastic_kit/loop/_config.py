@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from elastic_kit.loop.audit import EpochAudit
-from elastic_kit.loop.policy import BatchPolicy, make_policy
+from elastic_kit.loop._audit import EpochAudit
+from elastic_kit.loop._policy import BatchPolicy, make_policy
 
 __all__ = ["LoopConfig", "StepInfo", "EpochSummary"]
 
@@ -112,7 +112,21 @@ class LoopConfig:
 
 @dataclass
 class StepInfo:
-    """What ``on_step_end(state, info)`` receives after every optimizer step."""
+    """What ``on_step_end(state, info)`` receives after every optimizer step.
+
+    Attributes:
+        step: the global step just completed.
+        epoch: its epoch.
+        loss: the mean loss over the step's real samples, all ranks.
+        samples: real samples in the step, all ranks.
+        samples_per_second: recent throughput, all ranks.
+        lr: the first parameter group's learning rate.
+        world_size: ranks in the current worker group.
+        outputs: the second element of each micro-batch's ``loss_fn`` result when it
+            returned ``(losses, outputs)`` (this rank's), else empty.
+        metrics: ``loss``, ``samples_per_second``, ``lr`` and, when clipping,
+            ``grad_norm`` (before clipping) as one dict, for loggers.
+    """
 
     step: int
     epoch: int
@@ -121,6 +135,8 @@ class StepInfo:
     samples_per_second: float
     lr: float | None
     world_size: int
+    outputs: list[Any] = field(default_factory=list)
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass

@@ -1,0 +1,510 @@
+"""Checkpointer: make a training script that keeps its own loop resumable, exactly.
+
+Most scripts keep their own loop (torchvision's classification reference, the
+pytorch/elastic ImageNet example, a team's ``train.py``). :class:`Checkpointer` adds
+what an elastic restart needs to such a loop with a handful of lines, and nothing
+else about the loop changes::
+
+    state = ek.TrainState(model, optimizer, scheduler=sched, scaler=scaler,
+                          sampler=sampler, extras={"ema": ema_model})
+    ckpt = ek.Checkpointer(state, "s3://bucket/run", every_steps=200)
+    for epoch in range(ckpt.restore(), epochs):   # collective: newest state, epoch to start
+        sampler.set_epoch(epoch)                  # keeps a restored mid-epoch position
+        for x, y in loader:                       # yields only what the epoch has left
+            ...forward, backward, optimizer.step()...
+            ckpt.step(len(x))                     # saves when due; SIGTERM: save and exit
+        ckpt.end_epoch()
+    ckpt.close()
+
+How the position is kept: the :class:`~elastic_kit.ElasticDistributedSampler` deals
+each rank a strided share of the rest of the epoch's permutation, padded to equal
+length, so every rank's ``k``-th batch of ``n`` samples is the contiguous global chunk
+``rem[k*n*W:(k+1)*n*W]`` and only the epoch's very last step holds padding. A
+step therefore consumed ``min(n * W, samples left in the pass)`` real samples
+globally, which every rank computes alone: :meth:`Checkpointer.step` needs no
+collective to advance the sampler. Saves run on every rank's call but only the
+writer rank writes; the ranks then agree that the write succeeded.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import os
+import time
+from typing import TYPE_CHECKING, Any, Iterable, Protocol
+
+import torch
+
+from elastic_kit.checkpoint import CheckpointStore, LoadedCheckpoint
+from elastic_kit.distributed import (
+    DistInfo, all_reduce_max, all_reduce_sum_async, get_dist_info, is_dist_ready,
+)
+from elastic_kit.errors import CheckpointError, SampleAuditError
+from elastic_kit.loop._audit import EpochAudit
+from elastic_kit.loop._progress import say
+from elastic_kit.loop._signals import TerminationFlag
+
+if TYPE_CHECKING:
+    from elastic_kit.loop._state import TrainState
+
+__all__ = ["Checkpointer", "StoreLike"]
+
+log = logging.getLogger(__name__)
+
+class StoreLike(Protocol):
+    """What a checkpointer (and :class:`~elastic_kit.ElasticLoop`) needs of a store.
+
+    :class:`~elastic_kit.CheckpointStore` is the implementation; tests and benchmarks
+    wrap it (to count or time saves) by providing these methods.
+    """
+
+    url: str
+
+    def load(self, *, map_location: Any = None) -> LoadedCheckpoint | None: ...
+
+    def save(self, state_dict: dict[str, Any], *, step: int,
+             metadata: dict[str, Any] | None = None, blocking: bool = True,
+             copy_later: Iterable[torch.Tensor] = ()) -> None: ...
+
+    def wait(self) -> None: ...
+
+    def wait_local(self) -> None: ...
+
+    def wait_staged(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+_AUDIT_MODES = {False: "off", True: "error", "off": "off", "warn": "warn", "error": "error"}
+
+
+class Checkpointer:
+    """Resume a script's own training loop mid-epoch, exactly, at any world size.
+
+    Args:
+        state: the :class:`~elastic_kit.TrainState` to save and restore. Its
+            ``sampler`` should be the :class:`~elastic_kit.ElasticDistributedSampler`
+            the loader iterates: the checkpointer advances it after every step.
+            Without one, a restart resumes at the start of the saved epoch.
+        store: a :class:`~elastic_kit.CheckpointStore`, a path or fsspec URL (a store
+            is made, with ``keep_last``, ``node_local`` and ``storage_options``), or
+            ``None`` (no checkpoints; steps, audit and SIGTERM handling still work).
+        every_steps: save every this many optimizer steps.
+        every_seconds: save when this long has passed since the last save (rank 0's
+            clock decides, so all ranks agree).
+        keep_last: checkpoints a store made from a URL keeps.
+        blocking: make the periodic saves synchronous. Non-blocking saves (default)
+            copy the state and write it on a background thread; SIGTERM saves are
+            always synchronous.
+        save_at_epoch_end: save in :meth:`end_epoch`.
+        audit: ``False``/``"off"`` (default), ``True``/``"error"`` (raise
+            :class:`~elastic_kit.SampleAuditError` at the end of an epoch that missed or
+            repeated a sample) or ``"warn"``. The audit keeps, per epoch, a count and
+            an order-independent digest of the sample ids the sampler dealt to each
+            completed step, summed over ranks and saved in every checkpoint.
+        overlap_staging: a non-blocking save copies the parameters and optimizer
+            state on the save thread while the next forward and backward run; the
+            copy is waited for in a pre-hook of ``optimizer.step()``, the only place
+            they change. Turn off if the script changes parameters in place outside
+            ``optimizer.step()``.
+        handle_signals: catch SIGTERM (torchrun's restart notice): the next
+            :meth:`step` saves synchronously and raises ``SystemExit(exit_code)``.
+        exit_code: the exit status after a SIGTERM save (non-zero, so torchrun
+            restarts the group instead of reporting success).
+        node_local / storage_options: passed to the store made from a URL.
+        info: this worker's :class:`~elastic_kit.DistInfo`; read from the environment
+            and process group by :meth:`restore` when None.
+
+    Attributes:
+        loaded: the :class:`~elastic_kit.LoadedCheckpoint` :meth:`restore` loaded, or None.
+        restored_step: its step, or None.
+        info: this worker's :class:`~elastic_kit.DistInfo` (set by :meth:`restore`).
+
+    .. warning::
+        :meth:`restore`, :meth:`step`, :meth:`end_epoch`, :meth:`save` and
+        :meth:`close` are collective: call them on every rank at the same points
+        (they are, in a loop that every rank runs). ``n`` in :meth:`step` must be the
+        same on every rank, which a ``DataLoader`` over the sampler gives (the
+        sampler pads every rank's share to the same length); use
+        ``drop_last=False`` in the loader, or the epoch's tail is never trained.
+    """
+
+    def __init__(self, state: TrainState, store: StoreLike | str | os.PathLike[str] | None,
+                 *, every_steps: int | None = None, every_seconds: float | None = None,
+                 keep_last: int | None = 3, blocking: bool = False,
+                 save_at_epoch_end: bool = True, audit: bool | str = False,
+                 overlap_staging: bool = True, handle_signals: bool = True,
+                 exit_code: int = 143, node_local: bool = False,
+                 storage_options: dict[str, Any] | None = None,
+                 info: DistInfo | None = None) -> None:
+        if not hasattr(state, "state_dict") or not hasattr(state, "load_state_dict"):
+            raise TypeError(f"state={state!r} must be an ek.TrainState (state_dict/load_state_dict)")
+        if every_steps is not None:
+            every_steps = operator.index(every_steps)
+            if every_steps < 1:
+                raise ValueError(f"every_steps={every_steps} must be None or an int >= 1")
+        if every_seconds is not None and not every_seconds > 0:
+            raise ValueError(f"every_seconds={every_seconds!r} must be None or > 0")
+        if audit not in _AUDIT_MODES:
+            raise ValueError(f"audit={audit!r} must be True, False, 'off', 'warn' or 'error'")
+        exit_code = operator.index(exit_code)
+        if not 1 <= exit_code <= 255:
+            raise ValueError(f"exit_code={exit_code} must be in [1, 255]")
+        self.state = state
+        self._owns_store = isinstance(store, (str, os.PathLike))
+        if self._owns_store:
+            store = CheckpointStore(store, keep_last=keep_last,  # type: ignore[arg-type]
+                                    node_local=node_local, storage_options=storage_options,
+                                    info=info)
+        self.store: StoreLike | None = store  # type: ignore[assignment]
+        self.every_steps = every_steps
+        self.every_seconds = every_seconds
+        self.blocking = bool(blocking)
+        self.save_at_epoch_end = bool(save_at_epoch_end)
+        self.audit = _AUDIT_MODES[audit]
+        self.overlap_staging = bool(overlap_staging)
+        self.handle_signals = bool(handle_signals)
+        self.exit_code = exit_code
+        self._given_info = info
+        self.info: DistInfo = info or get_dist_info()
+        self.loaded: LoadedCheckpoint | None = None
+        self.restored_step: int | None = None
+        self._stop = TerminationFlag()
+        self._flags: Any = None  # the previous step's async all-reduce of (stop, time due)
+        self._last_save_time = time.monotonic()
+        self._last_saved_step: int | None = None
+        self._pass_key: tuple[int, ...] | None = None
+        self._pass_indices: torch.Tensor | None = None
+        self._step_hook: Any = None
+        self._closed = False
+
+    # ------------------------------------------------------------------ restore
+    def restore(self, *, map_location: Any = None) -> int:
+        """Load the newest checkpoint into the state; return the epoch to start.
+
+        Collective. Without a checkpoint the state is left as it is and its epoch
+        (0 for a new run) is returned. Installs the SIGTERM handler and, for
+        non-blocking saves, the staging pre-hook on the optimizer.
+
+        Args:
+            map_location: as for :meth:`CheckpointStore.load` (default CPU; tensors
+                are then copied into the live model and optimizer wherever they are).
+
+        Raises:
+            CheckpointMismatchError: the checkpoint does not fit the model, optimizer
+                or dataset (nothing in the state was changed).
+            ValueError: the sampler was built for another rank or world size.
+        """
+        info = self.info = self._given_info or get_dist_info()
+        state, sampler = self.state, self.state.sampler
+        if sampler is None:
+            log.warning("TrainState has no sampler: a restart resumes at the start of the "
+                        "saved epoch, not at the saved position inside it")
+        elif (sampler.num_replicas, sampler.rank) != (info.world_size, info.rank):
+            raise ValueError(
+                f"sampler has num_replicas={sampler.num_replicas}, rank={sampler.rank}; "
+                f"this worker is rank {info.rank} of {info.world_size} (build the sampler "
+                "after ek.init_distributed())")
+        loaded = self.store.load(map_location=map_location) if self.store is not None else None
+        if loaded is not None:
+            state.load_state_dict(loaded.state)
+            self.loaded, self.restored_step = loaded, int(loaded.step)
+            self._last_saved_step = self.restored_step
+        if state.initial_world_size is None:
+            state.initial_world_size = info.world_size
+        state.history.append({"world_size": info.world_size, "step": state.step,
+                              "restart": info.restart_count,
+                              "restored_step": self.restored_step,
+                              "restored_from": "store" if loaded is not None else None})
+        if sampler is not None and loaded is not None:
+            state.epoch = sampler.epoch
+        if info.is_main:
+            if loaded is not None:
+                done = f", {sampler.consumed}/{sampler.dataset_length} samples of it done" if (
+                    sampler is not None) else ""
+                say(log, "restored checkpoint step %d: epoch %d%s; world size %s -> %d "
+                         "(restart %d)", state.step, state.epoch, done,
+                         loaded.metadata.get("world_size", "?"), info.world_size,
+                         info.restart_count)
+            else:
+                say(log, "no checkpoint to restore: starting at step %d, epoch %d, world "
+                         "size %d", state.step, state.epoch, info.world_size)
+        if self.handle_signals:
+            self._stop.install()
+        if self.store is not None and self.overlap_staging and self._step_hook is None \
+                and state.optimizer is not None:
+            self._step_hook = state.optimizer.register_step_pre_hook(
+                lambda *_: self.store.wait_staged())  # type: ignore[union-attr]
+        self._last_save_time = time.monotonic()
+        return int(state.epoch)
+
+    # ------------------------------------------------------------------ steps
+    @property
+    def stop_requested(self) -> bool:
+        """True once this rank received SIGTERM (or :meth:`request_stop` was called)."""
+        return self._stop.is_set()
+
+    def request_stop(self) -> None:
+        """Save and exit at the next :meth:`step` as if SIGTERM had arrived."""
+        self._stop.set()
+
+    def _pass_position(self) -> tuple[int, int, int]:
+        """``(j0, R0, W)``: this rank's local offset in the pass, samples the pass
+        started with, world size."""
+        s = self.state.sampler
+        w = s.num_replicas
+        start = s.pass_start
+        return (s.consumed - start) // w, s.dataset_length - start, w
+
+    def sample_weights(self, n: int, *, device: Any = None,
+                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Per-sample loss weights for this rank's next batch of ``n`` samples.
+
+        ``W / n_real`` for real samples and 0 for the padding that fills the epoch's
+        last step (``n_real``: real samples of the whole step, over all ranks), so
+        that ``(per_sample_loss * weights).sum()`` under DDP (which averages the
+        ranks' gradients) is the mean loss over exactly the step's real samples:
+        every sample counts once, and the last, partial step is not biased by
+        repeated ones. Call it before :meth:`step` for the same batch.
+
+        Example::
+
+            criterion = nn.CrossEntropyLoss(reduction="none")
+            loss = (criterion(model(x), y) * ckpt.sample_weights(len(x), device=x.device)).sum()
+        """
+        n = operator.index(n)
+        sampler = self.state.sampler
+        if sampler is None:
+            return torch.full((n,), 1.0 / max(n, 1), dtype=dtype, device=device)
+        j0, r0, w = self._pass_position()
+        n_real = max(0, min(r0 - j0 * w, n * w))
+        positions = torch.arange(j0, j0 + n, dtype=torch.int64)
+        real = positions.mul_(w).add_(sampler.rank) < r0
+        return real.to(device=device, dtype=dtype).mul_(w / max(n_real, 1))
+
+    def step(self, n: int) -> None:
+        """Record one optimizer step in which this rank trained ``n`` samples.
+
+        Call it after ``optimizer.step()``, on every rank. It advances the sampler by
+        the step's real samples over all ranks, records them in the audit (when on),
+        saves when a save is due, and after a SIGTERM on any rank saves synchronously
+        and raises ``SystemExit(exit_code)`` on every rank.
+        """
+        self._record_step(n)
+        stop, time_due = self._poll_flags()
+        self._act(stop, time_due)
+
+    def _record_step(self, n: int) -> None:
+        """Count the step, advance the sampler by its real samples, feed the audit."""
+        n = operator.index(n)
+        if n < 0:
+            raise ValueError(f"step(n={n}): n must be >= 0 (this rank's samples in the step)")
+        state, sampler = self.state, self.state.sampler
+        state.step += 1
+        if sampler is None:
+            return
+        j0, r0, w = self._pass_position()
+        n_real = max(0, min(r0 - j0 * w, n * w))
+        if self.audit != "off" and n_real:
+            ids = self._pass_local_indices()[j0:j0 + n]
+            real = torch.arange(j0, j0 + len(ids)).mul_(w).add_(sampler.rank) < r0
+            state.audit.record(sampler.epoch, ids[real])
+        sampler.advance(n_real)
+        state.epoch = sampler.epoch
+
+    def _act(self, stop: bool, time_due: bool) -> None:
+        """Given the ranks' agreed flags: save and exit after SIGTERM, or save when due."""
+        if stop:
+            self._exit_after_save()
+        state, sampler = self.state, self.state.sampler
+        due = self.every_steps is not None and state.step % self.every_steps == 0
+        epoch_done = sampler is not None and sampler.remaining == 0
+        if (due or time_due) and not (epoch_done and self.save_at_epoch_end):
+            # The epoch's last step is saved by end_epoch, with the epoch closed.
+            self.save(blocking=self.blocking)
+
+    def _pass_local_indices(self) -> torch.Tensor:
+        s = self.state.sampler
+        key = (s.epoch, s.pass_start, s.num_replicas, s.rank, s.seed, int(s.shuffle))
+        if key != self._pass_key:
+            self._pass_key = key
+            self._pass_indices = s.local_indices(position=s.pass_start)
+        assert self._pass_indices is not None
+        return self._pass_indices
+
+    def _poll_flags(self) -> tuple[bool, bool]:
+        """Agree on (stop, time due) across ranks.
+
+        Each step issues a small async all-reduce and reads the previous step's:
+        the collective overlaps a whole training step, and the decision it carries
+        is acted on one step later, on every rank alike.
+        """
+        local = self._local_flags()
+        if not is_dist_ready() or self.info.world_size == 1:
+            return bool(local[0]), bool(local[1])
+        previous = self._resolve_flags()
+        self._flags = all_reduce_sum_async(local)
+        return previous
+
+    def _local_flags(self) -> torch.Tensor:
+        """This rank's ``[stop requested, save time due]`` as float64 (summed over ranks)."""
+        time_due = (self.every_seconds is not None and self.info.is_main
+                    and time.monotonic() - self._last_save_time >= self.every_seconds)
+        return torch.tensor([float(self._stop.is_set()), float(time_due)], dtype=torch.float64)
+
+    def _resolve_flags(self) -> tuple[bool, bool]:
+        if self._flags is None:
+            return False, False
+        flags, self._flags = self._flags().tolist(), None
+        return flags[0] > 0, flags[1] > 0
+
+    def _agreed_stop(self) -> bool:
+        """Every rank learns at once whether any rank received SIGTERM (collective)."""
+        pending_stop, _ = self._resolve_flags() if is_dist_ready() else (False, False)
+        mine = self._stop.is_set() or pending_stop
+        if is_dist_ready() and self.info.world_size > 1:
+            return all_reduce_max(int(mine)) > 0
+        return mine
+
+    def _exit_after_save(self) -> None:
+        self.save(blocking=True)
+        if self.info.is_main:
+            say(log, "SIGTERM: checkpoint step %d saved; exiting with status %d so "
+                        "torchrun restarts the group", self.state.step, self.exit_code)
+        self.close()
+        raise SystemExit(self.exit_code)
+
+    # ------------------------------------------------------------------ epochs
+    def end_epoch(self) -> None:
+        """Close the epoch: check the audit, move to the next epoch, save.
+
+        Collective. After it, ``state.epoch`` and the sampler are at the next epoch,
+        position 0, and the checkpoint saved here says so.
+
+        Raises:
+            SampleAuditError: ``audit="error"`` and the epoch missed or repeated a sample.
+        """
+        state, sampler = self.state, self.state.sampler
+        epoch = sampler.epoch if sampler is not None else state.epoch
+        self.finish_audit()
+        stop = self._agreed_stop()
+        state.epoch = epoch + 1
+        if sampler is not None:
+            sampler.set_epoch(epoch + 1)
+        if stop:
+            self._exit_after_save()
+        if self.save_at_epoch_end:
+            self.save(blocking=self.blocking)
+
+    def finish_audit(self) -> EpochAudit | None:
+        """Check the current epoch's sample audit now (collective); None when off.
+
+        :meth:`end_epoch` calls it; call it earlier to report the audit before
+        end-of-epoch work (validation). Checking twice checks once.
+
+        Raises:
+            SampleAuditError: ``audit="error"`` and the epoch missed or repeated a sample.
+        """
+        state, sampler = self.state, self.state.sampler
+        if self.audit == "off" or sampler is None:
+            return None
+        epoch = sampler.epoch
+        audit = state.audit.epoch(epoch)
+        if audit.ok is not None and audit.expected_count == sampler.dataset_length:
+            return audit
+        state.audit.sync(epoch)
+        if not audit.finish(sampler.dataset_length):
+            if self.info.is_main:
+                log.error("SAMPLE AUDIT FAILED: %s", audit.message)
+            if self.audit == "error":
+                raise SampleAuditError(audit.message)
+        elif self.info.is_main:
+            say(log, "sample audit: %s", audit.message)
+        return audit
+
+    # ------------------------------------------------------------------ saving
+    def save(self, *, blocking: bool = True) -> None:
+        """Checkpoint the state now at ``state.step``. Collective.
+
+        Every rank calls the store, the writer writes, and the ranks agree on the
+        outcome: if the write failed on the writer (or an earlier non-blocking write
+        did), every rank raises :class:`~elastic_kit.CheckpointError`.
+        """
+        state = self.state
+        # Fold every rank's audit share in first, so the checkpoint's audit matches
+        # exactly the samples behind its model state.
+        if self.audit != "off":
+            state.audit.sync(state.epoch)
+        if self.store is None:
+            return
+        sampler = state.sampler
+        meta = {"epoch": int(state.epoch), "world_size": self.info.world_size,
+                "consumed": int(sampler.consumed) if sampler is not None else None}
+        kw: dict[str, Any] = {}
+        if not blocking and self.overlap_staging and state.optimizer is not None:
+            kw["copy_later"] = _optimizer_tensors(state.optimizer)
+        err: BaseException | None = None
+        try:
+            self.store.save(state.state_dict(), step=state.step, metadata=meta,
+                            blocking=blocking, **kw)
+        except Exception as e:  # every rank must learn of it, below
+            err = e
+        self._agree(err, f"saving checkpoint step {state.step} to {self.store.url}")
+        self._last_saved_step = state.step
+        self._last_save_time = time.monotonic()
+
+    def _agree(self, err: BaseException | None, what: str) -> None:
+        failed = all_reduce_max(int(err is not None)) if (
+            is_dist_ready() and self.info.world_size > 1) else int(err is not None)
+        if err is not None:
+            raise err
+        if failed:
+            raise CheckpointError(f"{what} failed on the writer rank (see its log)")
+
+    def close(self) -> None:
+        """Wait for the in-flight save (re-raising its error) and uninstall the hooks.
+
+        Collective when a save may be in flight. Closes the store when the
+        checkpointer made it from a URL. Safe to call twice.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        if self._step_hook is not None:
+            self._step_hook.remove()
+            self._step_hook = None
+        self._stop.uninstall()
+        if is_dist_ready():
+            self._resolve_flags()
+        if self.store is not None:
+            err: BaseException | None = None
+            try:
+                self.store.wait()
+            except Exception as e:
+                err = e
+            self._agree(err, f"the last background save to {self.store.url}")
+            if self._owns_store:
+                self.store.close()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        if exc_type is None:
+            self.close()
+        else:  # on one failing rank: no collective, or it would block on its peers
+            self._closed = True
+            if self._step_hook is not None:
+                self._step_hook.remove()
+            self._stop.uninstall()
+            if self.store is not None:
+                self.store.wait_local()
+
+
+def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Tensors that change only in ``optimizer.step()``: parameters and optimizer state."""
+    out: list[torch.Tensor] = [p for g in optimizer.param_groups for p in g["params"]]
+    for st in optimizer.state.values():
+        out.extend(v for v in st.values() if isinstance(v, torch.Tensor))
+    return out

@@ -1,0 +1,423 @@
+"""ElasticLoop: the run loop that makes a DDP script elastic.
+
+One :meth:`ElasticLoop.run` call is one life of a worker group: restore the newest
+checkpoint, train until the last epoch, ``max_steps`` or SIGTERM, checkpoint on the
+way. torchrun calls the script again after a restart and the next ``run`` continues.
+
+How a step is built (see :mod:`elastic_kit.loop._policy`): at the start of an epoch
+(or of a resumed part of one) the sampler deals the rest of the epoch's permutation
+to the ranks; step ``k`` of that part is local positions ``[k*P, (k+1)*P)`` of every
+rank (``P = G / W``), which is the contiguous global chunk ``rem[k*G:(k+1)*G]``
+whatever ``W`` is. The loop feeds it in micro-batches, weights each real sample's
+loss by ``W / n_real`` and padded ones by 0, steps the optimizer, then advances the
+sampler by ``n_real`` and records the ids in the audit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+import elastic_kit.checkpointer as _checkpointer
+from elastic_kit.distributed import DistInfo, all_reduce_sum_async, init_distributed
+from elastic_kit.loop._config import EpochSummary, LoopConfig, StepInfo
+from elastic_kit.loop._data import CollateWithIds, KeyedDataset, ScheduleBatchSampler, to_device
+from elastic_kit.loop._policy import BatchPlan
+from elastic_kit.loop._progress import ProgressReporter, say
+from elastic_kit.loop._state import TrainState
+from elastic_kit.sampler import ElasticDistributedSampler
+
+__all__ = ["ElasticLoop"]
+
+log = logging.getLogger("elastic_kit.loop")
+
+#: ``loss_fn(model, batch)``: one loss per sample, or ``(losses, outputs)`` where
+#: ``outputs`` (logits, a dict of metrics...) reaches ``on_step_end`` in ``StepInfo.outputs``.
+LossFn = Callable[[nn.Module, Any], Any]
+
+
+@dataclass
+class _Step:
+    """One optimizer step of an epoch's schedule: its real samples over all ranks and
+    this rank's micro-batches as ``(start, end)`` local positions."""
+
+    n_real: int
+    micro: list[tuple[int, int]] = field(default_factory=list)
+
+
+class ElasticLoop:
+    """Train ``state`` on ``dataset`` elastically; see the package docstring.
+
+    Built on the same public pieces a script with its own loop uses: the
+    :class:`~elastic_kit.ElasticDistributedSampler` deals the epoch, a
+    :class:`~elastic_kit.Checkpointer` restores, advances the sampler, audits, saves
+    and handles SIGTERM, and a :class:`~elastic_kit.loop.BatchPlan` splits the fixed
+    global batch over the current world size. One optimizer step is
+    :meth:`forward_backward` (micro-batches with gradient accumulation and per-sample
+    weights), :meth:`optimizer_step` (unscale and clip once, step, schedule) and the
+    checkpointer's bookkeeping.
+
+    Args:
+        state: the :class:`TrainState` (model, optimizer, ...). Its ``sampler`` is
+            created when ``None``.
+        dataset: a map-style dataset; wrap it in :class:`~elastic_kit.SeededDataset`
+            for per-sample seeded augmentation.
+        loss_fn: ``loss_fn(model, batch)`` returns one loss per sample of the collated
+            micro-batch ``batch`` (already on the model's device), e.g.
+            ``criterion(model(x), y)`` with ``reduction="none"``; or a tuple
+            ``(losses, outputs)`` whose ``outputs`` the ``on_step_end`` hook sees.
+        store: a :class:`~elastic_kit.CheckpointStore` (or any
+            :class:`~elastic_kit.checkpointer.StoreLike`); ``None`` trains without
+            checkpoints.
+        config: a :class:`LoopConfig`.
+        on_epoch_end: ``fn(state, summary)`` after every epoch, on every rank, before
+            the epoch's checkpoint (validation; update ``state.extras`` here).
+        on_step_end: ``fn(state, step_info)`` after every optimizer step, every rank;
+            ``step_info`` has the global mean loss, the learning rate, throughput,
+            the gradient norm when clipping, and the step's ``outputs``.
+
+    Mixed precision: wrap the forward pass in ``torch.autocast`` inside ``loss_fn``
+    and pass a ``GradScaler`` as ``TrainState(scaler=...)``; the loop scales, unscales
+    (once, for ``clip_grad_norm``), steps and updates it.
+
+    Progress: rank 0 reports restores, the batch plan, every ``log_every`` steps and
+    every epoch through the ``elastic_kit`` logger when logging is configured, and on
+    stderr otherwise, so it is visible by default.
+
+    .. warning::
+        ``on_epoch_end`` runs on every rank and may use collectives (a distributed
+        validation), but must not call :meth:`run` or save the store itself.
+
+    Attributes:
+        info: this worker's :class:`~elastic_kit.DistInfo` (set by :meth:`run`).
+        plan: the :class:`~elastic_kit.loop.BatchPlan` at the current world size.
+        checkpointer: the :class:`~elastic_kit.Checkpointer` of this run.
+        restored_step: the checkpoint step :meth:`run` restored, or ``None``.
+        summaries: the :class:`EpochSummary` of every epoch this run finished.
+        samples_per_second: the latest throughput estimate (all ranks together).
+
+    Raises (from :meth:`run`):
+        BatchPolicyError: the global batch does not divide by the world size.
+        SampleAuditError: an epoch missed or repeated a sample (``audit="error"``).
+        SystemExit: with ``sigterm_exit_code`` after a SIGTERM checkpoint.
+    """
+
+    def __init__(self, state: TrainState, dataset: Any, *, loss_fn: LossFn,
+                 store: _checkpointer.StoreLike | None = None, config: LoopConfig | None = None,
+                 on_epoch_end: Callable[[TrainState, EpochSummary], None] | None = None,
+                 on_step_end: Callable[[TrainState, StepInfo], None] | None = None) -> None:
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn={loss_fn!r} must be callable: (model, batch) -> losses")
+        if state.optimizer is None:
+            raise ValueError("TrainState.optimizer is None: the loop needs an optimizer")
+        self.state = state
+        self.dataset = dataset
+        self.loss_fn = loss_fn
+        self.store = store
+        self.config = config or LoopConfig()
+        self.on_epoch_end = on_epoch_end
+        self.on_step_end = on_step_end
+        self.policy = self.config.policy()
+        self.info: DistInfo | None = None
+        self.plan: BatchPlan | None = None
+        self.checkpointer: _checkpointer.Checkpointer | None = None
+        self.restored_step: int | None = None
+        self.summaries: list[EpochSummary] = []
+        self.samples_per_second = 0.0
+        self._loader: DataLoader | None = None
+        self._batches = ScheduleBatchSampler()
+        self._progress: ProgressReporter | None = None
+        self._stop_requested = False
+
+    # ------------------------------------------------------------------ setup
+    @property
+    def sampler(self) -> Any:
+        """The :class:`~elastic_kit.ElasticDistributedSampler` in use."""
+        return self.state.sampler
+
+    def request_stop(self) -> None:
+        """Save and stop at the end of the current step as if SIGTERM had arrived."""
+        self._stop_requested = True
+        if self.checkpointer is not None:
+            self.checkpointer.request_stop()
+
+    def _setup(self) -> _checkpointer.Checkpointer:
+        info = self.info = init_distributed()
+        state, cfg = self.state, self.config
+        if state.sampler is None:
+            state.sampler = ElasticDistributedSampler(
+                self.dataset, num_replicas=info.world_size, rank=info.rank,
+                shuffle=cfg.shuffle, seed=cfg.seed)
+        if getattr(state.sampler, "drop_last", False):
+            raise ValueError(
+                "the sampler has drop_last=True; the loop needs drop_last=False (it pads "
+                "the tail of an epoch and gives the padding zero weight, so every sample "
+                "counts once)")
+        if info.world_size > 1 and not hasattr(state.model, "no_sync"):
+            log.warning("world size %d but the model is not DistributedDataParallel: "
+                        "gradients are not averaged over ranks (use wrap_ddp)",
+                        info.world_size)
+        # Fail on an impossible batch plan before touching the store.
+        self.policy.plan(info.world_size, state.initial_world_size or info.world_size)
+        ckpt = self.checkpointer = _checkpointer.Checkpointer(
+            state, self.store, every_steps=cfg.checkpoint_every_steps,
+            every_seconds=cfg.checkpoint_every_seconds, blocking=cfg.blocking,
+            save_at_epoch_end=cfg.checkpoint_at_epoch_end, audit=cfg.audit,
+            overlap_staging=cfg.overlap_staging, handle_signals=cfg.handle_signals,
+            exit_code=cfg.sigterm_exit_code, info=info)
+        if self._stop_requested:
+            ckpt.request_stop()
+        ckpt.restore(map_location="cpu")
+        self.restored_step = ckpt.restored_step
+        self.plan = self.policy.plan(info.world_size, state.initial_world_size or info.world_size)
+        state.apply_lr_scale(self.plan.lr_scale)
+        if info.is_main:
+            say(log, "batch plan: global batch %d = %d ranks x %d (micro-batch %d, %d "
+                "accumulation steps), lr scale %.4g", self.plan.global_batch,
+                self.plan.world_size, self.plan.per_rank, self.plan.micro_batch,
+                self.plan.accumulation_steps, self.plan.lr_scale)
+        return ckpt
+
+    def _make_loader(self) -> DataLoader:
+        cfg = self.config
+        kwargs: dict[str, Any] = {}
+        if cfg.num_workers > 0:
+            kwargs["persistent_workers"] = cfg.persistent_workers
+            if cfg.prefetch_factor is not None:
+                kwargs["prefetch_factor"] = cfg.prefetch_factor
+        return DataLoader(KeyedDataset(self.dataset), batch_sampler=self._batches,
+                          num_workers=cfg.num_workers, pin_memory=cfg.pin_memory,
+                          collate_fn=CollateWithIds(cfg.collate_fn), **kwargs)
+
+    def _remaining_samples(self) -> int:
+        s, n = self.state.sampler, self.state.sampler.dataset_length
+        return s.remaining + max(self.config.epochs - self.state.epoch - 1, 0) * n
+
+    # --------------------------------------------------------------- the run
+    def run(self) -> TrainState:
+        """Restore, train, checkpoint; returns the state when training is done.
+
+        Collective: every rank calls it.
+        """
+        ckpt = self._setup()
+        cfg, state, info = self.config, self.state, self.info
+        assert info is not None
+        total_steps = None if cfg.max_steps is None else max(cfg.max_steps - state.step, 0)
+        self._progress = ProgressReporter(
+            enabled=info.is_main, log_every=cfg.log_every,
+            total_samples=self._remaining_samples(), total_steps=total_steps,
+            progress_bar=cfg.progress_bar)
+        self._loader = self._make_loader()
+        finished = False
+        try:
+            while state.epoch < cfg.epochs and not self._max_steps_reached():
+                epoch = state.epoch
+                state.sampler.set_epoch(epoch)
+                summary = self.train_epoch(epoch)
+                if self._max_steps_reached() and state.sampler.remaining > 0:
+                    break  # stopped inside the epoch
+                self._end_epoch(summary)
+            if self._max_steps_reached():
+                if cfg.checkpoint_at_exit and ckpt._last_saved_step != state.step:
+                    ckpt.save(blocking=True)
+                if info.is_main:
+                    say(log, "max_steps=%d reached at step %d, epoch %d", cfg.max_steps,
+                        state.step, state.epoch)
+            elif info.is_main:
+                say(log, "training finished: %d epochs, step %d", cfg.epochs, state.step)
+            ckpt.close()
+            finished = True
+        finally:
+            if self._progress is not None:
+                self._progress.close()
+            if not finished:
+                # An exception (or SystemExit after a SIGTERM save) is propagating,
+                # possibly on this rank alone: no collective here, or it would be
+                # matched against a peer's gradient all-reduce or block until the
+                # timeout, and hide the real error.
+                ckpt.__exit__(RuntimeError, None, None)
+            self._loader = None
+        return state
+
+    def _max_steps_reached(self) -> bool:
+        return self.config.max_steps is not None and self.state.step >= self.config.max_steps
+
+    # --------------------------------------------------------------- an epoch
+    def _schedule(self, epoch: int) -> tuple[list[_Step], torch.Tensor]:
+        """The steps of the rest of ``epoch`` and this rank's padding mask."""
+        sampler, plan = self.state.sampler, self.plan
+        assert plan is not None
+        remaining = sampler.remaining
+        local = sampler.local_indices()
+        mask = sampler.local_padding_mask()
+        n_steps = math.ceil(remaining / plan.global_batch)
+        steps: list[_Step] = []
+        ranges: list[tuple[int, int]] = []
+        for k in range(n_steps):
+            lo, hi = k * plan.per_rank, min((k + 1) * plan.per_rank, len(local))
+            step = _Step(n_real=min(plan.global_batch, remaining - k * plan.global_batch))
+            for a in range(lo, hi, plan.micro_batch):
+                step.micro.append((a, min(a + plan.micro_batch, hi)))
+            ranges.extend(step.micro)
+            steps.append(step)
+        self._batches.set(epoch, local, ranges)
+        return steps, mask
+
+    def train_epoch(self, epoch: int) -> EpochSummary:
+        """Train the rest of ``epoch`` (all of it unless resumed mid-epoch)."""
+        state, info = self.state, self.info
+        assert info is not None and self._loader is not None
+        steps, mask = self._schedule(epoch)
+        state.model.train()
+        t0 = time.monotonic()
+        losses: list[float] = []
+        samples = 0
+        if steps:
+            batches = iter(self._loader)
+            try:
+                for step in steps:
+                    if self._max_steps_reached():
+                        break
+                    losses.append(self.train_step(epoch, step, batches, mask))
+                    samples += step.n_real
+            finally:
+                del batches  # drop prefetched batches (never counted)
+        seconds = time.monotonic() - t0
+        return EpochSummary(epoch, len(losses), samples, seconds,
+                            samples / seconds if seconds > 0 else 0.0,
+                            sum(losses) / len(losses) if losses else float("nan"),
+                            info.world_size, state.audit.epoch(epoch))
+
+    # ---------------------------------------------------------------- a step
+    def train_step(self, epoch: int, step: _Step, batches: Iterator[Any],
+                   mask: torch.Tensor) -> float:
+        """One optimizer step: forward/backward, optimizer step, bookkeeping; the
+        global mean loss."""
+        ckpt, info = self.checkpointer, self.info
+        assert ckpt is not None and info is not None and self.plan is not None
+        loss_sum, outputs = self.forward_backward(step, batches, mask)
+        # One small collective per step: stop flag, rank 0's clock, the loss. Issued
+        # before the optimizer step and read after it, so it never waits on the
+        # critical path.
+        flags_of = all_reduce_sum_async(torch.cat([ckpt._local_flags(),
+                                                   loss_sum.detach().cpu().view(1)]))
+        grad_norm = self.optimizer_step()
+        ckpt._record_step(self.plan.per_rank)
+        stop, time_due, loss = flags_of().tolist()
+        loss /= info.world_size
+        self._report(epoch, step.n_real, loss, grad_norm, outputs)
+        ckpt._act(stop > 0, time_due > 0)
+        return loss
+
+    def forward_backward(self, step: _Step, batches: Iterator[Any],
+                         mask: torch.Tensor) -> tuple[torch.Tensor, list[Any]]:
+        """Run the step's micro-batches with gradient accumulation.
+
+        Each real sample's loss is weighted ``W / n_real`` and padding 0, so DDP's
+        average over ``W`` ranks is the mean over the step's real samples whatever
+        ``W`` is. Gradients are all-reduced only on the last micro-batch.
+
+        Returns:
+            ``(sum of weighted losses on this rank, outputs of loss_fn)``.
+        """
+        state, cfg = self.state, self.config
+        assert self.info is not None
+        model, scaler = state.model, state.scaler
+        device = next(iter(model.parameters())).device
+        non_blocking = cfg.pin_memory and device.type == "cuda"
+        weight = self.info.world_size / step.n_real
+        state.optimizer.zero_grad(set_to_none=True)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        outputs: list[Any] = []
+        for j, (a, b) in enumerate(step.micro):
+            _ids, batch = next(batches)
+            batch = to_device(batch, device, non_blocking)
+            last = j == len(step.micro) - 1
+            sync = (model.no_sync() if not last and hasattr(model, "no_sync")
+                    else contextlib.nullcontext())
+            with sync:
+                per_sample = self.loss_fn(model, batch)
+                if isinstance(per_sample, tuple):
+                    per_sample, out = per_sample
+                    outputs.append(out)
+                if per_sample.dim() != 1 or per_sample.shape[0] != b - a:
+                    raise ValueError(
+                        f"loss_fn must return one loss per sample (use reduction='none'): "
+                        f"expected shape ({b - a},), got {tuple(per_sample.shape)}")
+                w = (~mask[a:b]).to(device=device, dtype=per_sample.dtype) * weight
+                loss = (per_sample * w).sum()
+                (scaler.scale(loss) if scaler is not None else loss).backward()
+            loss_sum += loss.detach().to(torch.float64)
+        return loss_sum, outputs
+
+    def optimizer_step(self) -> float | None:
+        """Unscale and clip once, step the optimizer (and scaler, and a per-step
+        scheduler); returns the gradient norm when clipping, else None.
+
+        A non-blocking checkpoint's copy of the parameters is awaited by the
+        checkpointer's pre-hook on ``optimizer.step()``.
+        """
+        state, cfg = self.state, self.config
+        optimizer, scaler = state.optimizer, state.scaler
+        grad_norm = None
+        if cfg.clip_grad_norm is not None:
+            if scaler is not None:
+                scaler.unscale_(optimizer)
+            grad_norm = float(nn.utils.clip_grad_norm_(state.model.parameters(),
+                                                       cfg.clip_grad_norm))
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        if state.scheduler is not None and cfg.scheduler_interval == "step":
+            state.scheduler.step()
+        return grad_norm
+
+    def _report(self, epoch: int, n_real: int, loss: float, grad_norm: float | None,
+                outputs: list[Any]) -> None:
+        assert self._progress is not None and self.info is not None
+        lr = self.state.optimizer.param_groups[0].get("lr")
+        lr = float(lr) if lr is not None else None
+        self._progress.update(step=self.state.step, epoch=epoch, samples=n_real, loss=loss,
+                              lr=lr, world_size=self.info.world_size)
+        self.samples_per_second = self._progress.samples_per_second
+        if self.on_step_end is not None:
+            metrics = {"loss": loss, "samples_per_second": self.samples_per_second}
+            if lr is not None:
+                metrics["lr"] = lr
+            if grad_norm is not None:
+                metrics["grad_norm"] = grad_norm
+            self.on_step_end(self.state, StepInfo(
+                self.state.step, epoch, loss, n_real, self.samples_per_second, lr,
+                self.info.world_size, outputs=outputs, metrics=metrics))
+
+    def _end_epoch(self, summary: EpochSummary) -> None:
+        cfg, state, info, ckpt = self.config, self.state, self.info, self.checkpointer
+        assert info is not None and ckpt is not None
+        ckpt.finish_audit()
+        if state.scheduler is not None and cfg.scheduler_interval == "epoch":
+            state.scheduler.step()
+        if self.on_epoch_end is not None:
+            self.on_epoch_end(state, summary)
+        self.summaries.append(summary)
+        if info.is_main:
+            say(log, "epoch %d done: %d steps, %d samples in %.1fs (%.1f samples/s), "
+                "loss %.4f", summary.epoch, summary.steps, summary.samples, summary.seconds,
+                summary.samples_per_second, summary.loss)
+        ckpt.end_epoch()
+
+    def save(self, *, blocking: bool = True) -> None:
+        """Checkpoint the state now (collective: every rank calls it, inside :meth:`run`)."""
+        if self.checkpointer is None:
+            raise RuntimeError("ElasticLoop.save() is only available while run() runs")
+        self.checkpointer.save(blocking=blocking)

@@ -1,0 +1,251 @@
+"""ek.Checkpointer in a script that keeps its own loop: exact mid-epoch resume at any
+world size, per-sample weights for the last partial step, SIGTERM, audit."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import elastic_kit as ek
+from elastic_kit.testing import spawn_multi_process
+
+N = 50          # not a multiple of any batch used below: the last step is partial
+BATCH = 4       # per rank
+
+
+def _dataset() -> TensorDataset:
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(N, 5, generator=g)
+    y = (x[:, 0] + x[:, 1] > 0).long()
+    return TensorDataset(x, y)
+
+
+def _own_loop(url: str, epochs: int, stop_after: int | None, every: int | None = 3,
+              audit: bool = True, blocking: bool = True) -> dict[str, Any]:
+    """A plain own-loop script made elastic with Checkpointer; 'crashes' (returns without
+    saving) after ``stop_after`` global steps of this life."""
+    torch.set_num_threads(1)
+    info = ek.init_distributed()
+    torch.manual_seed(0)
+    model = ek.wrap_ddp(nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 2)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 5))
+    ema = torch.optim.swa_utils.AveragedModel(
+        ek.unwrap_model(model), multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9))
+    ds = _dataset()
+    sampler = ek.ElasticDistributedSampler(ds, seed=1)
+    loader = DataLoader(ds, batch_size=BATCH, sampler=sampler)
+    crit = nn.CrossEntropyLoss(reduction="none")
+    state = ek.TrainState(model, opt, scheduler=sched, sampler=sampler,
+                          extras={"ema": ema, "seen": 0})
+    ckpt = ek.Checkpointer(state, url, every_steps=every, audit=audit, blocking=blocking,
+                           handle_signals=False)
+    done = 0
+    lens = []
+    weights_sum = []
+    for epoch in range(ckpt.restore(), epochs):
+        sampler.set_epoch(epoch)
+        for x, y in loader:
+            lens.append((epoch, len(loader)))
+            w = ckpt.sample_weights(len(x))
+            weights_sum.append(float(w.sum()))
+            loss = (crit(model(x), y) * w).sum()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            sched.step()
+            ema.update_parameters(ek.unwrap_model(model))
+            state.extras["seen"] += 1
+            ckpt.step(len(x))
+            done += 1
+            if stop_after is not None and done >= stop_after:
+                ckpt.close()
+                return {"crashed": True, "step": state.step}
+        ckpt.end_epoch()
+    ckpt.close()
+    return {
+        "rank": info.rank,
+        "world": info.world_size,
+        "step": state.step,
+        "epoch": state.epoch,
+        "params": [p.detach().numpy().copy() for p in ek.unwrap_model(model).parameters()],
+        "ema": [p.detach().numpy().copy() for p in ema.module.parameters()],
+        "audit": [(a.epoch, a.count, a.ok) for _, a in sorted(state.audit.epochs.items())],
+        "report": state.run_report(),
+        "lens": lens,
+        "weights_sum": weights_sum,
+        "restored": ckpt.restored_step,
+        "seen": state.extras["seen"],
+    }
+
+
+def test_world_size_one_resume_mid_epoch_is_bitwise_equal(tmp_path: Any) -> None:
+    ref = _own_loop(str(tmp_path / "ref"), epochs=2, stop_after=None)
+    url = str(tmp_path / "run")
+    first = _own_loop(url, epochs=2, stop_after=8)   # 13 steps per epoch: stops mid-epoch 0
+    assert first["crashed"] and first["step"] == 8
+    rest = _own_loop(url, epochs=2, stop_after=None)
+    assert rest["restored"] == 6                       # the newest checkpoint (every 3 steps)
+    assert rest["step"] == ref["step"] == 26
+    for a, b in zip(rest["params"], ref["params"]):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(rest["ema"], ref["ema"]):          # the EMA model resumed in place
+        np.testing.assert_array_equal(a, b)
+    assert rest["audit"] == [(0, N, True), (1, N, True)]
+    assert rest["seen"] == ref["seen"] == 26           # plain extras restored too
+    # len(loader) is constant while a pass is iterated: 13 batches a full epoch, and
+    # the resumed pass of epoch 0 (from sample 24) has 7
+    assert sorted(set(rest["lens"])) == [(0, 7), (1, 13)]
+    assert [w["restored_step"] for w in rest["report"]["world_sizes"]] == [None, 6]
+    assert rest["report"]["world_sizes"][1]["restored_from"] == "store"
+
+
+def test_resize_2_to_3_to_2_trains_every_sample_once_per_epoch(tmp_path: Any) -> None:
+    url = str(tmp_path / "run")
+    lives = [(2, 4), (3, 5), (2, None)]
+    results = []
+    for world, stop in lives:
+        results.append(spawn_multi_process(world, _own_loop, url, 3, stop))
+    final = results[-1]
+    assert {r["step"] for r in final} == {final[0]["step"]}
+    assert all(r["epoch"] == 3 for r in final)
+    for r in final:
+        assert r["audit"] == [(0, N, True), (1, N, True), (2, N, True)]
+    worlds = [w["world_size"] for w in final[0]["report"]["world_sizes"]]
+    assert worlds == [2, 3, 2]
+    # every rank's parameters agree (DDP kept them in lockstep across restarts)
+    for a, b in zip(final[0]["params"], final[1]["params"]):
+        np.testing.assert_array_equal(a, b)
+
+
+def _weights(world: int) -> list[list[float]]:
+    ek.init_distributed()
+    ds = _dataset()
+    sampler = ek.ElasticDistributedSampler(ds, seed=1)
+    state = ek.TrainState(nn.Linear(1, 1), torch.optim.SGD(nn.Linear(1, 1).parameters(), 0.1),
+                          sampler=sampler)
+    ckpt = ek.Checkpointer(state, None, handle_signals=False)
+    ckpt.restore()
+    loader = DataLoader(ds, batch_size=BATCH, sampler=sampler)
+    out = []
+    for x, _ in loader:
+        out.append(ckpt.sample_weights(len(x)).tolist())
+        ckpt.step(len(x))
+    ckpt.close()
+    return out
+
+
+def test_sample_weights_count_every_real_sample_once_on_the_last_partial_step() -> None:
+    per_rank = spawn_multi_process(3, _weights, 3)
+    steps = len(per_rank[0])
+    assert steps == 5                                  # 50 samples, 12 per global step
+    for k in range(steps - 1):                         # full steps: W / 12 each
+        for r in range(3):
+            assert per_rank[r][k] == pytest.approx([3 / 12] * BATCH)
+    # 50 samples over 3 ranks: 17 each with one padded position; the last batch
+    # is one sample per rank, global positions 48, 49 and 50 (padding, on rank 2)
+    last = [per_rank[r][-1] for r in range(3)]
+    assert last[0] == pytest.approx([1.5])
+    assert last[1] == pytest.approx([1.5])
+    assert last[2] == pytest.approx([0.0])
+    # DDP averages over 3 ranks: the real samples' weights sum to W, i.e. a mean
+    assert sum(sum(w) for w in last) == pytest.approx(3.0)
+
+
+def test_request_stop_saves_the_current_step_and_exits_143(tmp_path: Any) -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(5, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ds = _dataset()
+    sampler = ek.ElasticDistributedSampler(ds, 1, 0)
+    state = ek.TrainState(model, opt, sampler=sampler)
+    ckpt = ek.Checkpointer(state, tmp_path, every_steps=100, handle_signals=False)
+    ckpt.restore()
+    sampler.set_epoch(0)
+    it = iter(DataLoader(ds, batch_size=BATCH, sampler=sampler))
+    for _ in range(3):
+        next(it)
+        ckpt.step(BATCH)
+    ckpt.request_stop()
+    next(it)
+    with pytest.raises(SystemExit) as exc:
+        ckpt.step(BATCH)
+    assert exc.value.code == 143
+    loaded = ek.load_checkpoint(None, tmp_path)
+    assert loaded is not None and loaded.step == 4
+    assert loaded.state["sampler"]["consumed"] == 4 * BATCH
+    assert loaded.state["epoch"] == 0
+
+
+def _stop_at_last_step(url: str) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = nn.Linear(5, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ds = _dataset()
+    sampler = ek.ElasticDistributedSampler(ds, 1, 0)
+    state = ek.TrainState(model, opt, sampler=sampler)
+    ckpt = ek.Checkpointer(state, url, every_steps=5, audit=True, handle_signals=False)
+    steps = []
+    for epoch in range(ckpt.restore(), 2):
+        sampler.set_epoch(epoch)
+        for x, _ in DataLoader(ds, batch_size=BATCH, sampler=sampler):
+            if state.step == 12:            # the epoch's last step (13 batches)
+                ckpt.request_stop()
+            ckpt.step(len(x))
+            steps.append((epoch, state.step))
+        ckpt.end_epoch()
+    ckpt.close()
+    return {"steps": steps, "audit": [(a.epoch, a.count, a.ok)
+                                      for _, a in sorted(state.audit.epochs.items())]}
+
+
+def test_sigterm_at_the_epochs_last_step_resumes_with_an_empty_pass_then_ends_the_epoch(
+        tmp_path: Any, caplog: Any) -> None:
+    with pytest.raises(SystemExit):
+        _stop_at_last_step(str(tmp_path))
+    saved = ek.load_checkpoint(None, tmp_path)
+    assert saved is not None and saved.step == 13
+    assert saved.state["sampler"]["consumed"] == N and saved.state["epoch"] == 0
+    # resume: epoch 0 has nothing left (no batch, no warning), end_epoch closes it
+    with caplog.at_level("WARNING"):
+        resumed = _resume_after_stop(str(tmp_path))
+    assert resumed["steps"][0] == (1, 14)
+    assert resumed["audit"] == [(0, N, True), (1, N, True)]
+    assert not [r for r in caplog.records if "set_epoch" in r.getMessage()]
+
+
+def _resume_after_stop(url: str) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = nn.Linear(5, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ds = _dataset()
+    sampler = ek.ElasticDistributedSampler(ds, 1, 0)
+    state = ek.TrainState(model, opt, sampler=sampler)
+    ckpt = ek.Checkpointer(state, url, every_steps=5, audit=True, handle_signals=False)
+    steps = []
+    for epoch in range(ckpt.restore(), 2):
+        sampler.set_epoch(epoch)
+        for x, _ in DataLoader(ds, batch_size=BATCH, sampler=sampler):
+            ckpt.step(len(x))
+            steps.append((epoch, state.step))
+        ckpt.end_epoch()
+    ckpt.close()
+    return {"steps": steps, "audit": [(a.epoch, a.count, a.ok)
+                                      for _, a in sorted(state.audit.epochs.items())]}
+
+
+def test_checkpointer_rejects_bad_options(tmp_path: Any) -> None:
+    state = ek.TrainState(nn.Linear(1, 1))
+    with pytest.raises(ValueError, match="every_steps=0"):
+        ek.Checkpointer(state, tmp_path, every_steps=0)
+    with pytest.raises(ValueError, match="audit='maybe'"):
+        ek.Checkpointer(state, tmp_path, audit="maybe")
+    with pytest.raises(ValueError, match="every_seconds"):
+        ek.Checkpointer(state, tmp_path, every_seconds=0)
+    with pytest.raises(TypeError, match="TrainState"):
+        ek.Checkpointer(object(), tmp_path)  # type: ignore[arg-type]
