@@ -44,6 +44,7 @@ from elastic_kit.errors import CheckpointError, SampleAuditError
 from elastic_kit.loop._audit import EpochAudit
 from elastic_kit.loop._progress import say
 from elastic_kit.loop._signals import TerminationFlag
+from elastic_kit.snapshot import SnapshotTier
 
 if TYPE_CHECKING:
     from elastic_kit.loop._state import TrainState
@@ -75,6 +76,9 @@ class StoreLike(Protocol):
 
     def close(self) -> None: ...
 
+
+_TIER_NAMES = {"memory": "this node's memory", "peer": "a peer node's memory",
+               "store": "the checkpoint store", None: "nowhere"}
 
 _AUDIT_MODES = {False: "off", True: "error", "off": "off", "warn": "warn", "error": "error"}
 
@@ -113,6 +117,14 @@ class Checkpointer:
         exit_code: the exit status after a SIGTERM save (non-zero, so torchrun
             restarts the group instead of reporting success).
         node_local / storage_options: passed to the store made from a URL.
+        snapshot_every: in-memory snapshots (see :mod:`elastic_kit.snapshot`): the full
+            state in node-local shared memory every this many steps, which survives
+            a torchrun group restart, so a restart redoes at most a step or two
+            instead of everything since the last durable save. ``"auto"``: on under
+            torchrun, with the interval chosen to cost at most ``snapshot_budget`` of
+            the step time (every step for a small state); an int: every that many
+            steps; ``0`` or ``None`` (default): off. Needs a store.
+        snapshot_budget: the share of step time automatic snapshots may cost.
         info: this worker's :class:`~elastic_kit.DistInfo`; read from the environment
             and process group by :meth:`restore` when None.
 
@@ -137,6 +149,7 @@ class Checkpointer:
                  overlap_staging: bool = True, handle_signals: bool = True,
                  exit_code: int = 143, node_local: bool = False,
                  storage_options: dict[str, Any] | None = None,
+                 snapshot_every: int | str | None = None, snapshot_budget: float = 0.02,
                  info: DistInfo | None = None) -> None:
         if not hasattr(state, "state_dict") or not hasattr(state, "load_state_dict"):
             raise TypeError(f"state={state!r} must be an ek.TrainState (state_dict/load_state_dict)")
@@ -148,6 +161,11 @@ class Checkpointer:
             raise ValueError(f"every_seconds={every_seconds!r} must be None or > 0")
         if audit not in _AUDIT_MODES:
             raise ValueError(f"audit={audit!r} must be True, False, 'off', 'warn' or 'error'")
+        if snapshot_every is None or snapshot_every == "auto":
+            pass
+        elif isinstance(snapshot_every, str) or operator.index(snapshot_every) < 0:
+            raise ValueError(f"snapshot_every={snapshot_every!r} must be 'auto', None or an "
+                             "int >= 0 (0: off)")
         exit_code = operator.index(exit_code)
         if not 1 <= exit_code <= 255:
             raise ValueError(f"exit_code={exit_code} must be in [1, 255]")
@@ -166,6 +184,10 @@ class Checkpointer:
         self.overlap_staging = bool(overlap_staging)
         self.handle_signals = bool(handle_signals)
         self.exit_code = exit_code
+        self.snapshot_every = snapshot_every
+        self.snapshot_budget = snapshot_budget
+        self.snapshots: SnapshotTier | None = None
+        self.restored_from: str | None = None
         self._given_info = info
         self.info: DistInfo = info or get_dist_info()
         self.loaded: LoadedCheckpoint | None = None
@@ -206,7 +228,8 @@ class Checkpointer:
                 f"sampler has num_replicas={sampler.num_replicas}, rank={sampler.rank}; "
                 f"this worker is rank {info.rank} of {info.world_size} (build the sampler "
                 "after ek.init_distributed())")
-        loaded = self.store.load(map_location=map_location) if self.store is not None else None
+        self.snapshots = self._make_snapshots(info)
+        loaded = self._load_newest(map_location)
         if loaded is not None:
             state.load_state_dict(loaded.state)
             self.loaded, self.restored_step = loaded, int(loaded.step)
@@ -216,17 +239,17 @@ class Checkpointer:
         state.history.append({"world_size": info.world_size, "step": state.step,
                               "restart": info.restart_count,
                               "restored_step": self.restored_step,
-                              "restored_from": "store" if loaded is not None else None})
+                              "restored_from": self.restored_from})
         if sampler is not None and loaded is not None:
             state.epoch = sampler.epoch
         if info.is_main:
             if loaded is not None:
                 done = f", {sampler.consumed}/{sampler.dataset_length} samples of it done" if (
                     sampler is not None) else ""
-                say(log, "restored checkpoint step %d: epoch %d%s; world size %s -> %d "
-                         "(restart %d)", state.step, state.epoch, done,
-                         loaded.metadata.get("world_size", "?"), info.world_size,
-                         info.restart_count)
+                say(log, "restored step %d from %s: epoch %d%s; world size %s -> %d "
+                    "(restart %d)", state.step, _TIER_NAMES[self.restored_from], state.epoch,
+                    done, loaded.metadata.get("world_size", "?"), info.world_size,
+                    info.restart_count)
             else:
                 say(log, "no checkpoint to restore: starting at step %d, epoch %d, world "
                          "size %d", state.step, state.epoch, info.world_size)
@@ -234,10 +257,57 @@ class Checkpointer:
             self._stop.install()
         if self.store is not None and self.overlap_staging and self._step_hook is None \
                 and state.optimizer is not None:
-            self._step_hook = state.optimizer.register_step_pre_hook(
-                lambda *_: self.store.wait_staged())  # type: ignore[union-attr]
+            self._step_hook = state.optimizer.register_step_pre_hook(self._wait_staged)
         self._last_save_time = time.monotonic()
         return int(state.epoch)
+
+    def _make_snapshots(self, info: DistInfo) -> SnapshotTier | None:
+        every = self.snapshot_every
+        if self.store is None or every in (None, 0):
+            return None
+        if every == "auto":
+            if not info.under_torchrun:  # nothing restarts the workers: nothing to outlive
+                return None
+            every = None
+        tier = SnapshotTier(str(self.store.url), info=info, every=every,  # type: ignore[arg-type]
+                            budget=self.snapshot_budget)
+        return tier if tier.enabled else None
+
+    def _load_newest(self, map_location: Any) -> LoadedCheckpoint | None:
+        """The newest state in any tier: this node's memory, a peer's, or the store.
+
+        Every rank learns the newest snapshot step any node holds and the newest
+        durable step, and all take the same branch (the loads are collective).
+        """
+        tier, store, info = self.snapshots, self.store, self.info
+        if store is None:
+            return None
+        if tier is None:
+            loaded = store.load(map_location=map_location)
+            self.restored_from = "store" if loaded is not None else None
+            return loaded
+        mine = tier.newest_local()
+        durable = store.latest_step() if getattr(store, "is_writer", info.rank == 0) else None
+        newest_snapshot = all_reduce_max(-1 if mine is None else mine)
+        newest_durable = all_reduce_max(-1 if durable is None else durable)
+        loaded = None
+        if newest_snapshot >= 0 and newest_snapshot >= newest_durable:
+            loaded = tier.load(map_location=map_location)
+            if loaded is not None and loaded.step >= newest_durable:
+                # memory when rank 0's node held it, else a peer node's copy
+                held = all_reduce_max(int(info.rank == 0 and mine == loaded.step))
+                self.restored_from = "memory" if held else "peer"
+                return loaded
+        loaded = store.load(map_location=map_location)
+        self.restored_from = "store" if loaded is not None else None
+        return loaded
+
+    def _wait_staged(self, *_: Any) -> None:
+        """Optimizer-step pre-hook: the in-flight saves no longer read the parameters."""
+        if self.store is not None:
+            self.store.wait_staged()
+        if self.snapshots is not None:
+            self.snapshots.wait_staged()
 
     # ------------------------------------------------------------------ steps
     @property
@@ -292,8 +362,7 @@ class Checkpointer:
         and raises ``SystemExit(exit_code)`` on every rank.
         """
         self._record_step(n)
-        stop, time_due = self._poll_flags()
-        self._act(stop, time_due)
+        self._act(self._poll_flags())
 
     def _record_step(self, n: int) -> None:
         """Count the step, advance the sampler by its real samples, feed the audit."""
@@ -313,16 +382,24 @@ class Checkpointer:
         sampler.advance(n_real)
         state.epoch = sampler.epoch
 
-    def _act(self, stop: bool, time_due: bool) -> None:
-        """Given the ranks' agreed flags: save and exit after SIGTERM, or save when due."""
-        if stop:
+    def _act(self, flags: list[float]) -> None:
+        """Given the ranks' agreed ``[stop, save time due, snapshot due]``: save and exit
+        after SIGTERM, save when due, take a snapshot when due."""
+        if flags[0] > 0:
             self._exit_after_save()
         state, sampler = self.state, self.state.sampler
         due = self.every_steps is not None and state.step % self.every_steps == 0
         epoch_done = sampler is not None and sampler.remaining == 0
-        if (due or time_due) and not (epoch_done and self.save_at_epoch_end):
+        if (due or flags[1] > 0) and not (epoch_done and self.save_at_epoch_end):
             # The epoch's last step is saved by end_epoch, with the epoch closed.
             self.save(blocking=self.blocking)
+        tier = self.snapshots
+        if tier is not None:
+            tier.observe_step()
+            # A fixed interval is known to every rank; an automatic one is rank 0's,
+            # carried by the flags (and so acted on one step later).
+            if tier.every is not None and tier.due(state.step) or flags[2] > 0:
+                self.snapshot()
 
     def _pass_local_indices(self) -> torch.Tensor:
         s = self.state.sampler
@@ -333,8 +410,8 @@ class Checkpointer:
         assert self._pass_indices is not None
         return self._pass_indices
 
-    def _poll_flags(self) -> tuple[bool, bool]:
-        """Agree on (stop, time due) across ranks.
+    def _poll_flags(self) -> list[float]:
+        """Agree on ``[stop, time due, snapshot due]`` across ranks.
 
         Each step issues a small async all-reduce and reads the previous step's:
         the collective overlaps a whole training step, and the decision it carries
@@ -342,26 +419,32 @@ class Checkpointer:
         """
         local = self._local_flags()
         if not is_dist_ready() or self.info.world_size == 1:
-            return bool(local[0]), bool(local[1])
+            return local.tolist()
         previous = self._resolve_flags()
         self._flags = all_reduce_sum_async(local)
         return previous
 
     def _local_flags(self) -> torch.Tensor:
-        """This rank's ``[stop requested, save time due]`` as float64 (summed over ranks)."""
-        time_due = (self.every_seconds is not None and self.info.is_main
+        """This rank's ``[stop requested, save time due, snapshot due]`` as float64
+        (summed over ranks). The step is the one about to complete."""
+        main = self.info.is_main
+        time_due = (self.every_seconds is not None and main
                     and time.monotonic() - self._last_save_time >= self.every_seconds)
-        return torch.tensor([float(self._stop.is_set()), float(time_due)], dtype=torch.float64)
+        tier = self.snapshots
+        snap_due = (main and tier is not None and tier.every is None
+                    and tier.due(self.state.step + 1))
+        return torch.tensor([float(self._stop.is_set()), float(time_due), float(snap_due)],
+                            dtype=torch.float64)
 
-    def _resolve_flags(self) -> tuple[bool, bool]:
+    def _resolve_flags(self) -> list[float]:
         if self._flags is None:
-            return False, False
+            return [0.0, 0.0, 0.0]
         flags, self._flags = self._flags().tolist(), None
-        return flags[0] > 0, flags[1] > 0
+        return flags
 
     def _agreed_stop(self) -> bool:
         """Every rank learns at once whether any rank received SIGTERM (collective)."""
-        pending_stop, _ = self._resolve_flags() if is_dist_ready() else (False, False)
+        pending_stop = self._resolve_flags()[0] > 0 if is_dist_ready() else False
         mine = self._stop.is_set() or pending_stop
         if is_dist_ready() and self.info.world_size > 1:
             return all_reduce_max(int(mine)) > 0
@@ -372,7 +455,7 @@ class Checkpointer:
         if self.info.is_main:
             say(log, "SIGTERM: checkpoint step %d saved; exiting with status %d so "
                         "torchrun restarts the group", self.state.step, self.exit_code)
-        self.close()
+        self._close(remove_snapshots=False)  # the next group resumes from them
         raise SystemExit(self.exit_code)
 
     # ------------------------------------------------------------------ epochs
@@ -432,27 +515,45 @@ class Checkpointer:
         did), every rank raises :class:`~elastic_kit.CheckpointError`.
         """
         state = self.state
-        # Fold every rank's audit share in first, so the checkpoint's audit matches
-        # exactly the samples behind its model state.
-        if self.audit != "off":
-            state.audit.sync(state.epoch)
+        self._sync_audit()
         if self.store is None:
             return
-        sampler = state.sampler
-        meta = {"epoch": int(state.epoch), "world_size": self.info.world_size,
-                "consumed": int(sampler.consumed) if sampler is not None else None}
         kw: dict[str, Any] = {}
         if not blocking and self.overlap_staging and state.optimizer is not None:
             kw["copy_later"] = _optimizer_tensors(state.optimizer)
         err: BaseException | None = None
         try:
-            self.store.save(state.state_dict(), step=state.step, metadata=meta,
+            self.store.save(state.state_dict(), step=state.step, metadata=self._metadata(),
                             blocking=blocking, **kw)
         except Exception as e:  # every rank must learn of it, below
             err = e
         self._agree(err, f"saving checkpoint step {state.step} to {self.store.url}")
         self._last_saved_step = state.step
         self._last_save_time = time.monotonic()
+
+    def snapshot(self) -> None:
+        """Take an in-memory snapshot of the state now (collective when the audit is
+        on; a no-op when snapshots are off). Written in the background by each node's
+        local rank 0; a failure switches snapshots off with a warning."""
+        if self.snapshots is None:
+            return
+        self._sync_audit()
+        state = self.state
+        later = (_optimizer_tensors(state.optimizer)
+                 if self.overlap_staging and state.optimizer is not None else ())
+        self.snapshots.save(state.state_dict(), step=state.step, metadata=self._metadata(),
+                            copy_later=later)
+
+    def _sync_audit(self) -> None:
+        # Fold every rank's audit share in first, so the saved audit matches exactly
+        # the samples behind the saved model state.
+        if self.audit != "off":
+            self.state.audit.sync(self.state.epoch)
+
+    def _metadata(self) -> dict[str, Any]:
+        sampler = self.state.sampler
+        return {"epoch": int(self.state.epoch), "world_size": self.info.world_size,
+                "consumed": int(sampler.consumed) if sampler is not None else None}
 
     def _agree(self, err: BaseException | None, what: str) -> None:
         failed = all_reduce_max(int(err is not None)) if (
@@ -465,9 +566,13 @@ class Checkpointer:
     def close(self) -> None:
         """Wait for the in-flight save (re-raising its error) and uninstall the hooks.
 
-        Collective when a save may be in flight. Closes the store when the
-        checkpointer made it from a URL. Safe to call twice.
+        Collective. Closes the store when the checkpointer made it from a URL, and
+        removes this run's in-memory snapshots (training is over: the durable store
+        holds the result). Safe to call twice.
         """
+        self._close(remove_snapshots=True)
+
+    def _close(self, *, remove_snapshots: bool) -> None:
         if self._closed:
             return
         self._closed = True
@@ -483,7 +588,12 @@ class Checkpointer:
                 self.store.wait()
             except Exception as e:
                 err = e
+            if self.snapshots is not None:
+                self.snapshots.close(remove=False)
+            # also the barrier after which no rank writes a snapshot any more
             self._agree(err, f"the last background save to {self.store.url}")
+            if self.snapshots is not None and remove_snapshots:
+                self.snapshots.close(remove=True)
             if self._owns_store:
                 self.store.close()
 
@@ -500,6 +610,8 @@ class Checkpointer:
             self._stop.uninstall()
             if self.store is not None:
                 self.store.wait_local()
+            if self.snapshots is not None:
+                self.snapshots.close(remove=False)
 
 
 def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

@@ -412,22 +412,15 @@ class ElasticDistributedSampler(Sampler[int]):
             "drop_last": bool(self.drop_last),
         }
 
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Resume from :meth:`state_dict` of a sampler of any world size.
+    def check_state_dict(self, state_dict: Mapping[str, Any]) -> dict[str, Any]:
+        """Validate a :meth:`state_dict` for this sampler without adopting it.
 
-        ``seed`` and ``shuffle`` are taken from the state, since they define the
-        order the saved position refers to (a difference from the constructor is
-        logged as a warning). ``drop_last`` is not: it is how *this* script consumes
-        the data, not part of the position, so the constructor's value is kept and a
-        difference is only logged. Every entry is checked before anything is
-        adopted, so a bad state leaves the sampler as it was.
+        Returns the entries as plain ints and bools. :meth:`load_state_dict` calls it
+        first; :class:`~elastic_kit.TrainState` calls it before loading anything, so
+        a checkpoint that does not fit leaves the model untouched too.
 
         Raises:
-            CheckpointMismatchError: (a ``ValueError``) when the state comes from a
-                dataset of another length.
-            TypeError: when the state is not a mapping or an entry has the wrong type
-                (a non-integral float, a string, a bool where an int belongs).
-            ValueError: when keys are missing or the position is out of range.
+            as :meth:`load_state_dict`.
         """
         if not isinstance(state_dict, Mapping):
             raise TypeError(
@@ -456,6 +449,29 @@ class ElasticDistributedSampler(Sampler[int]):
             raise ValueError(
                 f"sampler state 'consumed'={consumed}: expected 0 <= consumed <= {length}"
             )
+        return {"dataset_length": length, "epoch": epoch, "consumed": consumed,
+                "seed": seed, "shuffle": shuffle, "drop_last": drop_last}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Resume from :meth:`state_dict` of a sampler of any world size.
+
+        ``seed`` and ``shuffle`` are taken from the state, since they define the
+        order the saved position refers to (a difference from the constructor is
+        logged as a warning). ``drop_last`` is not: it is how *this* script consumes
+        the data, not part of the position, so the constructor's value is kept and a
+        difference is only logged. Every entry is checked before anything is
+        adopted, so a bad state leaves the sampler as it was.
+
+        Raises:
+            CheckpointMismatchError: (a ``ValueError``) when the state comes from a
+                dataset of another length.
+            TypeError: when the state is not a mapping or an entry has the wrong type
+                (a non-integral float, a string, a bool where an int belongs).
+            ValueError: when keys are missing or the position is out of range.
+        """
+        v = self.check_state_dict(state_dict)
+        seed, shuffle, drop_last = v["seed"], v["shuffle"], v["drop_last"]
+        epoch, consumed = v["epoch"], v["consumed"]
         for key, value in (("seed", seed), ("shuffle", shuffle)):
             if value != getattr(self, key):
                 log.warning(

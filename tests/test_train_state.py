@@ -231,3 +231,16 @@ def test_mismatched_checkpoint_changes_nothing_before_raising() -> None:
         assert torch.equal(v, before[k]), k
     assert json.dumps(dst.optimizer.state_dict()["param_groups"], default=str) == opt_before
     assert dst.sampler.consumed == consumed and dst.step == 0
+
+
+def test_bad_sampler_state_is_refused_before_the_model_is_overwritten() -> None:
+    src = _state(0)
+    _train_a_bit(src)
+    sd = _roundtrip(src.state_dict())
+    sd["sampler"]["consumed"] = 3.7
+    dst = _state(1)
+    before = {k: v.clone() for k, v in dst.model.state_dict().items()}
+    with pytest.raises(CheckpointMismatchError, match=r"'consumed'=3.7.*nothing was loaded"):
+        dst.load_state_dict(sd)
+    for k, v in dst.model.state_dict().items():
+        assert torch.equal(v, before[k]), k

@@ -51,6 +51,9 @@ class LoopConfig:
         sigterm_exit_code: exit status after the SIGTERM checkpoint (non-zero, so
             torchrun restarts the group instead of reporting success).
         handle_signals: install the SIGTERM handler (main thread only).
+        snapshot_every: in-memory snapshots every this many steps (``"auto"``: an
+            interval within 2% of the step time; ``None``/0: off); see
+            :class:`~elastic_kit.Checkpointer`.
     """
 
     epochs: int = 1
@@ -78,6 +81,7 @@ class LoopConfig:
     collate_fn: Callable[[list[Any]], Any] | None = None
     sigterm_exit_code: int = 143
     handle_signals: bool = True
+    snapshot_every: int | str | None = None
 
     def __post_init__(self) -> None:
         def _check(name: str, ok: bool, expected: str) -> None:

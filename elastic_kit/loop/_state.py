@@ -260,7 +260,14 @@ class TrainState:
             saved_len = sd["sampler"].get("dataset_length") if isinstance(
                 sd["sampler"], dict) else None
             if callable(check):
-                check(sd["sampler"])
+                try:
+                    check(sd["sampler"])
+                except CheckpointMismatchError:
+                    raise
+                except (TypeError, ValueError) as e:
+                    raise CheckpointMismatchError(
+                        f"checkpoint sampler state does not fit: {e}; nothing was loaded"
+                    ) from e
             elif saved_len is not None and saved_len != getattr(self.sampler, "dataset_length",
                                                                  saved_len):
                 raise CheckpointMismatchError(

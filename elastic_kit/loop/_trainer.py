@@ -173,7 +173,7 @@ class ElasticLoop:
             every_seconds=cfg.checkpoint_every_seconds, blocking=cfg.blocking,
             save_at_epoch_end=cfg.checkpoint_at_epoch_end, audit=cfg.audit,
             overlap_staging=cfg.overlap_staging, handle_signals=cfg.handle_signals,
-            exit_code=cfg.sigterm_exit_code, info=info)
+            exit_code=cfg.sigterm_exit_code, snapshot_every=cfg.snapshot_every, info=info)
         if self._stop_requested:
             ckpt.request_stop()
         ckpt.restore(map_location="cpu")
@@ -305,17 +305,18 @@ class ElasticLoop:
         ckpt, info = self.checkpointer, self.info
         assert ckpt is not None and info is not None and self.plan is not None
         loss_sum, outputs = self.forward_backward(step, batches, mask)
-        # One small collective per step: stop flag, rank 0's clock, the loss. Issued
+        # One small collective per step: the checkpointer's flags (stop, rank 0's
+        # clock, a snapshot due) and the loss. Issued
         # before the optimizer step and read after it, so it never waits on the
         # critical path.
         flags_of = all_reduce_sum_async(torch.cat([ckpt._local_flags(),
                                                    loss_sum.detach().cpu().view(1)]))
         grad_norm = self.optimizer_step()
         ckpt._record_step(self.plan.per_rank)
-        stop, time_due, loss = flags_of().tolist()
-        loss /= info.world_size
+        flags = flags_of().tolist()
+        loss = flags.pop() / info.world_size
         self._report(epoch, step.n_real, loss, grad_norm, outputs)
-        ckpt._act(stop > 0, time_due > 0)
+        ckpt._act(flags)
         return loss
 
     def forward_backward(self, step: _Step, batches: Iterator[Any],

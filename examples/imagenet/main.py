@@ -108,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "/tmp/elastic_kit_imagenet/<TORCHELASTIC_RUN_ID>")
     p.add_argument("--checkpoint-every", default=100, type=int, metavar="STEPS",
                    help="checkpoint every STEPS optimizer steps (and at every epoch end)")
+    p.add_argument("--snapshot-every", default="0", metavar="STEPS",
+                   help="in-memory snapshots in /dev/shm every STEPS steps, which survive a "
+                        "worker-group restart ('auto': within 2%% of step time; 0: off)")
     p.add_argument("--global-batch-size", default=256, type=int, metavar="N",
                    help="samples per optimizer step over all workers (fixed_global); must "
                         "divide by every world size the job runs at")
@@ -311,6 +314,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             epochs=args.epochs, global_batch_size=args.global_batch_size,
             micro_batch_size=args.batch_size, batch_policy=args.batch_policy,
             max_steps=args.max_steps, checkpoint_every_steps=args.checkpoint_every,
+            snapshot_every=(args.snapshot_every if args.snapshot_every == "auto"
+                            else int(args.snapshot_every)),
             log_every=args.print_freq, seed=args.seed, num_workers=args.workers,
             persistent_workers=args.workers > 0, progress_bar=False,
             pin_memory=info.device.type == "cuda"),

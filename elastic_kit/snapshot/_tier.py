@@ -1,0 +1,201 @@
+"""SnapshotTier: a node-local store in shared memory, written every K steps."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import os
+import re
+import shutil
+import socket
+import time
+from typing import Any, Iterable
+
+import torch
+
+from elastic_kit.checkpoint import CheckpointStore, LoadedCheckpoint
+from elastic_kit.distributed import DistInfo
+
+__all__ = ["SnapshotTier", "default_root", "snapshot_dir"]
+
+log = logging.getLogger(__name__)
+
+#: Environment variable naming the shared-memory directory (default ``/dev/shm``).
+ROOT_ENV = "ELASTIC_KIT_SNAPSHOT_DIR"
+#: Environment variable naming this node's snapshot directory inside the run's
+#: (default ``<host>-<agent pid>``); for several "nodes" that share one parent process.
+NODE_ENV = "ELASTIC_KIT_SNAPSHOT_NODE"
+#: Free space a node needs, as a multiple of the state's size: two slots (the
+#: committed snapshot stays until the next one is committed) plus a margin.
+SPACE_FACTOR = 2.2
+_MAX_AUTO_EVERY = 10_000
+
+
+def default_root() -> str:
+    """``$ELASTIC_KIT_SNAPSHOT_DIR``, else ``/dev/shm``."""
+    return os.environ.get(ROOT_ENV) or "/dev/shm"
+
+
+def snapshot_dir(root: str, run_id: str, key: str) -> str:
+    """The run's snapshot directory on this host: ``<root>/elastic_kit/<run>-<hash>``.
+
+    ``key`` (the durable store's URL) is hashed in, so two jobs that share a run id
+    (``local`` for every run outside torchrun) but not a store never see each other's
+    snapshots.
+    """
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", run_id)[:64] or "run"
+    digest = hashlib.blake2b(f"{run_id}\0{key}".encode(), digest_size=8).hexdigest()
+    return os.path.join(root, "elastic_kit", f"{safe}-{digest}")
+
+
+def _state_bytes(state: Any) -> int:
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size()
+    if isinstance(state, dict):
+        return sum(_state_bytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(_state_bytes(v) for v in state)
+    return 0
+
+
+class SnapshotTier:
+    """Full training-state snapshots in node-local shared memory, every ``every`` steps.
+
+    Args:
+        key: the durable store's URL (names the snapshot directory).
+        info: this worker's :class:`~elastic_kit.DistInfo`.
+        every: take a snapshot every this many optimizer steps; ``None`` chooses it
+            from measurements so that writing costs at most ``budget`` of the step
+            time (every step while the state is small).
+        budget: the share of training time snapshots may cost (``every=None``).
+        root: the shared-memory directory (default :func:`default_root`).
+
+    Only local rank 0 of each node writes (a non-blocking save: the tensors are copied
+    on a background thread, which the optimizer-step pre-hook waits for).
+
+    .. warning::
+        Shared memory is host RAM: a node holds at most two snapshots (about twice the
+        state's size) while the run lives. When ``root`` has less free space than
+        that, snapshots are switched off with a warning and restarts resume from the
+        durable store.
+    """
+
+    def __init__(self, key: str, *, info: DistInfo, every: int | None = None,
+                 budget: float = 0.02, root: str | None = None) -> None:
+        if every is not None and (type(every) is not int or every < 1):
+            raise ValueError(f"snapshot every={every!r} must be None (automatic) or an int >= 1")
+        if not 0 < budget < 1:
+            raise ValueError(f"snapshot budget={budget!r} must be in (0, 1)")
+        self.info = info
+        self.every = every
+        self.budget = budget
+        self.root = root or default_root()
+        self.run_dir = snapshot_dir(self.root, info.run_id, key)
+        # The agent is the workers' parent and outlives the group restarts it drives.
+        node = os.environ.get(NODE_ENV) or f"{socket.gethostname()}-{os.getppid()}"
+        self.node_dir = os.path.join(self.run_dir, re.sub(r"[^A-Za-z0-9_.-]", "_", node))
+        self.enabled = True
+        self.store: CheckpointStore | None = None
+        self.interval = every or 1  # the current K (rank 0's decision in automatic mode)
+        self._step_s: float | None = None
+        self._last_step_t: float | None = None
+        self._space_checked = False
+        if not os.path.isdir(self.root):
+            self._disable(f"{self.root} does not exist")
+            return
+        self.store = CheckpointStore(self.node_dir, keep_last=1, node_local=True, info=info)
+
+    def _disable(self, why: str) -> None:
+        if self.enabled and self.info.local_rank == 0:
+            log.warning("in-memory snapshots are off (%s): restarts resume from the durable "
+                        "checkpoint store", why)
+        self.enabled = False
+
+    # ------------------------------------------------------------------ cadence
+    def observe_step(self) -> None:
+        """Feed the step-time estimate (called once per optimizer step)."""
+        now = time.monotonic()
+        if self._last_step_t is not None:
+            dt = now - self._last_step_t
+            self._step_s = dt if self._step_s is None else 0.9 * self._step_s + 0.1 * dt
+        self._last_step_t = now
+
+    def due(self, step: int) -> bool:
+        """Whether a snapshot is due at ``step`` by this rank's current interval."""
+        return self.enabled and step % self.interval == 0
+
+    def _adapt(self, write_s: float) -> None:
+        if self.every is not None or self._step_s is None or self._step_s <= 0:
+            return
+        # A background write of write_s seconds costs at most that much training time
+        # (it competes for the cores); spread it over enough steps to stay in budget.
+        k = math.ceil(write_s / (self.budget * self._step_s))
+        self.interval = max(1, min(k, _MAX_AUTO_EVERY))
+
+    # ------------------------------------------------------------------ writing
+    def save(self, state_dict: dict[str, Any], *, step: int, metadata: dict[str, Any],
+             copy_later: Iterable[torch.Tensor] = ()) -> None:
+        """Write a snapshot of ``state_dict`` in the background (local rank 0 only)."""
+        if not self.enabled or self.store is None or self.info.local_rank != 0:
+            return
+        if not self._space_checked:
+            self._space_checked = True
+            need = int(SPACE_FACTOR * _state_bytes(state_dict))
+            try:
+                free = shutil.disk_usage(self.root).free
+            except OSError as e:
+                self._disable(f"cannot read the free space of {self.root}: {e}")
+                return
+            if free < need:
+                self._disable(f"{self.root} has {free / 1e6:.0f} MB free, two snapshots "
+                              f"need {need / 1e6:.0f} MB")
+                return
+        try:
+            self.store.wait()  # the previous snapshot; its duration sets the interval
+            self._adapt(self.store.last_save_s)
+            self.store.save(state_dict, step=step, metadata=metadata, blocking=False,
+                            copy_later=copy_later)
+        except Exception as e:  # snapshots are an optimisation: never fail training
+            self._disable(f"writing snapshot step {step} to {self.node_dir} failed: {e!r}")
+
+    def wait_staged(self) -> None:
+        """Wait until the in-flight snapshot no longer reads the live tensors."""
+        if self.store is not None:
+            self.store.wait_staged()
+
+    # ------------------------------------------------------------------ reading
+    def newest_local(self) -> int | None:
+        """The newest snapshot step this node holds (local rank 0; None elsewhere)."""
+        if not self.enabled or self.store is None or self.info.local_rank != 0:
+            return None
+        try:
+            return self.store.latest_step()
+        except Exception as e:
+            log.warning("cannot list the snapshots in %s: %r", self.node_dir, e)
+            return None
+
+    def load(self, *, map_location: Any = None) -> LoadedCheckpoint | None:
+        """The newest snapshot any node holds, broadcast to every rank. Collective.
+
+        A corrupt or truncated newest snapshot is skipped for the one before (the
+        manifest's checksum is verified as for any checkpoint).
+        """
+        assert self.store is not None
+        return self.store.load(map_location=map_location)
+
+    # ------------------------------------------------------------------ cleanup
+    def close(self, *, remove: bool) -> None:
+        """Join the in-flight snapshot; with ``remove``, delete this run's snapshots on
+        this host (local rank 0; call it once every rank is done writing)."""
+        if self.store is not None:
+            try:
+                self.store.wait()
+            except Exception as e:
+                log.warning("the last snapshot to %s failed: %r", self.node_dir, e)
+        if remove and self.info.local_rank == 0:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+            try:  # the parent too, when this was the last run on the host
+                os.rmdir(os.path.dirname(self.run_dir))
+            except OSError:
+                pass

@@ -1,0 +1,167 @@
+"""In-memory snapshots: a restarted group resumes from the newest state in any tier
+(this node's memory, a peer node's, the durable store), exactly."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import elastic_kit as ek
+from elastic_kit.snapshot import SnapshotTier, snapshot_dir
+from elastic_kit.testing import spawn_multi_process
+
+N = 48
+BATCH = 4
+
+
+def _dataset() -> TensorDataset:
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(N, 5, generator=g)
+    return TensorDataset(x, (x[:, 0] > 0).long())
+
+
+def _life(url: str, shm: str, crash_after: int | None, snapshot_every: int | None = 1,
+          epochs: int = 2) -> dict[str, Any]:
+    """An own loop with durable checkpoints far apart (every 10 steps) and a snapshot
+    every step; 'crashes' (no close) after ``crash_after`` steps of this life."""
+    os.environ["ELASTIC_KIT_SNAPSHOT_DIR"] = shm
+    os.environ["ELASTIC_KIT_SNAPSHOT_NODE"] = f"node{os.environ.get('GROUP_RANK', '0')}"
+    torch.set_num_threads(1)
+    info = ek.init_distributed()
+    torch.manual_seed(0)
+    model = ek.wrap_ddp(nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 2)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ds = _dataset()
+    sampler = ek.ElasticDistributedSampler(ds, seed=2)
+    crit = nn.CrossEntropyLoss(reduction="none")
+    state = ek.TrainState(model, opt, sampler=sampler)
+    ckpt = ek.Checkpointer(state, url, every_steps=10, audit=True, handle_signals=False,
+                           blocking=True,
+                           snapshot_every=snapshot_every)
+    done = 0
+    for epoch in range(ckpt.restore(), epochs):
+        sampler.set_epoch(epoch)
+        for x, y in DataLoader(ds, batch_size=BATCH, sampler=sampler):
+            loss = (crit(model(x), y) * ckpt.sample_weights(len(x))).sum()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            ckpt.step(len(x))
+            done += 1
+            if crash_after is not None and done == crash_after:
+                if ckpt.snapshots is not None:
+                    ckpt.snapshots.close(remove=False)  # a kill comes after the write here
+                return {"crashed_at": state.step}
+        ckpt.end_epoch()
+    ckpt.close()
+    return {
+        "step": state.step,
+        "params": [p.detach().numpy().copy() for p in ek.unwrap_model(model).parameters()],
+        "audit": [(a.epoch, a.count, a.ok) for _, a in sorted(state.audit.epochs.items())],
+        "restored": ckpt.restored_step,
+        "restored_from": ckpt.restored_from,
+        "report": state.run_report(),
+    }
+
+
+@pytest.fixture()
+def shm(tmp_path: Path) -> str:
+    root = tmp_path / "shm"
+    root.mkdir()
+    return str(root)
+
+
+def test_restart_resumes_from_memory_at_the_last_step_and_ends_bitwise_equal(
+        tmp_path: Path, shm: str) -> None:
+    ref = spawn_multi_process(2, _life, str(tmp_path / "ref"), shm, None, None)
+    url = str(tmp_path / "run")
+    spawn_multi_process(2, _life, url, shm, 7, 1)        # durable: none yet (every 10)
+    out = spawn_multi_process(2, _life, url, shm, None, 1)
+    assert out[0]["restored"] == 7 and out[0]["restored_from"] == "memory"
+    assert out[0]["step"] == ref[0]["step"] == 12          # 2 epochs of 6 steps
+    for a, b in zip(out[0]["params"], ref[0]["params"]):
+        np.testing.assert_array_equal(a, b)
+    assert out[0]["audit"] == [(0, N, True), (1, N, True)]
+    assert out[0]["report"]["world_sizes"][-1]["restored_from"] == "memory"
+    # a finished run leaves nothing in shared memory
+    assert os.listdir(shm) == [] or os.listdir(os.path.join(shm, "elastic_kit")) == []
+
+
+def test_a_node_that_lost_its_memory_restores_from_a_peer_and_keeps_a_copy(
+        tmp_path: Path, shm: str) -> None:
+    url = str(tmp_path / "run")
+    spawn_multi_process(2, _life, url, shm, 9, 1, local_world_size=1)   # two "nodes"
+    run_dir = snapshot_dir(shm, "test", url)
+    assert sorted(os.listdir(run_dir)) == ["node0", "node1"]
+    shutil.rmtree(os.path.join(run_dir, "node0"))          # rank 0's node was replaced
+    out = spawn_multi_process(2, _life, url, shm, 2, 1, local_world_size=1)
+    assert out[0] == {"crashed_at": 11}
+    steps = sorted(os.listdir(os.path.join(run_dir, "node0")))
+    assert steps == ["step-000000000011"]                  # a copy, then its own snapshots
+    final = spawn_multi_process(2, _life, url, shm, None, 1, local_world_size=1)
+    history = final[0]["report"]["world_sizes"]
+    assert [h["restored_from"] for h in history] == [None, "peer", "memory"]
+    assert [h["restored_step"] for h in history] == [None, 9, 11]
+    assert final[0]["audit"] == [(0, N, True), (1, N, True)]
+
+
+def test_a_corrupt_snapshot_is_skipped_for_the_durable_store(tmp_path: Path, shm: str) -> None:
+    url = str(tmp_path / "run")
+    spawn_multi_process(2, _life, url, shm, 11, 1)          # durable step 10, snapshot 11
+    run_dir = snapshot_dir(shm, "test", url)
+    payload = Path(run_dir, "node0", "step-000000000011", "state.pt")
+    data = bytearray(payload.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    payload.write_bytes(bytes(data))
+    out = spawn_multi_process(2, _life, url, shm, None, 1)
+    assert out[0]["restored"] == 10 and out[0]["restored_from"] == "store"
+    assert out[0]["audit"] == [(0, N, True), (1, N, True)]
+
+
+def test_too_little_shared_memory_falls_back_with_a_warning(
+        tmp_path: Path, shm: str, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    from elastic_kit.snapshot import _tier
+
+    monkeypatch.setattr(_tier.shutil, "disk_usage",
+                        lambda path: shutil._ntuple_diskusage(10, 10, 0))  # type: ignore[attr-defined]
+    tier = SnapshotTier(str(tmp_path / "run"), info=ek.DistInfo(run_id="t"), every=1, root=shm)
+    with caplog.at_level("WARNING"):
+        tier.save({"w": torch.zeros(1000)}, step=1, metadata={})
+    assert not tier.enabled
+    assert "in-memory snapshots are off" in caplog.text and "MB free" in caplog.text
+    assert tier.newest_local() is None
+
+
+def test_missing_root_switches_snapshots_off(tmp_path: Path,
+                                             caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("WARNING"):
+        tier = SnapshotTier("s3://b/run", info=ek.DistInfo(run_id="t"), every=1,
+                            root=str(tmp_path / "nope"))
+    assert not tier.enabled and "does not exist" in caplog.text
+
+
+def test_snapshot_dirs_separate_runs_and_stores(tmp_path: Path) -> None:
+    a = snapshot_dir("/dev/shm", "job-1", "s3://b/run")
+    assert a == snapshot_dir("/dev/shm", "job-1", "s3://b/run")
+    assert a != snapshot_dir("/dev/shm", "job-2", "s3://b/run")
+    assert a != snapshot_dir("/dev/shm", "job-1", "s3://b/other")
+    assert os.path.dirname(a) == "/dev/shm/elastic_kit"
+
+
+def test_automatic_interval_keeps_the_write_within_the_budget(tmp_path: Path, shm: str) -> None:
+    tier = SnapshotTier(str(tmp_path / "run"), info=ek.DistInfo(run_id="t"), every=None,
+                        budget=0.02, root=shm)
+    tier._step_s = 0.01          # 10 ms steps
+    tier._adapt(0.05)            # a 50 ms write: 0.05 / (0.02 * 0.01) = 250 steps
+    assert tier.interval == 250
+    tier._adapt(0.0001)          # a tiny state: every step
+    assert tier.interval == 1
