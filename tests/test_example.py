@@ -158,3 +158,22 @@ def test_demo_report_passes_only_when_every_epoch_saw_every_image_once(capsys) -
     assert not demo.print_report(repeated, [], 100.0, 2, True)
     assert "sample audit: FAILED" in capsys.readouterr().out
     assert not demo.print_report({**summary, "audit": summary["audit"][:1]}, [], 100.0, 2, True)
+
+
+def test_dummy_runs_without_a_data_directory(tmp_path: Path) -> None:
+    """``--dummy`` needs no DIR (as in pytorch/examples); without either, a usage error."""
+    import json
+    import subprocess
+
+    summary = tmp_path / "summary.json"
+    cmd = [sys.executable, str(MAIN), "--dummy", "--dummy-size", "48", "-a", "tinycnn",
+           "--image-size", "16", "--epochs", "1", "-b", "8", "--global-batch-size", "16",
+           "-j", "0", "--checkpoint-dir", str(tmp_path / "ck"), "--summary-json", str(summary)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(summary.read_text())
+    assert report["steps"] == 3 and report["dataset_size"] == 48
+    assert report["audit"] == [{"epoch": 0, "count": 48, "expected": 48, "ok": True}]
+    usage = subprocess.run([sys.executable, str(MAIN), "-a", "tinycnn"], capture_output=True,
+                           text=True, timeout=120)
+    assert usage.returncode == 2 and "DIR is required unless --dummy" in usage.stderr

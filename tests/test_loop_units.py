@@ -232,3 +232,35 @@ def test_nonblocking_checkpoints_hold_the_state_of_their_step_with_a_slow_copy(
             assert torch.equal(ck["model"][k], seen[info.step][k]), (info.step, k)
         mom = ck["optimizer"]["state"][0]["momentum_buffer"]
         assert torch.equal(mom, seen[info.step]["momentum"]), info.step
+
+
+_QUIET_SCRIPT = """
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+import elastic_kit as ek
+
+torch.manual_seed(0)
+ds = TensorDataset(torch.randn(24, 3), torch.randint(0, 2, (24,)))
+model = nn.Linear(3, 2)
+crit = nn.CrossEntropyLoss(reduction="none")
+loop = ek.ElasticLoop(ek.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1)), ds,
+                      loss_fn=lambda m, b: crit(m(b[0]), b[1]),
+                      config=ek.LoopConfig(epochs=1, global_batch_size=8, micro_batch_size=8,
+                                           log_every=1, progress_bar=False))
+loop.run()
+"""
+
+
+def test_progress_is_visible_without_configuring_logging() -> None:
+    """A script that hands its loop over still sees progress (its own prints are gone)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _QUIET_SCRIPT], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [ln for ln in done.stderr.splitlines() if ln.startswith("[elastic_kit]")]
+    assert any(ln.startswith("[elastic_kit] step 3 epoch 0 loss") for ln in lines), lines
+    assert any("epoch 0 done: 3 steps, 24 samples" in ln for ln in lines), lines
+    assert any("sample audit: epoch 0: all 24 samples exactly once" in ln for ln in lines)

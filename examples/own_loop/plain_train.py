@@ -1,0 +1,252 @@
+"""Image classification with its own training loop: plain PyTorch DDP, not elastic.
+
+The starting point of ``train.py``: the same script before elastic_kit. It saves a
+checkpoint at every epoch end from rank 0 and never resumes, so a lost worker
+means starting over. ``diff -u plain_train.py train.py`` shows everything that
+changes to make it elastic (see README.md).
+
+One process (CPU or one GPU), synthetic data::
+
+    python examples/own_loop/plain_train.py --synthetic 2000 --epochs 3 -j 0
+
+One node, 2 workers (gloo on CPU, nccl on GPUs)::
+
+    torchrun --standalone --nnodes=1 --nproc-per-node=2 examples/own_loop/plain_train.py \\
+        --synthetic 2000 --epochs 3 -j 0
+
+An ImageNet-style folder (``DIR/train/<class>/*.jpg`` and ``DIR/val/<class>/*.jpg``)::
+
+    python -m elastic_kit.testing.make_imagefolder /tmp/tiny-imagenet --classes 10 \\
+        --per-class 64 --size 64
+    torchrun --standalone --nnodes=1 --nproc-per-node=2 examples/own_loop/plain_train.py \\
+        /tmp/tiny-imagenet --arch resnet18 --epochs 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="Image classification, own training loop")
+    p.add_argument("data", nargs="?", metavar="DIR",
+                   help="ImageFolder root with train/ and val/ (or use --synthetic)")
+    p.add_argument("--synthetic", type=int, default=0, metavar="N",
+                   help="train on N deterministic in-memory images of 10 classes instead of DIR")
+    p.add_argument("--arch", default="tinycnn",
+                   help="tinycnn (no batch norm: bitwise reproducible on CPU) or any "
+                        "torchvision model name")
+    p.add_argument("--image-size", type=int, default=32, metavar="PX")
+    p.add_argument("--epochs", type=int, default=10)
+    p.add_argument("-b", "--batch-size", type=int, default=32, help="per worker")
+    p.add_argument("--lr", type=float, default=0.1)
+    p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--wd", "--weight-decay", type=float, default=1e-4, dest="weight_decay")
+    p.add_argument("--warmup-steps", type=int, default=20, help="linear LR warm-up, in steps")
+    p.add_argument("--clip-grad-norm", type=float, default=1.0, help="0 to turn off")
+    p.add_argument("--label-smoothing", type=float, default=0.1)
+    p.add_argument("--ema-decay", type=float, default=0.99)
+    p.add_argument("--checkpoint-dir", default=None, metavar="DIR")
+    p.add_argument("--seed", type=int, default=0, help="model init and shuffling")
+    p.add_argument("-j", "--workers", type=int, default=4, help="data-loader processes per worker")
+    p.add_argument("-p", "--print-freq", type=int, default=10, metavar="N",
+                   help="print every N batches")
+    p.add_argument("--summary-json", default=None, metavar="PATH",
+                   help="rank 0 writes steps, accuracy and parameter digests here at the end")
+    return p
+
+
+class TinyCNN(nn.Module):
+    """Two conv layers and no batch norm: fast on a CPU and bitwise reproducible."""
+
+    def __init__(self, num_classes: int) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten())
+        self.fc = nn.Linear(32, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.features(x))
+
+
+def build_model(arch: str, num_classes: int) -> nn.Module:
+    if arch == "tinycnn":
+        return TinyCNN(num_classes)
+    import torchvision  # only here: importing it costs seconds per worker
+
+    return torchvision.models.get_model(arch, weights=None, num_classes=num_classes)
+
+
+def synthetic_datasets(n: int, size: int, classes: int = 10) -> tuple[Dataset, Dataset]:
+    """``n`` training and ``n // 4`` validation images: a colour and a pattern per class,
+    plus noise. The same on every rank and every run (its own generator, seed 0)."""
+    g = torch.Generator().manual_seed(0)
+    patterns = (torch.randn(classes, 3, 1, 1, generator=g)
+                + 0.5 * torch.randn(classes, 3, size, size, generator=g))
+
+    def draw(count: int) -> TensorDataset:
+        labels = torch.randint(classes, (count,), generator=g)
+        images = patterns[labels] + torch.randn(count, 3, size, size, generator=g)
+        return TensorDataset(images, labels)
+
+    return draw(n), draw(max(n // 4, 1))
+
+
+def build_datasets(args: argparse.Namespace) -> tuple[Dataset, Dataset, int]:
+    if args.synthetic:
+        train_set, val_set = synthetic_datasets(args.synthetic, args.image_size)
+        return train_set, val_set, 10
+    if not args.data:
+        raise SystemExit("give an image folder DIR or --synthetic N")
+    from torchvision import datasets, transforms
+
+    normalize = transforms.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
+    train_set = datasets.ImageFolder(os.path.join(args.data, "train"), transforms.Compose([
+        transforms.RandomResizedCrop(args.image_size), transforms.RandomHorizontalFlip(),
+        transforms.ToTensor(), normalize]))
+    val_set = datasets.ImageFolder(os.path.join(args.data, "val"), transforms.Compose([
+        transforms.Resize(args.image_size * 8 // 7), transforms.CenterCrop(args.image_size),
+        transforms.ToTensor(), normalize]))
+    return train_set, val_set, len(train_set.classes)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, val_set: Dataset, args: argparse.Namespace,
+             device: torch.device, rank: int, world_size: int) -> float:
+    """Top-1 accuracy (%) on the validation set, each rank taking a share."""
+    sampler = DistributedSampler(val_set, num_replicas=world_size, rank=rank, shuffle=False)
+    loader = DataLoader(val_set, batch_size=args.batch_size, sampler=sampler,
+                        num_workers=args.workers)
+    model.eval()
+    counts = torch.zeros(2, dtype=torch.float64, device=device)  # correct, images
+    for images, target in loader:
+        images, target = images.to(device), target.to(device)
+        correct = model(images).argmax(1) == target
+        counts[0] += correct.sum()
+        counts[1] += len(target)
+    if dist.is_initialized():
+        dist.all_reduce(counts)
+    return 100.0 * counts[0].item() / max(counts[1].item(), 1.0)
+
+
+def param_sha256(model: nn.Module) -> str:
+    """SHA-256 over the raw bytes of the state_dict tensors, in order."""
+    h = hashlib.sha256()
+    for t in model.state_dict().values():
+        h.update(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def write_json_atomically(path: str, payload: dict[str, Any]) -> None:
+    """Write then rename: a reader never sees half a file."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(payload, f, indent=2, sort_keys=True)
+    os.replace(tmp, path)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    distributed = "RANK" in os.environ  # started by torchrun
+    if distributed:
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    rank = dist.get_rank() if distributed else 0
+    world_size = dist.get_world_size() if distributed else 1
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    is_main = rank == 0  # the one process that prints and saves
+    if is_main:
+        print(f"world size {world_size} on {device}: {vars(args)}", flush=True)
+
+    torch.manual_seed(args.seed)  # the same initial weights on every rank
+    train_set, val_set, num_classes = build_datasets(args)
+    model = build_model(args.arch, num_classes).to(device)
+    if distributed:
+        model = nn.parallel.DistributedDataParallel(
+            model, device_ids=[local_rank] if device.type == "cuda" else None)
+    model_without_ddp = model.module if distributed else model
+    ema = AveragedModel(model_without_ddp, multi_avg_fn=get_ema_multi_avg_fn(args.ema_decay),
+                        use_buffers=True)
+    sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank,
+                                 shuffle=True, seed=args.seed)
+    loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler,
+                        num_workers=args.workers, pin_memory=device.type == "cuda")
+    criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
+                                weight_decay=args.weight_decay)
+    warmup = max(args.warmup_steps, 1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(  # stepped per batch
+        optimizer, lambda step: min(1.0, (step + 1) / warmup))
+    scaler = torch.amp.GradScaler(device.type, enabled=device.type == "cuda")
+
+    step, best_acc1 = 0, 0.0
+    for epoch in range(args.epochs):
+        sampler.set_epoch(epoch)
+        model.train()
+        tic, seen = time.perf_counter(), 0
+        for i, (images, target) in enumerate(loader):
+            images = images.to(device, non_blocking=True)
+            target = target.to(device, non_blocking=True)
+            with torch.autocast(device.type, enabled=scaler.is_enabled()):
+                output = model(images)
+                loss = criterion(output, target)
+            optimizer.zero_grad(set_to_none=True)
+            scaler.scale(loss).backward()
+            if args.clip_grad_norm > 0:
+                scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
+                nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad_norm)
+            scaler.step(optimizer)
+            scaler.update()
+            scheduler.step()
+            ema.update_parameters(model_without_ddp)
+            step += 1
+            seen += len(images) * world_size
+            if is_main and i % args.print_freq == 0:
+                toc = time.perf_counter()
+                acc1 = 100.0 * (output.argmax(1) == target).float().mean().item()
+                print(f"Epoch: [{epoch}] [{i}/{len(loader)}] loss {loss.item():.4f} "
+                      f"acc1 {acc1:.2f} lr {optimizer.param_groups[0]['lr']:.5f} "
+                      f"samples/s {seen / (toc - tic):.1f}", flush=True)
+                tic, seen = toc, 0
+
+        acc1 = evaluate(model_without_ddp, val_set, args, device, rank, world_size)
+        ema_acc1 = evaluate(ema.module, val_set, args, device, rank, world_size)
+        best_acc1 = max(best_acc1, acc1)
+        if is_main:
+            print(f"Epoch: [{epoch}] done: step {step}, Acc@1 {acc1:.2f} (EMA {ema_acc1:.2f}, "
+                  f"best {best_acc1:.2f})", flush=True)
+        if is_main and args.checkpoint_dir:
+            os.makedirs(args.checkpoint_dir, exist_ok=True)
+            torch.save({"model": model_without_ddp.state_dict(), "ema": ema.state_dict(),
+                        "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                        "scaler": scaler.state_dict(), "epoch": epoch + 1, "step": step,
+                        "best_acc1": best_acc1},
+                       os.path.join(args.checkpoint_dir, "checkpoint.pth"))
+
+    if is_main and args.summary_json:
+        write_json_atomically(args.summary_json, {
+            "steps": step, "epochs": args.epochs, "best_acc1": best_acc1,
+            "param_sha256": param_sha256(model_without_ddp),
+            "ema_sha256": param_sha256(ema.module)})
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
