@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-pytest.importorskip("torchvision")
+import torchvision  # noqa: E402,F401  (a test dependency: a missing one must fail, not skip)
 
 from elastic_kit.testing import spawn_multi_process  # noqa: E402
 

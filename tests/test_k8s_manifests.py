@@ -16,17 +16,26 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torchvision  # noqa: F401  (main.py needs it; part of the test extras)
+import yaml
+from torch.distributed.run import get_args_parser
 
-yaml = pytest.importorskip("yaml")
-pytest.importorskip("torchvision")
-
-from torch.distributed.run import get_args_parser  # noqa: E402
-
-from test_example import load_main  # noqa: E402
+from test_example import load_main
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "imagenet"
 SCRIPT = "examples/imagenet/main.py"
+
+# The fast-restart rendezvous settings every multi-node command documents, and the
+# ones benchmarks/bench_recovery.py measures (tests/test_benchmarks_smoke.py checks
+# the benchmark uses the README's string).
+FAST_RDZV = {"join_timeout": "300", "last_call_timeout": "1", "keep_alive_interval": "1",
+             "keep_alive_max_attempt": "3"}
+
+
+def rdzv_conf(tr: argparse.Namespace) -> dict[str, str]:
+    """torchrun's ``--rdzv-conf`` as a dict (its own format: ``k=v,k=v``)."""
+    return dict(kv.split("=", 1) for kv in tr.rdzv_conf.split(",") if kv)
 
 
 class _ParseError(Exception):
@@ -83,6 +92,7 @@ def test_pytorchjob_is_elastic_and_its_command_matches_the_script(
     env = {e["name"]: e for e in container.get("env", [])}
     assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"]["value"] == "1"  # scale-up needs it
     tr, args = split_launch([str(a) for a in container["command"]])
+    assert rdzv_conf(tr) == FAST_RDZV, "the fast-restart --rdzv-conf is missing"
     assert args.checkpoint_dir.startswith("s3://"), "pods need shared object storage"
     nproc = int(policy.get("nProcPerNode", tr.nproc_per_node))
     if args.batch_policy == "fixed_global":
@@ -130,6 +140,42 @@ def test_documented_torchrun_commands_parse(doc: str) -> None:
     assert ("1:4", "etcd-v2") in seen and any(n == "2" for n, _ in seen)
     if doc == "README.md":
         assert forked, "the fast-restart command (--start-method=fork --run-path) is missing"
+    for cmd in cmds:  # every multi-node command restarts fast
+        tr, _ = split_launch(cmd)
+        if not tr.standalone:
+            assert rdzv_conf(tr) == FAST_RDZV, f"--rdzv-conf={tr.rdzv_conf} in {cmd}"
+
+
+def test_top_level_readme_commands_parse_and_restart_fast() -> None:
+    cmds = _documented_commands((ROOT / "README.md").read_text())
+    assert len(cmds) >= 2, "expected the fixed-size and the elastic command"
+    nnodes = set()
+    for cmd in cmds:
+        tr, _ = split_launch(cmd)
+        nnodes.add(tr.nnodes)
+        if not tr.standalone:  # a single-node run has no rendezvous to tune
+            assert rdzv_conf(tr) == FAST_RDZV, f"--rdzv-conf={tr.rdzv_conf} in {cmd}"
+    assert "1:4" in nnodes, "the elastic command is missing"
+
+
+def test_fast_rdzv_keys_are_read_by_torchs_dynamic_rendezvous() -> None:
+    """The keys exist: torch's handler turns them into its own settings."""
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+
+    class _Backend:  # only what create_handler reads before any network access
+        name = "test"
+
+        def get_state(self) -> None:
+            return None
+
+    params = RendezvousParameters("c10d", "127.0.0.1:1", "run", 1, 2, **FAST_RDZV)
+    handler = create_handler(object(), _Backend(), params)  # type: ignore[arg-type]
+    settings = handler.settings
+    assert settings.timeout.join.total_seconds() == 300
+    assert settings.timeout.last_call.total_seconds() == 1
+    assert settings.keep_alive_interval.total_seconds() == 1
+    assert settings.keep_alive_max_attempt == 3
 
 
 def test_a_renamed_flag_is_caught() -> None:

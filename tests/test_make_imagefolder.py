@@ -14,7 +14,7 @@ from torch import nn
 
 from elastic_kit.testing import make_imagefolder
 
-torchvision = pytest.importorskip("torchvision")
+import torchvision  # noqa: E402  (a test dependency: a missing one must fail, not skip)
 
 
 def _digest_tree(root: Path) -> dict[str, str]:

@@ -1,7 +1,9 @@
 """The elastic run loop: resume, step, checkpoint, audit, stop on SIGTERM.
 
 :class:`ElasticLoop` drives an ordinary DDP model through epochs of an
-:class:`~elastic_kit.ElasticDistributedSampler`. On start it restores the newest
+:class:`~elastic_kit.ElasticDistributedSampler`, built on the same public pieces a
+script with its own loop uses (:class:`~elastic_kit.Checkpointer` for restore, saves,
+SIGTERM and the audit). On start it restores the newest
 checkpoint of a :class:`~elastic_kit.CheckpointStore` into a :class:`TrainState`
 (model, optimizer, LR scheduler, grad scaler, sampler position, epoch, step, RNG
 states, user extras), so a worker group that torchrun restarted at any world size
@@ -13,9 +15,9 @@ group instead of reporting success.
 Under the default ``fixed_global`` batch policy a step is always the same global
 batch of the epoch's permutation, split over however many workers there are, with
 gradient accumulation and per-sample loss weights, so the trajectory does not depend
-on the world size. Every sample id that contributes to a gradient goes into a
-per-epoch, order-independent digest that is checked against the dataset at the end
-of the epoch (:class:`EpochAudit`).
+on the world size. The id of every sample dealt to a completed optimizer step goes
+into a per-epoch, order-independent digest that is checked against the dataset at
+the end of the epoch (:class:`EpochAudit`).
 
 Before (plain DDP)::
 

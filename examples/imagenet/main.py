@@ -21,6 +21,7 @@ Fault tolerant, 2 nodes: run on each node; a failed worker restarts the group (u
 
     torchrun --nnodes=2 --nproc-per-node=1 --max-restarts=3 \\
         --rdzv-id=imagenet-1 --rdzv-backend=c10d --rdzv-endpoint=HOST0:29400 \\
+        --rdzv-conf=join_timeout=300,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3 \\
         examples/imagenet/main.py -a resnet18 --checkpoint-dir s3://bucket/imagenet-1 \\
         --global-batch-size 256 -b 64 /data/imagenet
 
@@ -29,7 +30,8 @@ every world size the job can take, here 1..4 x nproc)::
 
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes=1:4 --nproc-per-node=1 \\
         --max-restarts=3 --rdzv-id=imagenet-2 --rdzv-backend=c10d \\
-        --rdzv-endpoint=HOST0:29400 --rdzv-conf=last_call_timeout=5,join_timeout=300 \\
+        --rdzv-endpoint=HOST0:29400 \\
+        --rdzv-conf=join_timeout=300,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3 \\
         examples/imagenet/main.py -a resnet50 --global-batch-size 384 -b 64 \\
         --checkpoint-dir s3://bucket/imagenet-2 --checkpoint-every 500 /data/imagenet
 
@@ -40,10 +42,13 @@ etcd-v2 rendezvous (any node may die, including the first)::
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes=1:4 --nproc-per-node=1 \\
         --max-restarts=3 --rdzv-id=imagenet-3 --rdzv-backend=etcd-v2 \\
         --rdzv-endpoint=ETCD_HOST:2379 \\
+        --rdzv-conf=join_timeout=300,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3 \\
         examples/imagenet/main.py -a resnet50 --batch-policy linear_lr -b 64 \\
         --checkpoint-dir /mnt/nfs/imagenet-3 /data/imagenet
 
-``--dummy`` trains on synthetic tensors instead of a data directory. ``-a tinycnn``
+``--rdzv-conf`` restarts fast: a 1 s last call (a node joining a little later waits for
+the next round) and a lost node dropped after 3 keep-alives 1 s apart (so is an agent
+stalled longer). ``--dummy`` trains on synthetic tensors instead of a data directory. ``-a tinycnn``
 (no batch norm) makes CPU runs fast and bitwise reproducible: killed and restarted
 at the same world size, ``param_sha256`` in ``--summary-json`` equals an
 uninterrupted run's.

@@ -73,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-dir", default=None, metavar="URL",
                    help="checkpoint store: a directory or fsspec URL (s3://, gs://, ...)")
     p.add_argument("--checkpoint-every", type=int, default=100, metavar="STEPS")
+    p.add_argument("--snapshot-every", default="0", metavar="STEPS",
+                   help="in-memory snapshots that survive a restart, every STEPS steps "
+                        "('auto': within 2%% of the step time; 0: off)")
     p.add_argument("--audit", action=argparse.BooleanOptionalAction, default=False,
                    help="check at every epoch end that each sample was trained on once")
     p.add_argument("--seed", type=int, default=0, help="model init and shuffling")
@@ -207,7 +210,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     state = ek.TrainState(model, optimizer, scheduler=scheduler, scaler=scaler, sampler=sampler,
                           extras={"ema": ema, "best_acc1": 0.0})
     ckpt = ek.Checkpointer(state, args.checkpoint_dir, every_steps=args.checkpoint_every,
-                           audit=args.audit)
+                           audit=args.audit, snapshot_every=(
+                               "auto" if args.snapshot_every == "auto" else int(args.snapshot_every)))
 
     for epoch in range(ckpt.restore(), args.epochs):  # the newest checkpoint, if any
         sampler.set_epoch(epoch)  # keeps a restored position inside the epoch

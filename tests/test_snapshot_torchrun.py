@@ -1,0 +1,129 @@
+"""In-memory snapshots under real torchrun agents (gloo, CPU, 127.0.0.1).
+
+Durable checkpoints are far apart (every 1000 steps, and at epoch ends), snapshots are
+taken every step. A worker SIGKILLed at a random moment (c10d), or the whole first
+node, agent and workers, SIGKILLed (etcd-v2, where any node may die), costs at most
+one step: the restarted group resumes from the newest snapshot that any surviving
+node holds. A finished run leaves nothing in the snapshot directory.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from elastic_kit.testing import EtcdServer, LocalCluster, wait_for
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN = ROOT / "examples" / "own_loop" / "train.py"
+SIZE, BATCH, EPOCHS = 320, 8, 2
+RUN_TIMEOUT = 180.0
+_LINE = re.compile(r"Epoch: \[0\] \[(\d+)/\d+\] loss")
+
+
+def script_args(tmp: Path, name: str, snapshot_every: int) -> list[str]:
+    return [str(TRAIN), "--synthetic", str(SIZE), "--image-size", "16", "--epochs", str(EPOCHS),
+            "-b", str(BATCH), "-j", "0", "-p", "1", "--seed", "3", "--lr", "0.05",
+            "--warmup-steps", "5", "--checkpoint-dir", str(tmp / name / "ckpt"),
+            "--checkpoint-every", "1000", "--snapshot-every", str(snapshot_every), "--audit",
+            "--summary-json", str(tmp / name / "summary.json")]
+
+
+def last_step_of_epoch_0(logs: str) -> int:
+    """The last step rank 0 reported (it prints after every step of epoch 0, which is
+    the first life's epoch here)."""
+    found = _LINE.findall(logs)
+    return int(found[-1]) + 1 if found else 0
+
+
+def full_audit() -> list[dict[str, Any]]:
+    return [{"epoch": e, "count": SIZE, "expected": SIZE, "ok": True} for e in range(EPOCHS)]
+
+
+def run_to_end(cluster: LocalCluster, codes: list[int | None]) -> None:
+    got = cluster.wait(RUN_TIMEOUT)
+    if [c for c, want in zip(got, codes) if want is not None] != [c for c in codes if c is not None]:
+        pytest.fail(f"agent exit codes {got}, expected {codes}\n{cluster.logs()[-20000:]}")
+
+
+def test_worker_killed_at_a_random_moment_loses_at_most_one_step(tmp_path: Path) -> None:
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    env = {"OMP_NUM_THREADS": "1", "ELASTIC_KIT_SNAPSHOT_DIR": str(shm)}
+    with LocalCluster(script_args(tmp_path, "ref", 0), nnodes="1", nproc_per_node=2,
+                      max_restarts=0, env=env, log_dir=tmp_path / "ref-logs") as cluster:
+        cluster.add_agent()
+        run_to_end(cluster, [0])
+    reference = json.loads((tmp_path / "ref" / "summary.json").read_text())
+
+    rng = random.Random(7)
+    with LocalCluster(script_args(tmp_path, "run", 1), nnodes="1", nproc_per_node=2,
+                      max_restarts=1, env=env, log_dir=tmp_path / "logs") as cluster:
+        agent = cluster.add_agent()
+        kill_after = rng.randint(4, 12)
+        wait_for(lambda: last_step_of_epoch_0(cluster.logs()) >= kill_after, 120,
+                 interval=0.01, what=f"step {kill_after}", abort_if=cluster.all_exited)
+        cluster.kill_worker(agent, local_rank=1)
+        # The survivor cannot finish another step without its peer: this is the last one.
+        last = last_step_of_epoch_0(cluster.logs())
+        run_to_end(cluster, [0])
+    s = json.loads((tmp_path / "run" / "summary.json").read_text())
+    resumed = s["world_sizes"][-1]
+    assert resumed["restored_from"] == "memory", s["world_sizes"]
+    assert last - 1 <= resumed["restored_step"] <= last + 1, (last, s["world_sizes"])
+    assert s["steps"] == reference["steps"]
+    assert s["audit"] == full_audit()
+    assert s["param_sha256"] == reference["param_sha256"]
+    assert s["ema_sha256"] == reference["ema_sha256"]
+    assert list(shm.iterdir()) == []  # a finished run leaves nothing behind
+
+
+def test_whole_node_of_rank_0_killed_resumes_from_the_survivors_snapshot_etcd(
+        tmp_path: Path) -> None:
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    env = {"OMP_NUM_THREADS": "1", "ELASTIC_KIT_SNAPSHOT_DIR": str(shm),
+           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    with EtcdServer(log_path=tmp_path / "etcd.log") as etcd, LocalCluster(
+            script_args(tmp_path, "run", 1), nnodes="1:2", nproc_per_node=1, max_restarts=3,
+            rdzv_backend="etcd-v2", rdzv_endpoint=etcd.endpoint, env=env,
+            log_dir=tmp_path / "logs") as cluster:
+        agents = [cluster.add_agent(), cluster.add_agent()]
+
+        def main_agent_at_world_2() -> Any:
+            # rank 0 prints "world size 2 on ..." when a group of two starts
+            return next((a for a in agents if "world size 2 on" in a.read_log()), None)
+
+        wait_for(lambda: main_agent_at_world_2() is not None, 120, interval=0.02,
+                 what="a group of two", abort_if=cluster.all_exited)
+        main = main_agent_at_world_2()
+
+        def step() -> int:
+            log = main.read_log()
+            return last_step_of_epoch_0(log[log.rfind("world size 2 on"):])
+
+        kill_after = random.Random(11).randint(5, 12)
+        wait_for(lambda: step() >= kill_after, 120, interval=0.01, what=f"step {kill_after}",
+                 abort_if=cluster.all_exited)
+        cluster.kill_agent(main)  # the node of global rank 0: agent and worker
+        last = step()
+        survivor = agents[1 - agents.index(main)]
+        got = cluster.wait(RUN_TIMEOUT)
+        if got[agents.index(survivor)] != 0:
+            pytest.fail(f"agent exit codes {got}\n{cluster.logs()[-20000:]}")
+    s = json.loads((tmp_path / "run" / "summary.json").read_text())
+    resumed = s["world_sizes"][-1]
+    assert resumed["world_size"] == 1
+    assert resumed["restored_from"] in ("memory", "peer"), s["world_sizes"]
+    assert last - 1 <= resumed["restored_step"] <= last + 1, (last, s["world_sizes"])
+    assert s["audit"] == full_audit()
+    # the survivor removed the run's snapshots on this host when the run finished,
+    # the lost node's included
+    assert list(shm.iterdir()) == []
