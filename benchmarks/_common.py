@@ -5,10 +5,13 @@ Every ``benchmarks/bench_*.py``:
 - runs with one command from the repository root, e.g.
   ``.venv/bin/python benchmarks/bench_checkpoint.py``;
 - measures its baseline in the same run, interleaved with the candidate;
-- accepts ``--quick`` (a reduced run, < 2 minutes) and, where a smoke test uses it,
-  ``--smoke`` (a tiny run, < 20 s, numbers meaningless);
-- prints as its LAST line one JSON object with the figures and ratios, including
-  ``load_avg_1m`` (the machine is often shared: say how busy it was);
+- accepts ``--quick`` (a reduced run, < 2 minutes) and ``--smoke`` (a tiny run in
+  seconds, numbers meaningless, the same JSON keys: ``tests/test_benchmarks_smoke.py``
+  runs every ``bench_*.py`` with it);
+- prints as its LAST line one JSON object with the figures, ``baseline`` (what the
+  candidate is compared with) and at least one ``ratio_*`` key (candidate against
+  that baseline, measured in the same run), including ``load_avg_1m`` (the machine
+  is often shared: say how busy it was);
 - with ``--results FILE.md``, appends a section with the command, machine and that
   JSON to a results file (``benchmarks/results/<theme>_<machine>_<yyyymm>.md``).
 """
@@ -31,13 +34,17 @@ RESULTS = HERE / "results"
 ROOT = HERE.parent
 
 
-def parser(doc: str | None, *, smoke: bool = False) -> argparse.ArgumentParser:
-    """An ArgumentParser with the common ``--quick`` / ``--smoke`` / ``--results`` options."""
+def parser(doc: str | None, *, smoke: bool = True) -> argparse.ArgumentParser:
+    """An ArgumentParser with the common ``--quick`` / ``--smoke`` / ``--results`` options.
+
+    ``--smoke`` is always offered (every script must support it); ``smoke`` is kept
+    only so that callers written when it was optional still work.
+    """
+    del smoke
     p = argparse.ArgumentParser(description=(doc or "").strip().splitlines()[0] if doc else None)
     p.add_argument("--quick", action="store_true", help="reduced run, under two minutes")
-    if smoke:
-        p.add_argument("--smoke", action="store_true",
-                       help="tiny run for the smoke test (seconds; numbers meaningless)")
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny run for the smoke test (seconds; numbers meaningless, same keys)")
     p.add_argument("--results", default=None, metavar="FILE.md",
                    help="append the command, machine and JSON result to this markdown file")
     return p
@@ -116,3 +123,74 @@ def pyplot() -> Any:
     import matplotlib.pyplot as plt
 
     return plt
+
+
+# --- writing files the way the baselines need ----------------------------------------
+
+_SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start writeback of dirty pages, do not wait
+_sync_file_range: Any = None  # resolved on first use; False when unavailable
+
+
+def start_writeback(fd: int, offset: int, nbytes: int) -> bool:
+    """``sync_file_range(fd, offset, nbytes, SYNC_FILE_RANGE_WRITE)`` through libc.
+
+    A copy of the call the checkpoint store makes every 8 MiB it writes to a local
+    file (kept here so the benchmark does not import the library's internals): the
+    kernel starts writing those pages to disk and returns at once, so the final fsync
+    waits only for the tail. Returns False where it is unavailable (not Linux/glibc).
+    """
+    global _sync_file_range
+    if _sync_file_range is None:
+        _sync_file_range = False
+        try:
+            import ctypes
+
+            fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+            fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+            fn.restype = ctypes.c_int
+            _sync_file_range = fn
+        except (OSError, AttributeError):
+            pass
+    if _sync_file_range is False:
+        return False
+    return _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE) == 0
+
+
+def aligned_buffer(nbytes: int, align: int = 1 << 12) -> Any:
+    """A page-aligned, zero-filled anonymous mapping of ``nbytes`` rounded up to
+    ``align`` (what ``O_DIRECT`` writes need: aligned address, length and offset)."""
+    import mmap
+
+    return mmap.mmap(-1, -(-nbytes // align) * align)
+
+
+def write_o_direct(path: str, buf: Any, *, chunk: int = 8 << 20) -> bool:
+    """Write all of ``buf`` (from :func:`aligned_buffer`) to a new file at ``path``
+    with ``O_DIRECT`` in ``chunk``-byte pieces, then fsync; the page cache is
+    bypassed, so this is what the device itself sustains (``dd oflag=direct
+    conv=fsync bs=8M`` from Python, without dd's read of its input file).
+
+    Returns False, writing nothing, where the filesystem refuses ``O_DIRECT``
+    (tmpfs, some overlay filesystems).
+    """
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_DIRECT", 0)
+    if not getattr(os, "O_DIRECT", 0):
+        return False
+    try:
+        fd = os.open(path, flags, 0o644)
+    except OSError:
+        return False
+    try:
+        mv = memoryview(buf)
+        try:
+            for off in range(0, len(mv), chunk):
+                piece = mv[off:off + chunk]
+                done = 0
+                while done < len(piece):
+                    done += os.write(fd, piece[done:])
+        except OSError:  # EINVAL: O_DIRECT accepted at open, refused at write
+            return False
+        os.fsync(fd)
+        return True
+    finally:
+        os.close(fd)

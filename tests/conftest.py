@@ -1,0 +1,88 @@
+"""Test-suite policy: a skipped test fails the run unless its reason is allowed.
+
+A test that skips because something is missing from the environment (a package, a
+binary, a file) looks like a pass in CI: ``pytest.importorskip("psutil")`` once hid
+12 tests that way. So every skip whose reason does not match
+:data:`ALLOWED_SKIP_REASONS` is listed at the end of the run and turns a passing run
+into a failing one (exit status 1). Expected skips are on the list: the GPU tests
+(``tests/gpu``) on a machine without CUDA. A missing package is not: install it (the
+``test`` extra pulls in everything the suite needs) or, if a test genuinely needs an
+optional dependency, import it plainly so its absence is an error.
+
+Escape hatch for local runs: ``ELASTIC_KIT_ALLOW_SKIPS=1 pytest ...`` still lists the
+unexpected skips but keeps the exit status. ``xfail`` results are not skips and are
+not affected.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+import pytest
+
+#: Regular expressions (``re.search``) for skip reasons that are expected somewhere.
+ALLOWED_SKIP_REASONS: tuple[str, ...] = (
+    r"CUDA is not available",
+    r"needs (at least )?\d+ (CUDA devices|GPUs)",
+)
+
+ALLOW_ENV = "ELASTIC_KIT_ALLOW_SKIPS"
+
+_unexpected: list[tuple[str, str]] = []
+
+
+def skip_reason(report: Any) -> str:
+    """The reason text of a skip report ("Skipped: " prefix removed)."""
+    longrepr = report.longrepr
+    if isinstance(longrepr, tuple) and len(longrepr) == 3:
+        reason = str(longrepr[2])
+    else:
+        reason = str(longrepr)
+    return reason[len("Skipped: "):] if reason.startswith("Skipped: ") else reason
+
+
+def is_allowed(reason: str) -> bool:
+    """True when ``reason`` matches an entry of :data:`ALLOWED_SKIP_REASONS`."""
+    return any(re.search(p, reason) for p in ALLOWED_SKIP_REASONS)
+
+
+def _record(report: Any) -> None:
+    if report.skipped and not hasattr(report, "wasxfail"):
+        reason = skip_reason(report)
+        if not is_allowed(reason):
+            _unexpected.append((report.nodeid or str(getattr(report, "fspath", "")), reason))
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _record(report)
+
+
+def pytest_collectreport(report: pytest.CollectReport) -> None:
+    # a module-level skip (importorskip, pytestmark skipif) skips at collection
+    _record(report)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if (_unexpected and os.environ.get(ALLOW_ENV) != "1"
+            and session.exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED)):
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    if not _unexpected:
+        return
+    allowed = os.environ.get(ALLOW_ENV) == "1"
+    terminalreporter.section("skips not on the allow-list (tests/conftest.py)", sep="=",
+                             red=not allowed, yellow=allowed, bold=True)
+    for nodeid, reason in _unexpected:
+        terminalreporter.line(f"SKIPPED {nodeid}: {reason}")
+    if allowed:
+        terminalreporter.line(f"{ALLOW_ENV}=1: not failing the run for these")
+    else:
+        terminalreporter.line(
+            f"{len(_unexpected)} unexpected skip(s) fail this run: install what is missing, "
+            f"or add the reason to ALLOWED_SKIP_REASONS if the skip is expected in CI "
+            f"({ALLOW_ENV}=1 to allow them locally)")
