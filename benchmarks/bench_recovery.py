@@ -203,15 +203,19 @@ def _restored_step(groups: tuple[str | None, ...]) -> int:
 def run_once(work: Path, data: Path, *, variant: dict[str, Any], events: tuple[str, ...],
              offsets: list[tuple[int, float]], log_dir: Path, keep_logs: Path | None = None,
              monitor_interval: float = 0.1, rdzv_backend: str = "c10d",
-             rdzv_endpoint: str | None = None) -> dict[str, Any]:
+             rdzv_endpoint: str | None = None, until_step: int | None = None,
+             settle_steps: int = 3) -> dict[str, Any]:
     """One scenario run of one variant; ``offsets[i]`` = (steps, fraction of a step)
-    to wait after training resumed before event ``i``."""
+    to wait after training resumed before event ``i``. The run ends ``settle_steps``
+    past the last event, or at ``until_step`` when given (the time it is logged is
+    ``t_end``)."""
     from elastic_kit.testing import LocalCluster
 
     ckpt = work / "ckpt"
     argv = [str(EXAMPLE), str(data), "-a", "tinycnn", "--image-size", "32", "-j", "0",
             "--epochs", "1000", "-b", "12", "--global-batch-size", "24", "--seed", "0",
             "-p", "1", "--checkpoint-every", str(variant["checkpoint_every"]),
+            "--snapshot-every", str(variant.get("snapshot_every", 0)),
             "--checkpoint-dir", str(ckpt), "--summary-json", str(work / "summary.json")]
     fork = variant["fork"]
     t0 = time.monotonic()
@@ -256,9 +260,9 @@ def run_once(work: Path, data: Path, *, variant: dict[str, Any], events: tuple[s
             action, survivors, w_after = actions[name]
             event(i, name, action, survivors, w_after)
         # the steps redone after the last event, and a few more for the plot
-        last = marks[-1]["step_at_event"]
-        _wait(lambda: watcher.last_step() >= last + 3, 240, "3 steps past the last event",
-              cluster)
+        end = until_step if until_step is not None else (
+            marks[-1]["step_at_event"] + settle_steps)
+        _wait(lambda: watcher.last_step() >= end, 600, f"step {end}", cluster)
     finally:
         cluster.close()
         watcher.stop()

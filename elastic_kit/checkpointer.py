@@ -246,10 +246,10 @@ class Checkpointer:
             if loaded is not None:
                 done = f", {sampler.consumed}/{sampler.dataset_length} samples of it done" if (
                     sampler is not None) else ""
-                say(log, "restored step %d from %s: epoch %d%s; world size %s -> %d "
-                    "(restart %d)", state.step, _TIER_NAMES[self.restored_from], state.epoch,
-                    done, loaded.metadata.get("world_size", "?"), info.world_size,
-                    info.restart_count)
+                say(log, "restored checkpoint step %d (from %s): epoch %d%s; world size %s "
+                    "-> %d (restart %d)", state.step, _TIER_NAMES[self.restored_from],
+                    state.epoch, done, loaded.metadata.get("world_size", "?"),
+                    info.world_size, info.restart_count)
             else:
                 say(log, "no checkpoint to restore: starting at step %d, epoch %d, world "
                          "size %d", state.step, state.epoch, info.world_size)

@@ -29,7 +29,7 @@ BENCH = ROOT / "benchmarks"
 SCRIPTS = sorted(p.name for p in BENCH.glob("bench_*.py"))
 
 # Scripts that start torchrun agents (LocalCluster): slow, marked integration.
-TORCHRUN = {"bench_recovery.py"}
+TORCHRUN = {"bench_recovery.py", "bench_goodput.py"}
 
 # Headline ratio keys each known script must print, also under --smoke.
 HEADLINE: dict[str, tuple[str, ...]] = {
@@ -47,6 +47,9 @@ HEADLINE: dict[str, tuple[str, ...]] = {
         "ratio_param_drift_ours_vs_naive", "ratio_loss_drift_ours_vs_naive"),
     "bench_restore_broadcast.py": ("ratio_time_ours_vs_blob", "ratio_peak_rss_vs_state_ours"),
     "bench_sampler.py": ("ratio_time_ours_vs_torch", "ratio_mem_ours_vs_torch"),
+    "bench_goodput.py": (
+        "ratio_goodput_snapshots_vs_pytorch_elastic", "ratio_goodput_snapshots_vs_durable",
+        "ratio_goodput_durable_vs_pytorch_elastic"),
 }
 
 

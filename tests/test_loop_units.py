@@ -191,7 +191,7 @@ def test_nonblocking_checkpoints_hold_the_state_of_their_step_with_a_slow_copy(
     import time
 
     from elastic_kit.checkpoint import CheckpointStore
-    from elastic_kit.checkpoint import store as store_mod
+    from elastic_kit.checkpoint import _store as store_mod
 
     real_copy = store_mod.copy_deferred
     deferred_counts: list[int] = []
