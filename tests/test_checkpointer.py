@@ -182,7 +182,9 @@ def test_request_stop_saves_the_current_step_and_exits_143(tmp_path: Any) -> Non
     assert loaded.state["epoch"] == 0
 
 
-def _stop_at_last_step(url: str) -> dict[str, Any]:
+def _one_epoch_loop(url: str, stop_at: int | None) -> dict[str, Any]:
+    """Two epochs of 13 steps at world size 1; a stop is requested before step
+    ``stop_at + 1`` (12: the epoch's last step)."""
     torch.manual_seed(0)
     model = nn.Linear(5, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -194,7 +196,7 @@ def _stop_at_last_step(url: str) -> dict[str, Any]:
     for epoch in range(ckpt.restore(), 2):
         sampler.set_epoch(epoch)
         for x, _ in DataLoader(ds, batch_size=BATCH, sampler=sampler):
-            if state.step == 12:            # the epoch's last step (13 batches)
+            if state.step == stop_at:
                 ckpt.request_stop()
             ckpt.step(len(x))
             steps.append((epoch, state.step))
@@ -207,36 +209,16 @@ def _stop_at_last_step(url: str) -> dict[str, Any]:
 def test_sigterm_at_the_epochs_last_step_resumes_with_an_empty_pass_then_ends_the_epoch(
         tmp_path: Any, caplog: Any) -> None:
     with pytest.raises(SystemExit):
-        _stop_at_last_step(str(tmp_path))
+        _one_epoch_loop(str(tmp_path), stop_at=12)
     saved = ek.load_checkpoint(None, tmp_path)
     assert saved is not None and saved.step == 13
     assert saved.state["sampler"]["consumed"] == N and saved.state["epoch"] == 0
     # resume: epoch 0 has nothing left (no batch, no warning), end_epoch closes it
     with caplog.at_level("WARNING"):
-        resumed = _resume_after_stop(str(tmp_path))
+        resumed = _one_epoch_loop(str(tmp_path), stop_at=None)
     assert resumed["steps"][0] == (1, 14)
     assert resumed["audit"] == [(0, N, True), (1, N, True)]
     assert not [r for r in caplog.records if "set_epoch" in r.getMessage()]
-
-
-def _resume_after_stop(url: str) -> dict[str, Any]:
-    torch.manual_seed(0)
-    model = nn.Linear(5, 2)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ds = _dataset()
-    sampler = ek.ElasticDistributedSampler(ds, 1, 0)
-    state = ek.TrainState(model, opt, sampler=sampler)
-    ckpt = ek.Checkpointer(state, url, every_steps=5, audit=True, handle_signals=False)
-    steps = []
-    for epoch in range(ckpt.restore(), 2):
-        sampler.set_epoch(epoch)
-        for x, _ in DataLoader(ds, batch_size=BATCH, sampler=sampler):
-            ckpt.step(len(x))
-            steps.append((epoch, state.step))
-        ckpt.end_epoch()
-    ckpt.close()
-    return {"steps": steps, "audit": [(a.epoch, a.count, a.ok)
-                                      for _, a in sorted(state.audit.epochs.items())]}
 
 
 def test_checkpointer_rejects_bad_options(tmp_path: Any) -> None:
