@@ -30,8 +30,10 @@ EXIT_USAGE = 2
 _EPILOG = """\
 exit codes:
   0  success (verify: every checkpoint checked is intact)
-  1  verify found at least one corrupt or incomplete checkpoint
-  2  usage error, unknown URL protocol, missing filesystem extra, unreachable store
+  1  verify found at least one corrupt or incomplete checkpoint (each is listed with
+     its reason; load() skips it)
+  2  usage error, unknown URL protocol, bad storage option, missing filesystem extra,
+     unreachable store, missing bucket, a URL that is a file
 
 examples:
   python -m elastic_kit ls /shared/ckpt
@@ -89,28 +91,28 @@ def _open_store(args: argparse.Namespace) -> Any:
 
     opts = None
     if args.storage_options:
-        opts = json.loads(args.storage_options)
+        try:
+            opts = json.loads(args.storage_options)
+        except ValueError as e:
+            raise ValueError(f"--storage-options={args.storage_options!r} is not JSON: {e}") from e
         if not isinstance(opts, dict):
             raise ValueError(f"--storage-options={args.storage_options!r} must be a JSON object")
-    # A lone process: never join or wait for a process group.
-    return CheckpointStore(args.url, storage_options=opts, keep_last=None, info=DistInfo())
+    # A lone process: never join or wait for a process group. A few quick read
+    # attempts: a tool should report an unreachable store, not wait on it.
+    return CheckpointStore(args.url, storage_options=opts, keep_last=None, info=DistInfo(),
+                           read_attempts=2, io_timeout=10.0)
 
 
 def _cmd_ls(store: Any, args: argparse.Namespace) -> int:
-    from elastic_kit.checkpoint.writer import read_manifest, scan, verify
-    from elastic_kit.errors import CheckpointCorruptError
-
+    infos = {i.step: i for i in store.list()}
     rows = []
-    for d in scan(store.fs, store.root):
-        row: dict[str, Any] = {"step": d.step, "path": d.path, "size_bytes": None,
-                               "time": None, "epoch": None, "status": "ok"}
-        try:
-            m = read_manifest(store.fs, d)
-            row.update(size_bytes=m.size_bytes, time=m.time, epoch=m.epoch)
-            verify(store.fs, d, deep=False)
-        except CheckpointCorruptError as e:
-            row["status"] = "INVALID: " + str(e).split(": ", 1)[-1]
-        rows.append(row)
+    for step, path, problem in store.verify(deep=False):
+        i = infos.get(step)
+        rows.append({"step": step, "path": path,
+                     "size_bytes": i.size_bytes if i else None,
+                     "time": i.time if i else None, "epoch": i.epoch if i else None,
+                     "status": "ok" if problem is None else
+                     "INVALID: " + problem.split(": ", 1)[-1]})
     if args.json:
         for r in rows:
             print(json.dumps(r))
@@ -140,41 +142,51 @@ def _cmd_verify(store: Any, args: argparse.Namespace) -> int:
         else:
             bad += 1
             print(f"CORRUPT  step {step}  {problem}")
-    print(f"{len(results) - bad} ok, {bad} corrupt or incomplete")
+    print(f"{len(results) - bad} ok, {bad} corrupt or incomplete (skipped by load)")
     return EXIT_CORRUPT if bad else EXIT_OK
 
 
 def _cmd_prune(store: Any, args: argparse.Namespace) -> int:
-    from elastic_kit.checkpoint.writer import StepDir, clean_stale, delete_step
-
     if args.keep < 1:
         print(f"error: --keep={args.keep} must be >= 1", file=sys.stderr)
         return EXIT_USAGE
-    infos = store.list()
-    doomed = infos[:-args.keep] if len(infos) > args.keep else []
+    doomed = store.prune(args.keep, dry_run=args.dry_run)
     for i in doomed:
         print(("would delete" if args.dry_run else "deleting") + f" step {i.step}  {i.path}")
-        if not args.dry_run:
-            delete_step(store.fs, store.root, StepDir(i.step, i.path))
-    if not args.dry_run and infos:
-        clean_stale(store.fs, store.root, newest_committed=infos[-1].step)
-    print(f"kept {len(infos) - len(doomed)} checkpoint(s)")
+    kept = len(store.list()) if not args.dry_run else None
+    print(f"kept {kept} checkpoint(s)" if kept is not None
+          else f"would keep {args.keep} checkpoint(s)")
     return EXIT_OK
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``elastic-kit`` and ``python -m elastic_kit``; returns the exit code."""
+    """Entry point of ``elastic-kit`` and ``python -m elastic_kit``; returns the exit code.
+
+    Every failure is one ``error:`` line on stderr and an exit code (never a
+    traceback): 1 only when ``verify`` found a corrupt checkpoint, 2 for anything
+    that kept the tool from looking (usage, URL, options, an unreachable store).
+    """
     parser = build_parser()
     args = parser.parse_args(argv)  # exits with 2 on usage errors
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from elastic_kit.errors import CheckpointError
+
     try:
         store = _open_store(args)
         return {"ls": _cmd_ls, "verify": _cmd_verify, "prune": _cmd_prune}[args.command](store, args)
-    except (ValueError, ImportError, PermissionError, ConnectionError) as e:
+    except (ValueError, TypeError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except CheckpointError as e:
+        print(f"error: cannot read {args.url!r}: {e}", file=sys.stderr)
         return EXIT_USAGE
     except OSError as e:
         print(f"error: cannot access {args.url!r}: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except Exception as e:  # a tool reports, it does not dump a traceback
+        log.debug("unexpected failure", exc_info=True)
+        print(f"error: {args.command} {args.url!r} failed: {type(e).__name__}: {e}",
+              file=sys.stderr)
         return EXIT_USAGE
 
 

@@ -10,6 +10,7 @@ __all__ = [
     "ElasticKitError",
     "CheckpointError",
     "CheckpointCorruptError",
+    "CheckpointConflictError",
     "CheckpointMismatchError",
     "UnsafeCheckpointError",
     "SampleAuditError",
@@ -27,6 +28,10 @@ class CheckpointError(ElasticKitError, RuntimeError):
 
 class CheckpointCorruptError(CheckpointError):
     """A checkpoint exists but its manifest or checksums do not verify."""
+
+
+class CheckpointConflictError(CheckpointError):
+    """Another job commits checkpoints to the same URL: saving there is refused."""
 
 
 class CheckpointMismatchError(ElasticKitError, ValueError):

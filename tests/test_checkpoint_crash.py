@@ -17,7 +17,7 @@ import time
 import torch
 
 from elastic_kit.checkpoint import CheckpointStore
-from elastic_kit.checkpoint.fs import TMP_PREFIX
+from elastic_kit.checkpoint._layout import TMP_PREFIX
 
 N = 8_000_000  # float32: 32 MB
 
@@ -71,7 +71,55 @@ def test_sigkill_during_save_always_leaves_the_previous_checkpoint_loadable(tmp_
         last_loaded = loaded.step
     # the kills must really have hit saves in progress, or the test proves nothing
     assert interrupted >= 2, interrupted
-    # the next successful save removes what the killed ones left behind
+    # The next successful save of a restarted writer (a new store) removes what the
+    # killed ones left behind, once it is stale (here: at once; 10 minutes by default).
+    # The old store object would refuse: other processes committed since it started.
+    store = CheckpointStore(root, keep_last=2, stale_after_s=0)
     store.save(_state(100), step=100)
     store.wait()  # cleaning runs beside training after a blocking save
     assert not [n for n in os.listdir(root) if n.startswith(TMP_PREFIX)]
+
+
+def _resave_forever(root: str, first_version: int, conn) -> None:
+    torch.set_num_threads(1)
+    store = CheckpointStore(root, keep_last=2)
+    version = first_version
+    while True:
+        conn.send(("start", version))
+        store.save({"w": torch.full((N,), float(version)), "version": version}, step=7)
+        conn.send(("done", version))
+        version += 1
+
+
+def test_sigkill_during_a_resave_of_the_same_step_never_uncommits_it(tmp_path):
+    """Re-saving a committed step switches its manifest atomically: a kill at any
+    moment leaves step 7 committed, whole, at the newest version reported done."""
+    root = str(tmp_path / "ck")
+    CheckpointStore(root).save({"w": torch.full((N,), 0.0), "version": 0}, step=7)
+    t0 = time.perf_counter()
+    CheckpointStore(root).save({"w": torch.full((N,), 0.0), "version": 0}, step=7)
+    save_s = max(time.perf_counter() - t0, 0.05)
+    rng = random.Random(99)
+    ctx = mp.get_context("forkserver")
+    done, version = 0, 1
+    for _ in range(6):
+        recv, send = ctx.Pipe(duplex=False)
+        child = ctx.Process(target=_resave_forever, args=(root, version, send), daemon=True)
+        child.start()
+        recv.recv()
+        time.sleep(rng.uniform(0.0, 1.5 * save_s))
+        os.kill(child.pid, signal.SIGKILL)
+        child.join()
+        while recv.poll(0):
+            try:
+                kind, v = recv.recv()
+            except EOFError:
+                break
+            version = max(version, v + 1)
+            if kind == "done":
+                done = max(done, v)
+        loaded = CheckpointStore(root).load()
+        assert loaded is not None and loaded.step == 7, "a killed re-save un-committed step 7"
+        v = loaded.state["version"]
+        assert v >= done, f"step 7 went back from version {done} to {v}"
+        assert bool((loaded.state["w"] == float(v)).all())

@@ -11,11 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from elastic_kit.checkpoint import (
-    MANIFEST_NAME, PAYLOAD_NAME, CheckpointStore, Manifest, load_checkpoint, save_checkpoint,
-)
-from elastic_kit.checkpoint import store as store_mod
-from elastic_kit.checkpoint.serialize import new_hasher
+from elastic_kit.checkpoint import CheckpointStore, load_checkpoint, save_checkpoint
+from elastic_kit.checkpoint._manifest import MANIFEST_NAME, PAYLOAD_NAME, Manifest
+from elastic_kit.checkpoint._serialize import new_hasher
 from elastic_kit.errors import CheckpointError, UnsafeCheckpointError
 
 
@@ -99,17 +97,17 @@ def test_unknown_protocol_and_missing_extra_are_clear(tmp_path):
 
 def test_background_failure_surfaces_on_wait_then_saving_works_again(tmp_path, monkeypatch):
     store = CheckpointStore(str(tmp_path / "ck"))
-    real = store_mod.write_checkpoint
+    real = store._layout.commit
 
     def disk_full(*a, **k):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(store_mod, "write_checkpoint", disk_full)
+    monkeypatch.setattr(store._layout, "commit", disk_full)
     store.save({"w": torch.ones(3)}, step=1, blocking=False)  # returns: the error comes later
     with pytest.raises(OSError, match="No space left"):
         store.wait()
     store.wait()  # reported once, not forever
-    monkeypatch.setattr(store_mod, "write_checkpoint", real)
+    monkeypatch.setattr(store._layout, "commit", real)
     store.save({"w": torch.ones(3)}, step=2, blocking=False)
     store.close()
     assert [i.step for i in store.list()] == [2]
@@ -117,7 +115,7 @@ def test_background_failure_surfaces_on_wait_then_saving_works_again(tmp_path, m
 
 def test_background_failure_surfaces_on_next_save(tmp_path, monkeypatch):
     store = CheckpointStore(str(tmp_path / "ck"))
-    monkeypatch.setattr(store_mod, "write_checkpoint",
+    monkeypatch.setattr(store._layout, "commit",
                         lambda *a, **k: (_ for _ in ()).throw(CheckpointError("bucket gone")))
     store.save({"w": torch.ones(3)}, step=1, blocking=False)
     with pytest.raises(CheckpointError, match="bucket gone"):
@@ -129,7 +127,7 @@ def test_second_nonblocking_save_waits_for_the_first(tmp_path, monkeypatch):
     import time
 
     store = CheckpointStore(str(tmp_path / "ck"), keep_last=None)
-    real, running, overlaps = store_mod.write_checkpoint, threading.Semaphore(1), []
+    real, running, overlaps = store._layout.commit, threading.Semaphore(1), []
 
     def slow(*a, **k):
         if not running.acquire(blocking=False):
@@ -140,7 +138,7 @@ def test_second_nonblocking_save_waits_for_the_first(tmp_path, monkeypatch):
         finally:
             running.release()
 
-    monkeypatch.setattr(store_mod, "write_checkpoint", slow)
+    monkeypatch.setattr(store._layout, "commit", slow)
     for step in range(3):
         store.save({"w": torch.full((4,), float(step))}, step=step, blocking=False)
     store.close()
@@ -222,8 +220,8 @@ def test_local_saves_start_writeback_in_contiguous_ranges_and_still_verify(
         tmp_path, monkeypatch):
     """Every WRITEBACK_EVERY bytes the writer asks the kernel to start writing the new
     range (then fsyncs at the end); the ranges tile the payload without gaps."""
-    from elastic_kit.checkpoint import fs as fs_mod
-    from elastic_kit.checkpoint import serialize, writer
+    from elastic_kit.checkpoint import _fs as fs_mod
+    from elastic_kit.checkpoint import _serialize as serialize
 
     calls: list[tuple[int, int]] = []
     real = fs_mod.start_writeback
@@ -233,7 +231,7 @@ def test_local_saves_start_writeback_in_contiguous_ranges_and_still_verify(
         return real(fd, offset, nbytes)
 
     monkeypatch.setattr(serialize, "start_writeback", record)
-    monkeypatch.setattr(writer, "WRITEBACK_EVERY", 1 << 20)
+    monkeypatch.setattr(serialize, "WRITEBACK_EVERY", 1 << 20)
     store = CheckpointStore(str(tmp_path / "ck"))
     state = {f"w{i}": torch.rand(1 << 18) for i in range(6)}  # 6 records of 1 MiB
     store.save(state, step=1)
@@ -248,7 +246,7 @@ def test_local_saves_start_writeback_in_contiguous_ranges_and_still_verify(
 
 
 def test_start_writeback_works_on_this_linux_file(tmp_path):
-    from elastic_kit.checkpoint.fs import start_writeback
+    from elastic_kit.checkpoint._fs import start_writeback
 
     p = tmp_path / "f"
     with open(p, "wb") as f:

@@ -17,7 +17,9 @@ import fsspec
 import pytest
 import torch
 
-from elastic_kit.checkpoint import MANIFEST_NAME, PAYLOAD_NAME, CheckpointStore, step_dir_name
+from elastic_kit.checkpoint import CheckpointStore
+from elastic_kit.checkpoint._layout import step_dir_name
+from elastic_kit.checkpoint._manifest import MANIFEST_NAME, PAYLOAD_NAME
 from s3_server import s3_bucket, s3_server  # noqa: F401  (session fixtures)
 
 LOG = "elastic_kit.checkpoint"
@@ -122,7 +124,7 @@ class StoreContract:
 
     def test_copy_later_tensors_are_copied_in_the_background_before_wait_staged(
             self, make, monkeypatch):
-        from elastic_kit.checkpoint import store as store_mod
+        from elastic_kit.checkpoint import _store as store_mod
 
         gate = threading.Event()
         real_copy = store_mod.copy_deferred
@@ -192,7 +194,7 @@ class StoreContract:
         assert problems[1] is None and reason in problems[2]
 
     def test_unfinished_save_is_invisible_and_cleaned_by_the_next_save(self, make):
-        store = make(keep_last=5)
+        store = make(keep_last=5, stale_after_s=0)  # leftovers older than 0 s are stale
         store.save(make_state(1, n=10), step=1)
         # what an object-store save killed before its manifest leaves behind
         partial = f"{store.root}/{step_dir_name(2)}"

@@ -9,7 +9,8 @@ import sys
 import pytest
 import torch
 
-from elastic_kit.checkpoint import CheckpointStore, PAYLOAD_NAME
+from elastic_kit.checkpoint import CheckpointStore
+from elastic_kit.checkpoint._manifest import PAYLOAD_NAME
 from elastic_kit.cli import EXIT_CORRUPT, EXIT_OK, EXIT_USAGE, main
 
 

@@ -61,10 +61,10 @@ from elastic_kit.testing._proc import MARKER_ENV, kill_process_tree, wait_for
 from elastic_kit.testing._cluster import Agent, LocalCluster
 from elastic_kit.testing._etcd import EtcdServer
 from elastic_kit.testing._imagefolder import make_imagefolder
-from elastic_kit.testing._faultfs import Fault, FaultFileSystem
+from elastic_kit.testing._faultfs import FaultFileSystem
 
 __all__ = [
     "spawn_multi_process", "MultiProcessError", "free_port", "torchrun_env",
     "Agent", "LocalCluster", "EtcdServer", "wait_for", "kill_process_tree", "MARKER_ENV",
-    "make_imagefolder", "FaultFileSystem", "Fault",
+    "make_imagefolder", "FaultFileSystem",
 ]

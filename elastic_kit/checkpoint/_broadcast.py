@@ -16,7 +16,9 @@ from typing import Any
 
 import torch
 
-from elastic_kit.distributed import all_reduce_max, broadcast_object, broadcast_tensors
+import torch.distributed as dist
+
+from elastic_kit.distributed import broadcast_object, broadcast_tensors
 
 __all__ = ["TensorSpec", "split_tensors", "fill_tensors", "broadcast_state", "agree_on_holder",
            "target_device"]
@@ -96,18 +98,35 @@ def target_device(map_location: Any) -> torch.device:
     )
 
 
-def agree_on_holder(local_step: int | None, rank: int, world_size: int) -> tuple[int | None, int]:
+def _reduce_device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def agree_on_holder(local_step: int | None, rank: int, world_size: int, *,
+                    failed: bool = False) -> tuple[int | None, int, int]:
     """Every rank learns the newest step any rank holds and the lowest rank holding it.
 
-    Collective: every rank must call it. Returns ``(step, src)``; ``(None, -1)`` when
-    no rank holds any checkpoint.
+    Collective: every rank must call it. ``failed`` says this rank could not read its
+    storage: every rank learns that some rank failed (third value: the lowest failed
+    rank, or -1) in the same all-reduce, so no rank is left waiting in a collective
+    that a failed peer never joins. Returns ``(step, src, failed_rank)``;
+    ``(None, -1, ...)`` when no rank holds any checkpoint.
     """
-    newest = all_reduce_max(-1 if local_step is None else local_step)
-    if newest < 0:
-        return None, -1
+    dev = _reduce_device()
+    t = torch.tensor([-1 if local_step is None else local_step,
+                      -rank if failed else -world_size], dtype=torch.int64, device=dev)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    newest, failed_rank = int(t[0]), -int(t[1])
+    failed_rank = -1 if failed_rank == world_size else failed_rank
+    if newest < 0 or failed_rank >= 0:
+        return (None if newest < 0 else newest), -1, failed_rank
     # max of -rank over the holders is minus the lowest holding rank.
-    src = -all_reduce_max(-rank if local_step == newest else -world_size)
-    return newest, src
+    t = torch.tensor([-rank if local_step == newest else -world_size], dtype=torch.int64,
+                     device=dev)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return newest, -int(t[0]), -1
 
 
 def broadcast_state(state: Any, *, src: int, rank: int, device: torch.device) -> Any:

@@ -10,7 +10,7 @@ Three jobs, one concern (the payload's bytes):
   file is never read a second time; a helper thread hashes behind the writes and
   overlaps with the final fsync (xxhash, zlib, hashlib and file writes release the
   GIL). On a local file it also starts the disk's writeback every few MB
-  (:func:`~elastic_kit.checkpoint.fs.start_writeback`), so the fsync at the end only
+  (``_fs.start_writeback``), so the fsync at the end only
   waits for the tail.
 - :func:`load_payload` reads with ``weights_only=True`` and turns the refusal of a
   pickled object into :class:`UnsafeCheckpointError`.
@@ -23,6 +23,7 @@ import collections
 import contextlib
 import hashlib
 import io
+import os
 import pickle
 import queue
 import threading
@@ -33,15 +34,19 @@ import numpy as np
 
 import torch
 
-from elastic_kit.checkpoint.fs import start_writeback
+from elastic_kit.checkpoint._fs import start_writeback, write_error
+from elastic_kit.checkpoint._manifest import FileEntry
 from elastic_kit.errors import UnsafeCheckpointError
 
-__all__ = ["prepare_state", "validate_state", "storage_keys", "copy_deferred", "HashingWriter", "iter_tensors", "torch_zip_crc_off", "new_hasher", "hash_stream", "load_payload"]
+__all__ = ["save_into", "WRITEBACK_EVERY", "prepare_state", "validate_state", "storage_keys",
+           "copy_deferred", "HashingWriter", "iter_tensors", "torch_zip_crc_off", "new_hasher",
+           "hash_stream", "load_payload"]
 
 _PRIMITIVES = (int, float, complex, str, bytes, bool, type(None), torch.Size, torch.dtype,
                torch.device)
 _TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 _ASYNC_MIN = 1 << 16  # smaller chunks are copied: cheaper than locating their memory
+WRITEBACK_EVERY = 8 << 20  # local files: start the disk's writeback every 8 MiB written
 
 
 def _check_key(key: Any, path: str) -> None:
@@ -258,6 +263,8 @@ class HashingWriter(io.RawIOBase):
         self.size = 0
         self._writeback_every = writeback_every
         self._written_back = 0
+        #: the OSError a write of the underlying file raised (ENOSPC, EFBIG, EIO...)
+        self.write_error: OSError | None = None
 
     def writable(self) -> bool:
         return True
@@ -289,10 +296,16 @@ class HashingWriter(io.RawIOBase):
             self._thread = threading.Thread(target=self._hash_loop, name="ek-hash", daemon=True)
             self._thread.start()
         self._queue.put(mv if n >= _ASYNC_MIN and self._is_stable(mv) else bytes(mv))
-        written = self._raw.write(mv)
-        # Raw (unbuffered) files may write less than asked; buffered ones never do.
-        while written is not None and written < n:
-            written += self._raw.write(mv[written:])
+        try:
+            written = self._raw.write(mv)
+            # Raw (unbuffered) files may write less than asked; buffered ones never do.
+            while written is not None and written < n:
+                written += self._raw.write(mv[written:])
+        except OSError as e:
+            # torch.save's zip writer swallows the exception and reports only
+            # "unexpected pos ..."; the caller re-raises this one instead.
+            self.write_error = e
+            raise
         self.size += n
         if self._writeback_every and self.size - self._written_back >= self._writeback_every:
             self._raw.flush()
@@ -421,3 +434,30 @@ def load_payload(source: str | IO[bytes], *, map_location: Any = None, where: st
             f"{detail}); nothing in it was executed. Only load checkpoints you "
             f"trust, and store obj.state_dict() rather than objects"
         ) from e
+
+
+def save_into(f: IO[bytes], path: str, state: Any, checksum: str, *, fsync: bool) -> FileEntry:
+    """torch.save ``state`` into ``f`` while checksumming; fsync overlaps the hashing.
+
+    A failed write (disk full, quota) is raised as that OSError naming ``path``:
+    torch.save itself would only report ``unexpected pos``.
+    """
+    w = HashingWriter(f, checksum, stable=list(iter_tensors(state)),
+                      writeback_every=WRITEBACK_EVERY if fsync else None)
+    try:
+        try:
+            with torch_zip_crc_off(w):
+                torch.save(state, w)
+            f.flush()
+            if fsync:
+                os.fsync(f.fileno())
+        except OSError as e:
+            raise write_error(w.write_error or e, path) from e
+        except Exception as e:
+            if w.write_error is not None:
+                raise write_error(w.write_error, path) from e
+            raise
+        size, digest = w.finish()
+    finally:
+        w.close()
+    return FileEntry(size=size, checksum=digest)

@@ -6,16 +6,19 @@ URL (a store is created for the call) or an existing :class:`CheckpointStore`.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
-from elastic_kit.checkpoint.store import CheckpointStore, LoadedCheckpoint
+from elastic_kit.checkpoint._store import CheckpointStore, LoadedCheckpoint
 
 __all__ = ["save_checkpoint", "load_checkpoint"]
 
-_STORE_OPTIONS = ("keep_last", "node_local", "storage_options", "info", "checksum")
+_STORE_OPTIONS = ("keep_last", "node_local", "storage_options", "info", "checksum",
+                  "reuse_staging", "io_timeout", "read_attempts", "load_timeout",
+                  "stale_after_s", "filesystem")
 
 
-def _store(url_or_store: str | CheckpointStore, kw: dict[str, Any]) -> tuple[CheckpointStore, bool]:
+def _store(url_or_store: str | os.PathLike[str] | CheckpointStore, kw: dict[str, Any]) -> tuple[CheckpointStore, bool]:
     if isinstance(url_or_store, CheckpointStore):
         extra = sorted(k for k in kw if k in _STORE_OPTIONS)
         if extra:
@@ -26,13 +29,15 @@ def _store(url_or_store: str | CheckpointStore, kw: dict[str, Any]) -> tuple[Che
     return CheckpointStore(url_or_store, **opts), True
 
 
-def save_checkpoint(state: Any, url_or_store: str | CheckpointStore, *, step: int,
+def save_checkpoint(state: Any, url_or_store: str | os.PathLike[str] | CheckpointStore, *, step: int,
                     **kw: Any) -> None:
     """Save ``state`` (a dict, or an object with ``state_dict()``) as checkpoint ``step``.
 
-    Collective, like :meth:`CheckpointStore.save`. ``kw`` holds the store options
-    (``keep_last``, ``node_local``, ``storage_options``, ``info``, ``checksum``) when a
-    URL is given, and the save options (``metadata``, ``blocking``).
+    Not collective, like :meth:`CheckpointStore.save`: ``if rank == 0:
+    save_checkpoint(...)`` works (other ranks would return at once anyway). ``kw``
+    holds the store options (``keep_last``, ``node_local``, ``storage_options``,
+    ``info``, ``checksum``, ...) when a URL is given, and the save options
+    (``metadata``, ``blocking``).
 
     .. warning::
         With a URL the temporary store is closed before returning, so
@@ -52,7 +57,7 @@ def save_checkpoint(state: Any, url_or_store: str | CheckpointStore, *, step: in
             store.close()
 
 
-def load_checkpoint(state: Any, url_or_store: str | CheckpointStore,
+def load_checkpoint(state: Any, url_or_store: str | os.PathLike[str] | CheckpointStore,
                     **kw: Any) -> LoadedCheckpoint | None:
     """Load the newest verified checkpoint into ``state`` and return it (None if none).
 

@@ -1,0 +1,283 @@
+"""Resolving checkpoint URLs to fsspec filesystems, retries, and the local-disk durability calls.
+
+Every storage access in the checkpoint package goes through an fsspec filesystem
+obtained here, so a plain path, ``file://``, ``memory://``, ``s3://``, ``gs://`` and
+``az://`` behave alike. What differs is how a checkpoint is *committed*:
+
+- on a local (or NFS-mounted) filesystem a directory can be renamed atomically, so
+  a checkpoint is written under a temporary name, fsync'ed and renamed;
+- object stores have no directories and no rename, so the manifest, written last,
+  is the commit.
+
+:func:`is_local` tells the two apart.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import stat
+import time
+from typing import IO, Any, Callable, TypeVar
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+from elastic_kit.errors import CheckpointCorruptError, CheckpointError
+
+__all__ = [
+    "EXTRAS",
+    "open_regular_local",
+    "write_error",
+    "discard_upload",
+    "entry_time",
+    "resolve_url",
+    "s3_timeout_options",
+    "retrying",
+    "is_local",
+    "fsync_file",
+    "fsync_dir",
+    "start_writeback",
+    "join",
+]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: Which ``pip install elastic_kit[...]`` extra provides which protocol's filesystem.
+EXTRAS: dict[str, str] = {
+    "s3": "s3", "s3a": "s3",
+    "gs": "gcs", "gcs": "gcs",
+    "az": "azure", "abfs": "azure", "abfss": "azure", "adl": "azure",
+}
+
+
+def resolve_url(url: str | os.PathLike[str], storage_options: dict[str, Any] | None = None,
+                *, io_timeout: float | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
+    """The fsspec filesystem and the root path inside it for a checkpoint URL.
+
+    Args:
+        url: a plain path (``str`` or :class:`os.PathLike`) or any fsspec URL
+            (``file://``, ``memory://``, ``s3://``...).
+        storage_options: passed to :func:`fsspec.core.url_to_fs` (credentials,
+            endpoint, ...).
+        io_timeout: seconds one request to a remote store may take (connect and
+            read); applied to ``s3://`` unless ``storage_options`` sets its own
+            timeouts. botocore's defaults (60 s each, several retries, inside
+            s3fs's own retries) let one call to an unresponsive endpoint block for
+            minutes, far past the collective timeout of the job.
+
+    Raises:
+        ValueError: the URL is empty or its protocol is unknown to fsspec.
+        ImportError: the protocol needs a filesystem package that is not installed;
+            the message names the ``elastic_kit[...]`` extra that installs it.
+    """
+    if isinstance(url, os.PathLike):
+        url = os.fspath(url)
+    if not isinstance(url, str) or not url.strip():
+        raise ValueError(f"checkpoint url={url!r} must be a non-empty path or fsspec URL")
+    protocol = url.split("://", 1)[0].lower() if "://" in url else "file"
+    options = dict(storage_options or {})
+    if io_timeout is not None and protocol in ("s3", "s3a"):
+        options = s3_timeout_options(options, io_timeout)
+    try:
+        fs, root = fsspec.core.url_to_fs(url, **options)
+    except ImportError as e:
+        extra = EXTRAS.get(protocol)
+        hint = (f"pip install 'elastic_kit[{extra}]'" if extra
+                else f"install the fsspec implementation of {protocol!r}")
+        raise ImportError(
+            f"checkpoint url={url!r} needs the {protocol!r} filesystem, which is not "
+            f"installed: {hint} ({e})"
+        ) from e
+    except ValueError as e:
+        if "Protocol not known" in str(e):
+            raise ValueError(
+                f"checkpoint url={url!r}: unknown protocol {protocol!r}; expected a local "
+                f"path or one of file://, memory://, s3://, gs://, az://, abfs:// "
+                f"(or another fsspec protocol)"
+            ) from e
+        raise ValueError(f"checkpoint url={url!r}: {e}") from e
+    except TypeError as e:  # an option the filesystem does not take
+        raise TypeError(f"checkpoint url={url!r}: storage_options={storage_options!r} are "
+                        f"not accepted by the {protocol!r} filesystem: {e}") from e
+    if io_timeout is not None and protocol in ("s3", "s3a") and getattr(fs, "retries", 0) > 2:
+        fs.retries = 2  # s3fs retries every timed-out request itself (5 times by default)
+    return fs, root.rstrip("/") or root
+
+
+def s3_timeout_options(options: dict[str, Any], io_timeout: float) -> dict[str, Any]:
+    """``options`` with botocore timeouts of ``io_timeout`` s and few retries.
+
+    What the caller already set wins. One request is then bounded by about
+    ``io_timeout`` and a whole call by about twice that (botocore makes one attempt
+    per request; s3fs's own retry count is lowered to 2 in :func:`resolve_url`).
+    """
+    out = dict(options)
+    config = dict(out.get("config_kwargs") or {})
+    config.setdefault("connect_timeout", io_timeout)
+    config.setdefault("read_timeout", io_timeout)
+    config.setdefault("retries", {"max_attempts": 1, "mode": "standard"})
+    out["config_kwargs"] = config
+    return out
+
+
+def retrying(fn: Callable[[], T], *, what: str, attempts: int, backoff_s: float,
+             give_up: tuple[type[BaseException], ...] = (),
+             budget_s: float | None = None) -> T:
+    """``fn()``, retried with exponential backoff on any error outside ``give_up``.
+
+    Reads from remote stores fail transiently (403 from an expiring token, 500/503,
+    a dropped connection). Such a failure proves nothing about the checkpoint, so it
+    must never be mistaken for corruption: it is retried ``attempts`` times in all
+    and then raised as :class:`CheckpointError` naming ``what`` and the last error.
+    No new attempt starts once ``budget_s`` seconds have passed: an endpoint that
+    does not answer at all (each attempt a timeout) fails in bounded time, while
+    quick errors are still retried.
+    """
+    delay = backoff_s
+    t0 = time.monotonic()
+    for attempt in range(1, attempts + 1):
+        try:
+            return fn()
+        except give_up:
+            raise
+        except (TypeError, ValueError, AttributeError, ImportError):
+            raise  # a bad option or a bug: retrying cannot help
+        except Exception as e:  # anything else is an I/O failure, not a verdict
+            spent = time.monotonic() - t0
+            if attempt == attempts or (budget_s is not None and spent + delay > budget_s):
+                raise CheckpointError(
+                    f"cannot read {what} after {attempt} attempt(s) in {spent:.0f} s: "
+                    f"{type(e).__name__}: {e}") from e
+            log.warning("reading %s failed (attempt %d of %d, retrying in %.1f s): %r",
+                        what, attempt, attempts, delay, e)
+            time.sleep(delay)
+            delay = min(delay * 2, 5.0)
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def is_local(fs: fsspec.AbstractFileSystem) -> bool:
+    """True for the local filesystem (which includes NFS mounts): rename is atomic."""
+    return isinstance(fs, LocalFileSystem)
+
+
+def join(root: str, *parts: str) -> str:
+    """Join path components with ``/`` (fsspec paths use ``/`` on every platform)."""
+    return "/".join([root.rstrip("/"), *parts])
+
+
+def fsync_file(path: str) -> None:
+    """Flush a local file's data to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: str) -> None:
+    """Flush a local directory's entries (new names, renames) to disk.
+
+    A rename is durable only once the directory holding the name is fsync'ed; some
+    filesystems refuse fsync on a directory, which is then logged and ignored.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError as e:  # pragma: no cover - platform dependent
+        log.debug("cannot open directory %s to fsync it: %s", path, e)
+        return
+    try:
+        os.fsync(fd)
+    except OSError as e:  # pragma: no cover - platform dependent
+        log.debug("fsync of directory %s failed: %s", path, e)
+    finally:
+        os.close(fd)
+
+
+_SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start writeback of dirty pages, do not wait
+_sync_file_range: Any = None  # resolved on first use; False when unavailable
+
+
+def start_writeback(fd: int, offset: int, nbytes: int) -> bool:
+    """Ask the kernel to start writing ``[offset, offset + nbytes)`` of ``fd`` to disk.
+
+    Linux's ``sync_file_range(SYNC_FILE_RANGE_WRITE)`` (through libc; Python has no
+    binding) queues the pages for writeback and returns: the disk then works while
+    the rest of the file is still being written, and the final ``fsync`` only waits
+    for the tail. A plain write+fsync leaves the disk idle until the fsync (here a
+    500 MB save went from 0.60 s to 0.42 s). It is a hint, not a durability call:
+    the fsync is still what makes the data durable. Returns False where it is not
+    available (other systems), which costs nothing but the speed-up.
+    """
+    global _sync_file_range
+    if _sync_file_range is None:
+        _sync_file_range = False
+        try:
+            import ctypes
+
+            fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+            fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+            fn.restype = ctypes.c_int
+            _sync_file_range = fn
+        except (OSError, AttributeError):  # not Linux/glibc
+            log.debug("sync_file_range is not available: saves fsync at the end only")
+    if _sync_file_range is False:
+        return False
+    return _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE) == 0
+
+
+def entry_time(info: dict[str, Any]) -> float | None:
+    """Modification time of an fsspec ``info`` entry, in seconds since the epoch."""
+    for key in ("mtime", "LastModified", "last_modified", "created", "updated"):
+        v = info.get(key)
+        if v is None:
+            continue
+        if hasattr(v, "timestamp"):
+            return float(v.timestamp())
+        try:
+            return float(v)
+        except (TypeError, ValueError):
+            continue
+    return None
+
+
+def open_regular_local(path: str) -> IO[bytes]:
+    """Open a local file for reading only if it is a regular file (never a FIFO,
+    device or symlink, which could hang the reader or leak another file)."""
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+    try:
+        fd = os.open(path, flags | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise CheckpointCorruptError(f"{path} is a symbolic link, expected a regular "
+                                         f"file") from e
+        raise
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise CheckpointCorruptError(f"{path} is not a regular file "
+                                     f"(mode {stat.filemode(st.st_mode)})")
+    return os.fdopen(fd, "rb")
+
+
+def write_error(e: OSError, path: str) -> OSError:
+    """An OSError that names the file and says plainly what happened."""
+    what = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
+            errno.EFBIG: "file too large"}.get(e.errno or 0, e.strerror or str(e))
+    err = type(e)(e.errno, f"cannot write checkpoint file {path}: {what}") if e.errno else \
+        OSError(f"cannot write checkpoint file {path}: {e}")
+    return err
+
+
+def discard_upload(f: Any) -> None:
+    """Abandon a remote file being written without uploading what it holds."""
+    try:
+        discard = getattr(f, "discard", None)
+        if callable(discard):
+            discard()
+        f.closed = True  # an fsspec buffered file would upload on close()/__del__
+    except Exception:  # pragma: no cover - best effort
+        pass

@@ -1,0 +1,676 @@
+"""The on-storage layout of a store: names, scan, verify, commit, prune.
+
+Everything that touches a store's files is here, so the rules below hold in one place.
+
+Names. A checkpoint is the directory ``step-`` + exactly 12 ASCII digits. Nothing else
+counts (not ``step-5``, not Unicode digits, not a trailing newline) and retention
+deletes exactly the directories it scanned. Inside, a manifest names plain files
+only (:func:`~elastic_kit.checkpoint._manifest.check_file_name`) and only regular
+files are opened (a FIFO or ``/dev/zero`` would hang a reader).
+
+Commit. *A checkpoint exists only once its manifest is in place, and the manifest is
+the last thing written.* Commit is monotonic: once a step is committed, no later save
+of it un-commits it at any moment, on any backend:
+
+- first save of a step, local / NFS: payload and manifest go into
+  ``.tmp-step-<n>-<owner>-<id>/``, both files and the directory are fsync'ed, the
+  directory is renamed to ``step-<n>/`` and the parent fsync'ed;
+- first save, object stores (and ``memory://``): the payload is uploaded into
+  ``step-<n>/`` and the manifest after it;
+- a *re-save* of a committed step (any backend) writes the new payload beside the
+  old one under a fresh name (``state.<id>.pt``) and then replaces the manifest in
+  one atomic operation (``os.replace`` locally, one PUT on object stores). Before the
+  switch the old manifest describes the old, intact payload; after it, the new one.
+  Only then is the old payload removed.
+
+Reading. Only proven corruption skips a checkpoint: a manifest that does not
+validate, a size or checksum mismatch of fully read bytes, a listed file that is
+absent while the manifest that lists it is unchanged. A failed read (403, 500/503,
+a dropped connection, a timeout) is retried with backoff and then raised. A reader
+that finds a file gone because a concurrent saver's retention or re-save moved it
+rescans and reads the newest again.
+
+Leftovers. A ``.tmp-*`` directory is named after a random owner token (no pid or
+hostname, which collide across PID namespaces and containers); it is stale only
+when no store of this process writes it and nothing in it changed for
+``stale_after_s`` (a writer keeps the payload's mtime fresh while writing, so the
+age works as a lease). An uncommitted ``step-<n>`` directory on an object store is
+removed on the same age rule, and only below the newest committed step.
+"""
+
+from __future__ import annotations
+
+import errno
+import io
+import logging
+import os
+import re
+import shutil
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import IO, Any, Callable, Iterator
+
+import fsspec
+
+from elastic_kit.checkpoint._fs import (
+    discard_upload, entry_time, fsync_dir, is_local, join, open_regular_local, retrying,
+    write_error,
+)
+from elastic_kit.checkpoint._manifest import (
+    MANIFEST_NAME, MAX_MANIFEST_BYTES, PAYLOAD_NAME, FileEntry, Manifest, check_file_name,
+)
+from elastic_kit.checkpoint._serialize import hash_stream, save_into
+from elastic_kit.errors import CheckpointConflictError, CheckpointCorruptError, CheckpointError
+
+__all__ = ["STEP_DIGITS", "TMP_PREFIX", "step_dir_name", "parse_step_dir", "StepDir",
+           "Found", "Layout"]
+
+log = logging.getLogger(__name__)
+
+STEP_DIGITS = 12
+_STEP_RE = re.compile(r"step-([0-9]{12})", re.ASCII)
+#: Prefix of directories that hold a save in progress or a deletion (local disks).
+#: They start with a dot so that globbing ``step-*`` never sees them.
+TMP_PREFIX = ".tmp-"
+_CHUNK = 8 << 20
+
+# Names of temporary directories some store of this process is writing right now:
+# a second store object (or the CLI's prune run in-process) never removes them.
+_LIVE_TMP: set[str] = set()
+_LIVE_LOCK = threading.Lock()
+
+
+def step_dir_name(step: int) -> str:
+    """``step-000000000012``: zero padded so that names sort like steps."""
+    if type(step) is not int or not 0 <= step < 10**STEP_DIGITS:
+        raise ValueError(f"step={step!r} must be an int in [0, {10**STEP_DIGITS - 1}]")
+    return f"step-{step:0{STEP_DIGITS}d}"
+
+
+def parse_step_dir(name: str) -> int | None:
+    """The step of a canonical ``step-<12 ASCII digits>`` name, else None."""
+    m = _STEP_RE.fullmatch(name)
+    return int(m.group(1)) if m else None
+
+
+@dataclass(frozen=True)
+class StepDir:
+    """A ``step-<n>`` directory, committed or not."""
+
+    step: int
+    path: str
+
+
+@dataclass
+class Found:
+    """A checkpoint whose manifest and every listed file verified.
+
+    ``source`` is what :func:`torch.load` reads: the payload's bytes (remote) or an
+    open file (local: an open file stays readable even if a concurrent retention
+    deletes the directory). The caller closes it.
+    """
+
+    dir: StepDir
+    manifest: Manifest
+    source: IO[bytes]
+
+
+class _Vanished(Exception):
+    """A file disappeared while being read because the checkpoint changed: rescan."""
+
+
+def _basename(path: str) -> str:
+    return path.rstrip("/").rsplit("/", 1)[-1]
+
+
+class Layout:
+    """One store's files: every storage access of the checkpoint package goes here.
+
+    Args:
+        fs, root: the filesystem and the store's root path in it.
+        url: the store's URL, for messages.
+        writer_id: a random id of the owning store (in manifests and temp names).
+        read_attempts, backoff_s: retries of a failed read before it is raised.
+        read_budget_s: no retry starts after this many seconds of trying.
+        stale_after_s: age after which another writer's leftovers may be removed.
+    """
+
+    def __init__(self, fs: fsspec.AbstractFileSystem, root: str, *, url: str,
+                 writer_id: str | None = None, read_attempts: int = 4,
+                 backoff_s: float = 0.2, stale_after_s: float = 600.0,
+                 read_budget_s: float | None = None) -> None:
+        self.fs = fs
+        self.root = root
+        self.url = url
+        self.local = is_local(fs)
+        self.writer_id = writer_id or uuid.uuid4().hex
+        self.read_attempts = read_attempts
+        self.backoff_s = backoff_s
+        self.stale_after_s = stale_after_s
+        self.read_budget_s = read_budget_s
+        self._root_ok = False  # remote root seen to be a directory once
+
+    # ------------------------------------------------------------------ helpers
+    def _read(self, fn: Callable[[], Any], what: str,
+              give_up: tuple[type[BaseException], ...] = ()) -> Any:
+        return retrying(fn, what=what, attempts=self.read_attempts, backoff_s=self.backoff_s,
+                        budget_s=self.read_budget_s,
+                        give_up=(FileNotFoundError, CheckpointCorruptError, _Vanished,
+                                 NotADirectoryError, *give_up))
+
+    def dir_of(self, step: int) -> StepDir:
+        return StepDir(step, join(self.root, step_dir_name(step)))
+
+    def _bucket_missing(self) -> str | None:
+        """The bucket's name when the root lives in a bucket that does not exist."""
+        protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (
+            self.fs.protocol,)
+        if not any(p in ("s3", "s3a", "gs", "gcs") for p in protocols):
+            return None
+        bucket = self.root.split("/", 1)[0]
+        try:
+            exists = self._read(lambda: self.fs.exists(bucket), f"bucket {bucket!r}")
+        except CheckpointError:
+            raise
+        return None if exists else bucket
+
+    def check_root(self) -> None:
+        """Raise a clear error when the root cannot hold a store (a file, no bucket).
+
+        Raises:
+            NotADirectoryError: the root is a file.
+            FileNotFoundError: the root's bucket does not exist.
+            CheckpointError: the store cannot be reached (after retries).
+        """
+        if self._root_ok:
+            return
+        if self.local:
+            if os.path.exists(self.root) and not os.path.isdir(self.root):
+                raise NotADirectoryError(errno.ENOTDIR, f"checkpoint url={self.url!r} is a "
+                                         f"file, expected a directory (or nothing yet)",
+                                         self.root)
+            return
+        try:
+            info = self._read(lambda: self.fs.info(self.root), self.url)
+        except FileNotFoundError:
+            info = None
+        if info is not None and info.get("type") == "file":
+            raise NotADirectoryError(errno.ENOTDIR, f"checkpoint url={self.url!r} is a file, "
+                                     f"expected a directory (or nothing yet)", self.root)
+        if info is None:
+            bucket = self._bucket_missing()
+            if bucket is not None:
+                raise FileNotFoundError(errno.ENOENT, f"checkpoint url={self.url!r}: bucket "
+                                        f"{bucket!r} does not exist (create it first)",
+                                        self.url)
+        else:
+            self._root_ok = True  # a directory that exists: no request per save after this
+
+    # ------------------------------------------------------------------ scan
+    def scan(self) -> list[StepDir]:
+        """Every canonical ``step-<n>`` directory, oldest first (committed or not)."""
+        if self.local:
+            try:
+                with os.scandir(self.root) as it:
+                    entries = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
+            except FileNotFoundError:
+                return []
+            except NotADirectoryError:
+                self.check_root()
+                raise
+        else:
+            try:
+                self.fs.invalidate_cache(self.root)  # another rank or job may have written
+            except Exception:  # pragma: no cover - not every filesystem caches
+                pass
+            try:
+                listing = self._read(lambda: self.fs.ls(self.root, detail=True), self.url)
+            except FileNotFoundError:
+                self.check_root()
+                return []
+            entries = [(_basename(i["name"]), i.get("type") == "directory") for i in listing]
+            if len(listing) == 1 and listing[0].get("type") == "file" and \
+                    listing[0]["name"].rstrip("/") == self.root.rstrip("/"):
+                self.check_root()
+        out = []
+        for name, is_dir in entries:
+            step = parse_step_dir(name)
+            if step is not None and is_dir:
+                out.append(StepDir(step, join(self.root, name)))
+        return sorted(out, key=lambda d: d.step)
+
+    # ------------------------------------------------------------------ read
+    def _open(self, path: str, *, max_bytes: int | None = None) -> tuple[IO[bytes], int]:
+        """A regular file opened for reading and its size (CheckpointCorruptError when
+        it is not a regular file or larger than ``max_bytes``)."""
+        if self.local:
+            f = open_regular_local(path)
+            size = os.fstat(f.fileno()).st_size
+        else:
+            info = self.fs.info(path)
+            if info.get("type") != "file":
+                raise CheckpointCorruptError(f"{path} is a {info.get('type')}, expected a "
+                                             f"regular file")
+            size = int(info.get("size") or 0)
+            f = None  # opened below, once the size is known to be acceptable
+        if max_bytes is not None and size > max_bytes:
+            if f is not None:
+                f.close()
+            raise CheckpointCorruptError(f"{path} is {size} bytes, more than the "
+                                         f"{max_bytes} a manifest may have")
+        if f is None:
+            f = self.fs.open(path, "rb")
+        return f, size
+
+    def _manifest_text(self, d: StepDir) -> bytes:
+        path = join(d.path, MANIFEST_NAME)
+
+        def read() -> bytes:
+            f, _ = self._open(path, max_bytes=MAX_MANIFEST_BYTES)
+            with f:
+                return f.read(MAX_MANIFEST_BYTES + 1)
+
+        try:
+            return self._read(read, path)
+        except FileNotFoundError as e:
+            raise CheckpointCorruptError(
+                f"{d.path}: {MANIFEST_NAME} is missing (a save that did not finish?)") from e
+
+    def read_manifest(self, d: StepDir) -> Manifest:
+        """The validated manifest of ``d``.
+
+        Raises:
+            CheckpointCorruptError: missing, malformed, or for another step.
+            CheckpointError: it cannot be read (after retries).
+        """
+        path = join(d.path, MANIFEST_NAME)
+        m = Manifest.from_json(self._manifest_text(d), where=path)
+        if m.step != d.step:
+            raise CheckpointCorruptError(
+                f"{path}: manifest says step {m.step} but the directory is step {d.step}")
+        return m
+
+    def _check_file(self, d: StepDir, m: Manifest, name: str, *, deep: bool,
+                    keep: bool) -> IO[bytes] | None:
+        """Verify one listed file; with ``keep`` return its verified bytes as a source."""
+        entry = m.files[name]
+        path = join(d.path, check_file_name(name))
+
+        def read() -> IO[bytes] | None:
+            f, size = self._open(path)
+            try:
+                if size != entry.size:
+                    raise CheckpointCorruptError(
+                        f"{d.path}: {name} is {size} bytes but the manifest says "
+                        f"{entry.size} (truncated or partially written)")
+                if not deep:
+                    return None
+                buf = io.BytesIO() if keep and not self.local else None
+                n, digest = hash_stream(f, m.checksum, chunk=_CHUNK,
+                                        sink=buf.write if buf is not None else None)
+                if n != entry.size:  # changed size while being read
+                    raise CheckpointCorruptError(
+                        f"{d.path}: {name} gave {n} bytes but the manifest says {entry.size} "
+                        f"(truncated or partially written)")
+                if digest != entry.checksum:
+                    raise CheckpointCorruptError(
+                        f"{d.path}: {name} has {m.checksum} {digest} but the manifest says "
+                        f"{entry.checksum} (corrupt payload)")
+                if not keep:
+                    return None
+                if buf is not None:
+                    buf.seek(0)
+                    return buf
+                f.seek(0)
+                out, f = f, None  # handed to the caller, kept open
+                return out
+            finally:
+                if f is not None:
+                    f.close()
+
+        try:
+            return self._read(read, path)
+        except FileNotFoundError as e:
+            # Absent because the checkpoint was re-saved or deleted meanwhile? Then the
+            # manifest changed or vanished: read the store again. Else it is damage.
+            try:
+                now = self.read_manifest(d)
+            except CheckpointCorruptError:
+                raise _Vanished(d.path) from e
+            if now != m:
+                raise _Vanished(d.path) from e
+            raise CheckpointCorruptError(
+                f"{d.path}: the manifest names {name}, which does not exist") from e
+
+    def verify(self, d: StepDir, *, deep: bool = True, keep: bool = False) -> Found | Manifest:
+        """Check ``d`` against its manifest: every listed file's type, size and (deep)
+        checksum. Returns a :class:`Found` (payload source kept open) when ``keep``,
+        else the manifest.
+
+        Raises:
+            CheckpointCorruptError: naming the directory and what does not match.
+            CheckpointError: a read failed after retries.
+        """
+        m = self.read_manifest(d)
+        source = None
+        try:
+            for name in m.files:
+                got = self._check_file(d, m, name, deep=deep, keep=keep and name == m.payload)
+                if got is not None:
+                    source = got
+        except BaseException:
+            if source is not None:
+                source.close()
+            raise
+        if keep:
+            assert source is not None
+            return Found(d, m, source)
+        return m
+
+    def newest_verified(self) -> Found | None:
+        """The newest checkpoint that fully verifies; corrupt newer ones are logged and
+        skipped. Rescans when a concurrent save or retention changed what it read."""
+        for _ in range(20):
+            rescan = False
+            for d in reversed(self.scan()):
+                try:
+                    found = self.verify(d, deep=True, keep=True)
+                    assert isinstance(found, Found)
+                    return found
+                except _Vanished:
+                    log.info("checkpoint %s changed while being read: reading the store again",
+                             d.path)
+                    rescan = True
+                    break
+                except CheckpointCorruptError as e:
+                    if not self._exists_dir(d):
+                        rescan = True  # deleted meanwhile, not damaged
+                        break
+                    log.warning("skipping checkpoint %s, falling back to an older one: %s",
+                                d.path, e)
+            if not rescan:
+                return None
+        raise CheckpointError(f"checkpoints in {self.url} kept changing while being read "
+                              f"(20 attempts): is another job writing this URL?")
+
+    def _exists_dir(self, d: StepDir) -> bool:
+        if self.local:
+            return os.path.isdir(d.path)
+        try:
+            return bool(self._read(lambda: self.fs.isdir(d.path), d.path))
+        except FileNotFoundError:
+            return False
+
+    def committed(self) -> Iterator[tuple[StepDir, Manifest]]:
+        """Every directory whose manifest validates, oldest first (payload not read)."""
+        for d in self.scan():
+            try:
+                yield d, self.read_manifest(d)
+            except CheckpointCorruptError as e:
+                log.debug("not committed: %s", e)
+
+    # ------------------------------------------------------------------ write
+    def _manifest_for(self, step: int, name: str, entry: FileEntry, checksum: str,
+                      metadata: dict[str, Any], world_size: int) -> Manifest:
+        epoch = metadata.get("epoch")
+        return Manifest(step=step, files={name: entry}, payload=name, checksum=checksum,
+                        metadata=metadata,
+                        epoch=epoch if type(epoch) is int and epoch >= 0 else None,
+                        world_size=world_size, writer=self.writer_id)
+
+    def _committed_manifest(self, d: StepDir) -> Manifest | None:
+        try:
+            return self.read_manifest(d)
+        except CheckpointCorruptError:
+            return None
+
+    def commit(self, state: Any, *, step: int, checksum: str, metadata: dict[str, Any],
+               world_size: int) -> tuple[str, Manifest]:
+        """Write and commit ``state`` as ``step-<n>``; returns (path, manifest).
+
+        A committed checkpoint of the same step is replaced monotonically (see the
+        module docstring): it stays committed, old or new, at every moment.
+        """
+        self.check_root()
+        d = self.dir_of(step)
+        old = self._committed_manifest(d)
+        if self.local:
+            if old is None:
+                return self._commit_local_new(d, state, checksum, metadata, world_size)
+            return self._commit_local_resave(d, old, state, checksum, metadata, world_size)
+        return self._commit_remote(d, old, state, checksum, metadata, world_size)
+
+    def _tmp_name(self, what: str) -> str:
+        return f"{TMP_PREFIX}{what}-{self.writer_id[:16]}-{uuid.uuid4().hex[:8]}"
+
+    def _commit_local_new(self, d: StepDir, state: Any, checksum: str,
+                          metadata: dict[str, Any], world_size: int) -> tuple[str, Manifest]:
+        os.makedirs(self.root, exist_ok=True)
+        tmp_name = self._tmp_name(_basename(d.path))
+        tmp = join(self.root, tmp_name)
+        with _LIVE_LOCK:
+            _LIVE_TMP.add(tmp_name)
+        try:
+            os.mkdir(tmp)
+            payload = join(tmp, PAYLOAD_NAME)
+            with open(payload, "wb") as f:
+                entry = save_into(f, payload, state, checksum, fsync=True)
+            manifest = self._manifest_for(d.step, PAYLOAD_NAME, entry, checksum, metadata,
+                                          world_size)
+            self._write_local_manifest(tmp, manifest)
+            fsync_dir(tmp)
+            trash = None
+            if os.path.lexists(d.path):  # an uncommitted leftover of the same step
+                trash = join(self.root, self._tmp_name("old-" + _basename(d.path)))
+                os.rename(d.path, trash)
+            os.rename(tmp, d.path)
+            fsync_dir(self.root)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        finally:
+            with _LIVE_LOCK:
+                _LIVE_TMP.discard(tmp_name)
+        if trash is not None:
+            shutil.rmtree(trash, ignore_errors=True)
+        return d.path, manifest
+
+    def _write_local_manifest(self, directory: str, manifest: Manifest) -> None:
+        path = join(directory, MANIFEST_NAME)
+        try:
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(manifest.to_json())
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:
+            raise write_error(e, path) from e
+
+    def _commit_local_resave(self, d: StepDir, old: Manifest, state: Any, checksum: str,
+                             metadata: dict[str, Any], world_size: int
+                             ) -> tuple[str, Manifest]:
+        token = uuid.uuid4().hex[:12]
+        name = f"state.{token}.pt"
+        payload = join(d.path, name)
+        tmp_manifest = join(d.path, f".{MANIFEST_NAME}.{token}")
+        try:
+            with open(payload, "xb") as f:
+                entry = save_into(f, payload, state, checksum, fsync=True)
+            manifest = self._manifest_for(d.step, name, entry, checksum, metadata, world_size)
+            with open(tmp_manifest, "w", encoding="utf-8") as f:
+                f.write(manifest.to_json())
+                f.flush()
+                os.fsync(f.fileno())
+            fsync_dir(d.path)
+            os.replace(tmp_manifest, join(d.path, MANIFEST_NAME))  # the atomic switch
+            fsync_dir(d.path)
+        except BaseException:
+            for p in (payload, tmp_manifest):
+                try:
+                    os.remove(p)
+                except OSError:
+                    pass
+            raise
+        for old_name in set(old.files) - set(manifest.files):
+            try:
+                os.remove(join(d.path, old_name))
+            except OSError as e:
+                log.debug("could not remove the replaced %s: %r", old_name, e)
+        return d.path, manifest
+
+    def _commit_remote(self, d: StepDir, old: Manifest | None, state: Any, checksum: str,
+                       metadata: dict[str, Any], world_size: int) -> tuple[str, Manifest]:
+        name = PAYLOAD_NAME if old is None else f"state.{uuid.uuid4().hex[:12]}.pt"
+        if old is not None and name in old.files:  # pragma: no cover - 48 random bits
+            raise AssertionError(name)
+        payload = join(d.path, name)
+        try:
+            f = self.fs.open(payload, "wb")
+        except FileNotFoundError:  # a filesystem with real directories (wrapped local)
+            self.fs.makedirs(d.path, exist_ok=True)
+            f = self.fs.open(payload, "wb")
+        try:
+            entry = save_into(f, payload, state, checksum, fsync=False)
+            f.close()  # the upload completes here
+        except BaseException:
+            discard_upload(f)
+            try:
+                self.fs.rm_file(payload)
+            except Exception:
+                pass
+            raise
+        manifest = self._manifest_for(d.step, name, entry, checksum, metadata, world_size)
+        self.fs.pipe_file(join(d.path, MANIFEST_NAME), manifest.to_json().encode("utf-8"))
+        if old is not None:
+            for old_name in set(old.files) - set(manifest.files):
+                try:
+                    self.fs.rm_file(join(d.path, old_name))
+                except Exception as e:
+                    log.debug("could not remove the replaced %s: %r", old_name, e)
+        return d.path, manifest
+
+    # ------------------------------------------------------------------ delete
+    def delete(self, d: StepDir) -> None:
+        """Delete one scanned directory so that a crash half way never leaves it
+        committed (locally it is renamed away first; remotely the manifest goes first)."""
+        if self.local:
+            trash = join(self.root, self._tmp_name("del-" + _basename(d.path)))
+            try:
+                os.rename(d.path, trash)
+            except FileNotFoundError:
+                return
+            shutil.rmtree(trash, ignore_errors=True)
+            return
+        try:
+            self.fs.rm_file(join(d.path, MANIFEST_NAME))  # uncommit first
+        except FileNotFoundError:
+            pass
+        try:
+            self.fs.rm(d.path, recursive=True)
+        except FileNotFoundError:
+            pass
+
+    def retain(self, keep_last: int, *, just_written: int, newest_verified: int,
+               started: float) -> list[int]:
+        """Delete committed checkpoints beyond the newest ``keep_last``; returns the steps.
+
+        Never deleted: ``just_written``; anything newer than ``newest_verified`` (the
+        newest step this store wrote or fully verified: a newer one that a read error
+        hid is still the real newest); anything another store committed since
+        ``started`` (then :class:`CheckpointConflictError` reports the second writer).
+        """
+        committed = list(self.committed())
+        foreign = [(d, m) for d, m in committed
+                   if m.writer and m.writer != self.writer_id and m.time > started]
+        if foreign:
+            d, m = foreign[-1]
+            raise CheckpointConflictError(
+                f"another job is writing checkpoints to {self.url}: {d.path} was committed "
+                f"by store {m.writer[:16]} at {m.time:.0f}, after this store "
+                f"({self.writer_id[:16]}) started at {started:.0f}; give each job its own "
+                f"URL (nothing was deleted)")
+        candidates = sorted((d for d, _ in committed
+                             if d.step != just_written and d.step <= newest_verified),
+                            key=lambda d: d.step, reverse=True)
+        deleted = []
+        for d in candidates[keep_last - 1:]:
+            log.info("retention (keep_last=%d): deleting checkpoint step %d", keep_last, d.step)
+            self.delete(d)
+            deleted.append(d.step)
+        return deleted
+
+    def prune(self, keep: int, *, dry_run: bool = False) -> list[StepDir]:
+        """Delete all but the newest ``keep`` committed checkpoints, then stale
+        leftovers; returns the deleted (or, dry, the doomed) directories."""
+        committed = [d for d, _ in self.committed()]
+        doomed = committed[:-keep] if len(committed) > keep else []
+        if dry_run:
+            return doomed
+        for d in doomed:
+            log.info("prune (keep=%d): deleting checkpoint step %d", keep, d.step)
+            self.delete(d)
+        if committed:
+            self.clean_stale(newest_committed=committed[-1].step)
+        return doomed
+
+    def _local_age(self, path: str) -> float:
+        """Seconds since anything in ``path`` (the directory or a direct entry) changed."""
+        newest = os.lstat(path).st_mtime
+        try:
+            with os.scandir(path) as it:
+                for e in it:
+                    try:
+                        newest = max(newest, e.stat(follow_symlinks=False).st_mtime)
+                    except FileNotFoundError:
+                        pass
+        except NotADirectoryError:
+            pass
+        return time.time() - newest
+
+    def _remote_age(self, path: str) -> float | None:
+        times = [entry_time(i) for i in self.fs.find(path, detail=True).values()]
+        known = [t for t in times if t is not None]
+        return time.time() - max(known) if known else None
+
+    def clean_stale(self, *, newest_committed: int) -> int:
+        """Remove leftovers of crashed saves; returns how many were removed.
+
+        Local disks: ``.tmp-*`` directories no store of this process is writing and
+        nothing in which changed for ``stale_after_s``. Any storage: ``step-<n>``
+        directories without a manifest below ``newest_committed`` unchanged for as long.
+        """
+        removed = 0
+        if self.local:
+            try:
+                names = os.listdir(self.root)
+            except (FileNotFoundError, NotADirectoryError):
+                return 0
+            for n in names:
+                if not n.startswith(TMP_PREFIX):
+                    continue
+                with _LIVE_LOCK:
+                    if n in _LIVE_TMP:
+                        continue
+                path = join(self.root, n)
+                try:
+                    age = self._local_age(path)
+                except FileNotFoundError:
+                    continue
+                if age >= self.stale_after_s:
+                    log.info("removing the leftover of an interrupted save (unchanged for "
+                             "%.0f s): %s", age, path)
+                    shutil.rmtree(path, ignore_errors=True)
+                    removed += 1
+        for d in self.scan():
+            if d.step >= newest_committed or self._committed_manifest(d) is not None:
+                continue
+            try:
+                age = self._local_age(d.path) if self.local else self._remote_age(d.path)
+            except FileNotFoundError:
+                continue
+            if age is not None and age >= self.stale_after_s:
+                log.info("removing the leftover of an interrupted save: %s", d.path)
+                self.delete(d)
+                removed += 1
+        return removed

@@ -1,0 +1,213 @@
+"""The manifest: the file that turns a directory of bytes into a checkpoint.
+
+``manifest.json`` is written last. It records what the payload must look like
+(every file with its size and checksum, and which of them is the payload that
+``torch.load`` reads) and where it came from (step, world size, library and torch
+versions, wall time, the caller's metadata, an id of the store that wrote it). A
+directory without a manifest that parses, or whose files do not match it, is not a
+checkpoint.
+
+A manifest is input from storage, which anyone with write access may have edited:
+:meth:`Manifest.from_json` validates every field (types, ranges, plain file names
+inside the step directory) and turns anything malformed into
+:class:`CheckpointCorruptError`, never into an ``OverflowError``, a
+``RecursionError`` or a path outside the checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from elastic_kit.errors import CheckpointCorruptError
+
+__all__ = ["MANIFEST_NAME", "PAYLOAD_NAME", "FORMAT", "CHECKSUMS", "MAX_MANIFEST_BYTES",
+           "FileEntry", "Manifest", "check_file_name"]
+
+MANIFEST_NAME = "manifest.json"
+#: The payload's name on a first save; a re-save of a committed step writes its new
+#: payload beside the old one under another name (see ``_layout``).
+PAYLOAD_NAME = "state.pt"
+#: Bumped when the layout changes incompatibly; readers refuse other formats.
+FORMAT = "elastic_kit.checkpoint/1"
+CHECKSUMS = ("xxh3_128", "crc32", "sha256")
+_DIGEST_LEN = {"xxh3_128": 32, "crc32": 8, "sha256": 64}
+#: A manifest is a few KB; anything far larger is not one of ours (and is not read).
+MAX_MANIFEST_BYTES = 16 << 20
+_MAX_FILES = 64
+_MAX_STEP = 10**12 - 1  # 12 digits: the directory name must stay canonical
+_MAX_SIZE = 1 << 62
+_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}", re.ASCII)
+_HEX_RE = re.compile(r"[0-9a-f]+", re.ASCII)
+
+
+def _library_version() -> str:
+    try:
+        from elastic_kit import __version__
+
+        return str(__version__)
+    except Exception:  # pragma: no cover - only during a broken partial import
+        return "unknown"
+
+
+def check_file_name(name: Any) -> str:
+    """``name`` if it is a plain file name inside a step directory, else ValueError.
+
+    Plain means ASCII letters, digits, ``._-``, no leading dot, no ``..``, no
+    separator: a manifest can then only ever name files the store could have
+    written, never ``../../etc/shadow`` or an absolute path.
+    """
+    if (not isinstance(name, str) or not _NAME_RE.fullmatch(name) or ".." in name
+            or name == MANIFEST_NAME):
+        raise ValueError(f"file name {name!r} is not a plain file name inside the step "
+                         f"directory (expected [A-Za-z0-9_][A-Za-z0-9._-]*, no '..')")
+    return name
+
+
+def _int(d: dict[str, Any], key: str, lo: int, hi: int) -> int:
+    v = d[key]
+    if type(v) is not int or not lo <= v <= hi:
+        raise ValueError(f"{key}={v!r:.60} must be an int in [{lo}, {hi}]")
+    return v
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """One payload file: its size in bytes and its checksum (hex)."""
+
+    size: int
+    checksum: str
+
+
+@dataclass
+class Manifest:
+    """What a committed checkpoint holds; serialized as ``manifest.json``.
+
+    Attributes:
+        step: the global step the state belongs to.
+        files: file name (relative to the step directory) -> :class:`FileEntry`;
+            every file a reader opens is listed here.
+        payload: the file of ``files`` that ``torch.load`` reads (``state.pt`` unless
+            the step was saved again, see ``_layout``).
+        checksum: the algorithm of every file's checksum: ``"xxh3_128"``, ``"crc32"``
+            or ``"sha256"`` (a manifest without the field is crc32).
+        metadata: the caller's JSON-able metadata (``{"epoch": 3, ...}``).
+        epoch: ``metadata["epoch"]`` when given, for quick listing.
+        world_size: the world size of the job that saved it.
+        time: wall time of the commit (seconds since the epoch).
+        writer: a random id of the store object that wrote it (two jobs writing one
+            URL are told apart by it).
+    """
+
+    step: int
+    files: dict[str, FileEntry]
+    payload: str = PAYLOAD_NAME
+    checksum: str = "crc32"
+    metadata: dict[str, Any] = field(default_factory=dict)
+    epoch: int | None = None
+    world_size: int = 1
+    time: float = field(default_factory=time.time)
+    writer: str = ""
+    format: str = FORMAT
+    elastic_kit_version: str = field(default_factory=_library_version)
+    torch_version: str = field(default_factory=lambda: str(torch.__version__))
+    python_version: str = field(default_factory=platform.python_version)
+
+    def __post_init__(self) -> None:
+        if self.checksum not in CHECKSUMS:
+            raise ValueError(f"checksum={self.checksum!r} must be one of {CHECKSUMS}")
+        if type(self.step) is not int or not 0 <= self.step <= _MAX_STEP:
+            raise ValueError(f"step={self.step!r} must be an int in [0, {_MAX_STEP}]")
+        for name in self.files:
+            check_file_name(name)
+        if self.payload not in self.files:
+            raise ValueError(f"payload {self.payload!r} is not among the listed files "
+                             f"{sorted(self.files)}")
+
+    @property
+    def size_bytes(self) -> int:
+        """Total payload size."""
+        return sum(f.size for f in self.files.values())
+
+    def to_json(self) -> str:
+        """The manifest as pretty JSON (humans read it when debugging a store)."""
+        d = asdict(self)
+        return json.dumps(d, indent=2, sort_keys=True, default=str)
+
+    @classmethod
+    def from_json(cls, text: str | bytes, *, where: str = "") -> Manifest:
+        """Parse and validate a manifest; :class:`CheckpointCorruptError` naming ``where``.
+
+        Unknown keys are ignored, so a newer writer's extra fields do not break an
+        older reader; a different ``format`` is refused. Every known field is checked
+        for type and range, so that nothing malformed escapes as another exception.
+        """
+        try:
+            if len(text) > MAX_MANIFEST_BYTES:
+                raise ValueError(f"{len(text)} bytes, more than {MAX_MANIFEST_BYTES}")
+            d = json.loads(text)
+            return cls._from_dict(d)
+        except RecursionError:
+            raise CheckpointCorruptError(
+                f"{where}: manifest does not parse: JSON nested too deeply") from None
+        except (ValueError, KeyError, TypeError, AttributeError, OverflowError,
+                UnicodeDecodeError) as e:
+            raise CheckpointCorruptError(f"{where}: manifest does not parse: {e}") from e
+
+    @classmethod
+    def _from_dict(cls, d: Any) -> Manifest:
+        if not isinstance(d, dict):
+            raise ValueError(f"expected a JSON object, got {type(d).__name__}")
+        fmt = d.get("format")
+        if fmt != FORMAT:
+            raise ValueError(f"format {fmt!r:.60}, expected {FORMAT!r}")
+        checksum = d.get("checksum", "crc32")
+        if checksum not in CHECKSUMS:
+            raise ValueError(f"checksum={checksum!r:.60} must be one of {CHECKSUMS}")
+        raw_files = d["files"]
+        if not isinstance(raw_files, dict) or not 1 <= len(raw_files) <= _MAX_FILES:
+            raise ValueError(f"files must be an object of 1 to {_MAX_FILES} entries, got "
+                             f"{raw_files!r:.60}")
+        files = {}
+        for name, v in raw_files.items():
+            check_file_name(name)
+            if not isinstance(v, dict):
+                raise ValueError(f"files[{name!r}] must be an object, got {v!r:.60}")
+            size = _int(v, "size", 0, _MAX_SIZE)
+            digest = v["checksum"]
+            if (not isinstance(digest, str) or len(digest) != _DIGEST_LEN[checksum]
+                    or not _HEX_RE.fullmatch(digest)):
+                raise ValueError(f"files[{name!r}].checksum={digest!r:.80} is not a "
+                                 f"{checksum} hex digest")
+            files[name] = FileEntry(size=size, checksum=digest)
+        payload = d.get("payload", PAYLOAD_NAME)
+        if payload not in files:
+            raise ValueError(f"payload {payload!r:.60} is not among the listed files "
+                             f"{sorted(files)}: its bytes would be unverified")
+        step = _int(d, "step", 0, _MAX_STEP)
+        world_size = _int(d, "world_size", 1, 1 << 31) if "world_size" in d else 1
+        epoch = d.get("epoch")
+        if epoch is not None and (type(epoch) is not int or epoch < 0):
+            raise ValueError(f"epoch={epoch!r:.60} must be an int >= 0 or null")
+        metadata = d.get("metadata", {})
+        if not isinstance(metadata, dict):
+            raise ValueError(f"metadata must be an object, got {metadata!r:.60}")
+        t = d.get("time", 0.0)
+        if type(t) not in (int, float) or not math.isfinite(t):
+            raise ValueError(f"time={t!r:.60} must be a finite number")
+        strings = {}
+        for key in ("writer", "elastic_kit_version", "torch_version", "python_version"):
+            if key in d:
+                if not isinstance(d[key], str):
+                    raise ValueError(f"{key}={d[key]!r:.60} must be a string")
+                strings[key] = d[key]
+        return cls(step=step, files=files, payload=payload, checksum=checksum,
+                   metadata=metadata, epoch=epoch, world_size=world_size, time=float(t),
+                   **strings)

@@ -1,0 +1,638 @@
+"""CheckpointStore: crash-safe checkpoints on any fsspec URL, for every rank of a job.
+
+Who does what:
+
+- **Writers.** Only global rank 0 writes when the storage is shared
+  (``node_local=False``); local rank 0 of every node writes its own directory when
+  ``node_local=True``. Other ranks return from ``save`` at once, touching no storage.
+- **Saving is not collective.** :meth:`CheckpointStore.save`, :meth:`~CheckpointStore.wait`
+  and :meth:`~CheckpointStore.close` run no collective, so ``if rank == 0: save(...)``
+  (what scripts do) works, and so does calling them on every rank. A failed write
+  raises on the writer only; a caller that needs every rank to know (the loop, the
+  Checkpointer) all-reduces "did it fail" itself.
+- **Loading is collective.** One rank reads (rank 0 on shared storage; on node-local
+  storage the lowest rank holding the newest step any node has) and broadcasts the
+  state tensor by tensor. Before its first collective, :meth:`~CheckpointStore.load`
+  checks through the process group's key-value store that every rank called it, so
+  a call on some ranks only fails with a clear error within ``load_timeout``, and
+  never runs a collective that could pair with the user's gradient all-reduce.
+- **One background worker.** Non-blocking writes and the retention that follows
+  every save run on one single-thread executor, in order.
+
+The on-storage rules (names, commit, verification, retention) are in ``_layout``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Callable, Iterable
+
+import fsspec
+import torch
+
+from elastic_kit.checkpoint._broadcast import agree_on_holder, broadcast_state, target_device
+from elastic_kit.checkpoint._fs import resolve_url
+from elastic_kit.checkpoint._layout import Found, Layout
+from elastic_kit.checkpoint._manifest import CHECKSUMS, Manifest
+from elastic_kit.checkpoint._serialize import (
+    copy_deferred, iter_tensors, load_payload, prepare_state, storage_keys, validate_state,
+)
+from elastic_kit.distributed import DistInfo, broadcast_object, get_dist_info, is_dist_ready
+from elastic_kit.errors import (
+    CheckpointConflictError, CheckpointCorruptError, CheckpointError, UnsafeCheckpointError,
+)
+
+__all__ = ["CheckpointStore", "CheckpointInfo", "LoadedCheckpoint"]
+
+log = logging.getLogger(__name__)
+
+
+def _new_process_token() -> str:
+    return uuid.uuid4().hex
+
+
+# One writer id per process (regenerated in a forked child): several store objects of
+# one job share it, two jobs (or a restarted job's new processes) never do.
+_PROCESS_TOKEN = _new_process_token()
+
+
+def _reset_token() -> None:
+    global _PROCESS_TOKEN
+    _PROCESS_TOKEN = _new_process_token()
+
+
+os.register_at_fork(after_in_child=_reset_token)
+
+# How many load() calls this process made, across stores: the handshake key of the
+# n-th call is the same on every rank that calls load() in the same order.
+_LOAD_SEQ = 0
+_LOAD_LOCK = threading.Lock()
+
+
+@dataclass
+class LoadedCheckpoint:
+    """What :meth:`CheckpointStore.load` returns.
+
+    Attributes:
+        step: the step it was saved at.
+        state: the state dict (tensors on ``map_location``, CPU by default).
+        metadata: the ``metadata`` given to ``save``.
+        path: the ``step-<n>`` directory it came from (this node's copy when node-local).
+        epoch: the manifest's epoch (``metadata["epoch"]`` when it was an int).
+        world_size: the world size of the job that saved it.
+    """
+
+    step: int
+    state: dict[str, Any]
+    metadata: dict[str, Any]
+    path: str
+    epoch: int | None = None
+    world_size: int = 1
+
+
+@dataclass
+class CheckpointInfo:
+    """A committed checkpoint as :meth:`CheckpointStore.list` describes it.
+
+    ``time`` is the commit's wall time in seconds since the epoch.
+    """
+
+    step: int
+    path: str
+    metadata: dict[str, Any]
+    size_bytes: int
+    time: float
+    epoch: int | None = None
+    world_size: int = 1
+    manifest: Manifest | None = field(default=None, repr=False)
+
+
+class CheckpointStore:
+    """Crash-safe checkpoints in ``url``: ``step-<n>/`` directories with a manifest.
+
+    Args:
+        url: a path (``str`` or ``os.PathLike``) or fsspec URL (``/ckpt``,
+            ``file:///ckpt``, ``memory://run1``, ``s3://bucket/run1``, ``gs://...``,
+            ``az://...``). The text ``{node_rank}`` is replaced by this worker's node
+            rank, so ``"/local/ckpt-{node_rank}"`` gives every node of a one-machine
+            test its own "local disk".
+        keep_last: committed checkpoints to keep (``None``: keep all). Older ones are
+            deleted only after a newer one is committed, and never one newer than the
+            newest this store wrote or verified.
+        node_local: every node writes its own directory (local disks); on load the
+            newest step held anywhere is broadcast from its holder.
+        storage_options: passed to fsspec (credentials, endpoint_url, ...).
+        info: this worker's :class:`DistInfo` (read from the environment when None).
+        checksum: ``"xxh3_128"`` (default: about 7 GB/s on one core, hashed on a
+            helper thread behind the writes, so saving runs at disk speed),
+            ``"crc32"`` (zlib, about 1.8 GB/s) or ``"sha256"`` (cryptographic). Loading
+            verifies with whatever algorithm the manifest names.
+        reuse_staging: keep the CPU staging copy of a non-blocking save for the next
+            one (copying into mapped pages is several times faster than into fresh
+            ones). Costs one CPU copy of the state between saves; see the warning.
+        io_timeout: seconds one request to a remote store (``s3://``) may wait for
+            the server before it fails, so an unresponsive endpoint raises well within
+            the job's collective timeout instead of blocking for minutes. s3fs tries
+            each call twice, and no read is retried after ``3 * io_timeout`` s: with
+            the default a save or load against an endpoint that never answers fails
+            after about 40 s (measured: one ``info`` call is two requests).
+        read_attempts: tries of a failed read (403, 500, a dropped connection)
+            before it is raised; a failed read never counts as corruption.
+        load_timeout: seconds :meth:`load` waits for every rank to call it before it
+            raises (keep it below the collective timeout).
+        stale_after_s: a leftover of another writer's interrupted save is removed
+            only once nothing in it changed for this long.
+        filesystem: an fsspec filesystem to use instead of the one ``url``'s protocol
+            names (a wrapper, a pre-configured client); ``url`` is then the path in it.
+
+    Example::
+
+        store = CheckpointStore("s3://bucket/run1", keep_last=3,
+                                storage_options={"profile": "train"})
+        loaded = store.load()                 # collective: every rank
+        start = loaded.step + 1 if loaded else 0
+        if loaded:
+            model.load_state_dict(loaded.state["model"])
+        for step in range(start, steps):
+            ...
+            if step % 100 == 0 and rank == 0:  # or on every rank: others return at once
+                store.save({"model": model.state_dict()}, step=step, blocking=False)
+        store.close()
+
+    .. warning::
+        :meth:`load` is collective when a process group exists: call it on every
+        rank. A call on some ranks only raises ``CheckpointError("load() is collective:
+        call it on every rank ...")`` after ``load_timeout`` seconds.
+
+    .. warning::
+        With ``blocking=False`` and ``reuse_staging=True`` (the default) the writer
+        ranks keep one CPU copy of the state alive between saves. Pass
+        ``reuse_staging=False`` when host memory is tighter than save latency.
+
+    .. warning::
+        ``node_local=True`` means every node's local rank 0 writes: the URL must
+        name storage that is private to the node (a local disk, or a shared path
+        containing ``{node_rank}``), or the nodes overwrite each other's saves.
+    """
+
+    def __init__(self, url: str | os.PathLike[str], *, keep_last: int | None = 3,
+                 node_local: bool = False, storage_options: dict[str, Any] | None = None,
+                 info: DistInfo | None = None, checksum: str = "xxh3_128",
+                 reuse_staging: bool = True, io_timeout: float = 10.0,
+                 read_attempts: int = 3, load_timeout: float = 60.0,
+                 stale_after_s: float = 600.0,
+                 filesystem: fsspec.AbstractFileSystem | None = None) -> None:
+        if keep_last is not None and (type(keep_last) is not int or keep_last < 1):
+            raise ValueError(f"keep_last={keep_last!r} must be an int >= 1 or None (keep all)")
+        if checksum not in CHECKSUMS:
+            raise ValueError(f"checksum={checksum!r} must be one of {CHECKSUMS}")
+        for name, value, lo in (("io_timeout", io_timeout, 0.0), ("load_timeout", load_timeout, 0.0),
+                                ("stale_after_s", stale_after_s, -1.0)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > lo:
+                raise ValueError(f"{name}={value!r} must be a number > {lo:g}")
+        if type(read_attempts) is not int or read_attempts < 1:
+            raise ValueError(f"read_attempts={read_attempts!r} must be an int >= 1")
+        self._info = info
+        if isinstance(url, os.PathLike):
+            url = os.fspath(url)
+        if isinstance(url, str):
+            url = url.replace("{node_rank}", str(self.info.node_rank))
+        self.url: str = url  # type: ignore[assignment]
+        if filesystem is not None:
+            if not isinstance(url, str) or not url:
+                raise ValueError(f"url={url!r} must be a non-empty path in the filesystem")
+            self.fs, self.root = filesystem, filesystem._strip_protocol(url).rstrip("/") or url
+        else:
+            self.fs, self.root = resolve_url(url, storage_options, io_timeout=float(io_timeout))
+        self.keep_last = keep_last
+        self.node_local = node_local
+        self.checksum = checksum
+        self.reuse_staging = reuse_staging
+        self.load_timeout = float(load_timeout)
+        self._layout = Layout(self.fs, self.root, url=self.url, writer_id=_PROCESS_TOKEN,
+                              read_attempts=read_attempts, stale_after_s=float(stale_after_s),
+                              read_budget_s=3 * float(io_timeout))
+        self._started = time.time()
+        self._executor: ThreadPoolExecutor | None = None
+        self._pending: Future[None] | None = None  # the in-flight write (writers only)
+        self._pending_step: int | None = None
+        self._conflict: CheckpointConflictError | None = None  # a second writer was seen
+        self._error: BaseException | None = None  # a failed save, raised once
+        self._newest_verified = -1  # newest step this store wrote or fully verified
+        self._staging: dict[str, torch.Tensor] = {}
+        self._staged: threading.Event | None = None  # set when deferred copies are done
+        self.last_save_s: float = 0.0  # duration of the last write (writers only)
+
+    # ------------------------------------------------------------------ roles
+    @property
+    def info(self) -> DistInfo:
+        """The worker's place in the job: as given, else read now (the store may be
+        created before ``init_distributed``, and ranks change across restarts)."""
+        return self._info if self._info is not None else get_dist_info()
+
+    @property
+    def is_writer(self) -> bool:
+        """True on the ranks that write: rank 0, or local rank 0 when node-local."""
+        return self.info.local_rank == 0 if self.node_local else self.info.rank == 0
+
+    def __repr__(self) -> str:
+        return (f"CheckpointStore({self.url!r}, keep_last={self.keep_last}, "
+                f"node_local={self.node_local})")
+
+    def __enter__(self) -> CheckpointStore:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ background
+    def _submit(self, fn: Callable[..., None], *args: Any) -> Future[None]:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ek-ckpt")
+        return self._executor.submit(fn, *args)
+
+    def _drain(self) -> None:
+        """Wait for every queued background job (write, retention); raise nothing."""
+        if self._executor is not None:
+            self._executor.submit(lambda: None).result()
+
+    def _take_pending(self) -> BaseException | None:
+        """Join the in-flight write; return (and forget) its error."""
+        self._drain()
+        fut, step = self._pending, self._pending_step
+        self._pending, self._pending_step, self._staged = None, None, None
+        if fut is None:
+            return None
+        err = fut.exception()
+        if err is not None:
+            log.error("background save of checkpoint step %s to %s failed: %r", step,
+                      self.url, err)
+        return err
+
+    def _raise_pending(self) -> None:
+        err = self._take_pending() or self._error
+        self._error = None
+        if err is not None:
+            raise err
+        if self._conflict is not None:
+            raise self._conflict
+
+    # ------------------------------------------------------------------ saving
+    def save(self, state_dict: dict[str, Any], *, step: int, metadata: dict[str, Any] | None = None,
+             blocking: bool = True, copy_later: Iterable[torch.Tensor] = ()) -> None:
+        """Save ``state_dict`` as checkpoint ``step``. Not collective.
+
+        The writer ranks write; every other rank validates the arguments and returns
+        at once without touching storage, so calling it on rank 0 only and calling it
+        on every rank both work.
+
+        Args:
+            state_dict: nested dicts/lists/tuples of tensors and Python primitives.
+            step: the global step (``>= 0``). Saving a committed step again replaces
+                it without ever un-committing it: the step is committed, with the old
+                or the new state, at every moment of the re-save.
+            metadata: small JSON-able dict recorded in the manifest (``epoch``...).
+            blocking: when False, writers copy the tensors to CPU memory (inside
+                ``save()``, except those in ``copy_later``) and write on the store's
+                background worker. The next ``save``/``wait``/``close`` on the writer
+                waits for it and raises its error.
+            copy_later: with ``blocking=False``, tensors of ``state_dict`` (matched by
+                storage, so parameters match their ``state_dict()`` views) that the
+                caller promises not to modify until :meth:`wait_staged` returns: they
+                are copied on the background worker, overlapping whatever the caller
+                does next, instead of inside ``save()``. :class:`ElasticLoop` passes
+                the parameters and optimizer state (they change only in
+                ``optimizer.step()``) and calls :meth:`wait_staged` right before it,
+                so the copy overlaps the next forward and backward pass. Ignored
+                when blocking.
+
+        Raises:
+            TypeError: ``state_dict`` holds something weights-only loading cannot read
+                (the message names the key path), or ``metadata`` is not JSON-able.
+            OSError: the write failed (``ENOSPC`` named as such; the partial
+                checkpoint is removed); on the writer only.
+            CheckpointConflictError: another job commits to the same URL (every
+                later save is refused).
+            CheckpointError: the store cannot be read.
+
+        .. warning::
+            A blocking save returns on the writer once the checkpoint is committed.
+            A non-blocking save commits later: a crash before the next ``wait()``
+            loses it (the previous checkpoint stays valid). Deleting the checkpoints
+            beyond ``keep_last`` runs on the background worker after the commit.
+        """
+        if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step < 10**12:
+            raise ValueError(f"step={step!r} must be an int in [0, 10**12)")
+        metadata = dict(metadata or {})
+        try:
+            json.dumps(metadata, allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"metadata={metadata!r} must be JSON-serializable: {e}") from e
+        if hasattr(state_dict, "state_dict") and not isinstance(state_dict, dict):
+            state_dict = state_dict.state_dict()
+        validate_state(state_dict)
+        if not self.is_writer:
+            return
+        self._raise_pending()
+        world_size = self.info.world_size
+        if blocking:
+            prepared = prepare_state(state_dict, copy=False)
+            self._submit(self._write, prepared, step, metadata, world_size).result()
+            self._submit(self._retain, step)
+            return
+        used: dict[str, torch.Tensor] = {}
+        deferred: list[tuple[torch.Tensor, torch.Tensor]] = []
+        staged = prepare_state(state_dict, copy=True,
+                               pool=self._staging if self.reuse_staging else None,
+                               used=used, later=storage_keys(copy_later), deferred=deferred)
+        self._staging = used if self.reuse_staging else {}
+        after = None
+        if any(t.is_cuda for t in iter_tensors(state_dict)):
+            if any(src.is_cuda for src, _ in deferred):
+                after = torch.cuda.Event()
+                after.record()  # the deferred copies wait for work issued so far
+            torch.cuda.synchronize()  # the pinned copies were issued non_blocking
+        event = threading.Event() if deferred else None
+        self._staged = event
+        self._pending_step = step
+        self._pending = self._submit(self._stage_write_retain, deferred, after, event, staged,
+                                     step, metadata, world_size)
+
+    def _stage_write_retain(self, deferred: list[tuple[torch.Tensor, torch.Tensor]], after: Any,
+                            staged: threading.Event | None, state: Any, step: int,
+                            metadata: dict[str, Any], world_size: int) -> None:
+        if staged is not None:
+            try:
+                copy_deferred(deferred, after)
+            finally:
+                staged.set()  # also on failure: the error surfaces at the next store call
+        self._write(state, step, metadata, world_size)
+        self._retain(step)
+
+    def wait_staged(self) -> None:
+        """Return once the in-flight save no longer reads the caller's tensors.
+
+        After a non-blocking save with ``copy_later``, call this before modifying any
+        of those tensors (:class:`ElasticLoop` calls it before ``optimizer.step()``).
+        Returns at once when nothing is being staged. Only this rank's background
+        copy is waited for; a failure is raised by the next ``save``/``wait``/``close``.
+        """
+        if self._staged is not None:
+            self._staged.wait()
+            self._staged = None
+
+    def _write(self, state: Any, step: int, metadata: dict[str, Any], world_size: int) -> None:
+        t0 = time.perf_counter()
+        path, manifest = self._layout.commit(state, step=step, checksum=self.checksum,
+                                             metadata=metadata, world_size=world_size)
+        self.last_save_s = time.perf_counter() - t0
+        self._newest_verified = max(self._newest_verified, step)
+        log.info("checkpoint step %d committed to %s (%.1f MB in %.2f s)", step, path,
+                 manifest.size_bytes / 1e6, self.last_save_s)
+
+    def _retain(self, just_written: int) -> None:
+        """Retention and cleaning after a commit; never fails the save that committed."""
+        try:
+            if self.keep_last is not None:
+                self._layout.retain(self.keep_last, just_written=just_written,
+                                    newest_verified=self._newest_verified,
+                                    started=self._started)
+            self._layout.clean_stale(newest_committed=just_written)
+        except CheckpointConflictError as e:
+            log.error("%s", e)
+            self._conflict = e  # every later save on this store refuses to go on
+        except Exception as e:
+            log.warning("checkpoint retention in %s failed: %r", self.url, e)
+
+    def wait(self) -> None:
+        """Wait for this rank's in-flight save and retention; raise a failed save's
+        error (once). Not collective: returns at once on non-writer ranks."""
+        self._raise_pending()
+
+    def wait_local(self) -> None:
+        """Wait like :meth:`wait`, but log a failure instead of raising it.
+
+        For error paths, where another error is already propagating and should stay
+        the one the user sees.
+        """
+        self._take_pending()
+
+    def close(self) -> None:
+        """Wait for the in-flight save (raising its error) and stop the background
+        worker. Not collective. The store may be used again afterwards."""
+        try:
+            self._raise_pending()
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+                self._executor = None
+
+    # ------------------------------------------------------------------ housekeeping
+    def list(self) -> list[CheckpointInfo]:
+        """Committed checkpoints in this store (this node's, when node-local), oldest first.
+
+        Committed means the manifest is present and validates; payloads are not read
+        (see :meth:`verify`). Not collective. Waits for this store's own queued
+        background work first.
+
+        Raises:
+            NotADirectoryError: the URL is a file. FileNotFoundError: its bucket does
+            not exist. CheckpointError: the store cannot be read (after retries).
+        """
+        self._drain()
+        self._layout.check_root()
+        return [CheckpointInfo(step=d.step, path=d.path, metadata=m.metadata,
+                               size_bytes=m.size_bytes, time=m.time, epoch=m.epoch,
+                               world_size=m.world_size, manifest=m)
+                for d, m in self._layout.committed()]
+
+    def latest_step(self) -> int | None:
+        """The newest committed step in this store (not verified; not collective)."""
+        infos = self.list()
+        return infos[-1].step if infos else None
+
+    def verify(self, *, deep: bool = True) -> list[tuple[int, str, str | None]]:
+        """Check every ``step-<n>`` directory: ``(step, path, problem or None)``, oldest first.
+
+        ``deep`` recomputes checksums (reads everything); otherwise types and sizes
+        only. A malformed or partial checkpoint is reported with its reason, never
+        raised; a read that keeps failing raises :class:`CheckpointError`.
+        """
+        self._drain()
+        self._layout.check_root()
+        out: list[tuple[int, str, str | None]] = []
+        for d in self._layout.scan():
+            try:
+                self._layout.verify(d, deep=deep)
+                out.append((d.step, d.path, None))
+            except CheckpointCorruptError as e:
+                out.append((d.step, d.path, str(e)))
+            except CheckpointError:
+                raise
+            except Exception as e:  # the layout re-reads a vanished file: report it
+                out.append((d.step, d.path, f"{type(e).__name__}: {e}"))
+        return out
+
+    def prune(self, keep: int, *, dry_run: bool = False) -> list[CheckpointInfo]:
+        """Delete all but the newest ``keep`` committed checkpoints and stale leftovers
+        of interrupted saves; returns the deleted (with ``dry_run``: doomed) ones.
+
+        Not collective; for tools (``python -m elastic_kit prune``) and scripts. A save
+        in progress (of this or another process) is never removed.
+        """
+        if type(keep) is not int or keep < 1:
+            raise ValueError(f"keep={keep!r} must be an int >= 1")
+        self._drain()
+        self._layout.check_root()
+        before = {i.step: i for i in self.list()}
+        doomed = self._layout.prune(keep, dry_run=dry_run)
+        return [before[d.step] for d in doomed if d.step in before]
+
+    # ------------------------------------------------------------------ reading
+    def _found_to_loaded(self, found: Found, map_location: Any) -> LoadedCheckpoint:
+        d, m = found.dir, found.manifest
+        try:
+            state = load_payload(found.source, map_location=map_location, where=d.path)
+        finally:
+            found.source.close()
+        self._newest_verified = max(self._newest_verified, d.step)
+        return LoadedCheckpoint(step=d.step, state=state, metadata=m.metadata, path=d.path,
+                                epoch=m.epoch, world_size=m.world_size)
+
+    def load(self, *, map_location: Any = None) -> LoadedCheckpoint | None:
+        """The newest checkpoint that verifies, or None. Collective: call on every rank.
+
+        Corrupt or partial newer checkpoints are logged (warning) and skipped; a read
+        that keeps failing is raised instead (it proves nothing about the checkpoint,
+        and skipping it would roll training back). With a process group, one rank
+        reads and broadcasts the state tensor by tensor; with ``node_local=True``
+        nodes that lacked the step then commit a local copy (best effort).
+
+        Args:
+            map_location: as for :func:`torch.load`; with a process group it must be a
+                device, a device string or a ``{"cpu": device}`` dict.
+
+        Raises:
+            CheckpointError: some rank did not call ``load()`` within ``load_timeout``
+                ("load() is collective: call it on every rank"), or the store could
+                not be read (on every rank).
+            NotADirectoryError: the URL is a file. FileNotFoundError: its bucket does
+                not exist.
+            UnsafeCheckpointError: the newest verified checkpoint holds pickled objects
+                (it is refused, never executed, and no older one is used in its place).
+        """
+        if self._executor is not None:
+            err = self._take_pending()  # our own save first; its error stays for wait()
+            if err is not None:
+                self._error = err
+        info = self.info
+        if not (is_dist_ready() and info.world_size > 1):
+            self._layout.check_root()
+            found = self._layout.newest_verified()
+            return None if found is None else self._found_to_loaded(found, map_location)
+        self._handshake(info)
+        return self._load_distributed(map_location)
+
+    def _handshake(self, info: DistInfo) -> None:
+        """Fail clearly unless every rank is in this load() call (no collective used)."""
+        import torch.distributed as dist
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        global _LOAD_SEQ
+        with _LOAD_LOCK:
+            _LOAD_SEQ += 1
+            key = f"elastic_kit/checkpoint/load/{_LOAD_SEQ}"
+        kv = _get_default_store()
+        arrived = kv.add(f"{key}/arrived", 1)
+        if arrived >= info.world_size:
+            kv.set(f"{key}/all", "1")
+        try:
+            kv.wait([f"{key}/all"], timedelta(seconds=self.load_timeout))
+        except (dist.DistStoreError, RuntimeError) as e:
+            kv.set(f"{key}/abandoned", str(info.rank))
+            count = kv.add(f"{key}/arrived", 0)
+            raise CheckpointError(
+                f"load() is collective: call it on every rank. Rank {info.rank} waited "
+                f"{self.load_timeout:g} s (load_timeout) in load() call #{_LOAD_SEQ} on "
+                f"{self.url}, and only {count} of {info.world_size} ranks called it") from e
+        if kv.check([f"{key}/abandoned"]):
+            raise CheckpointError(
+                f"load() is collective: call it on every rank. Rank "
+                f"{kv.get(f'{key}/abandoned').decode()} gave up waiting in load() call "
+                f"#{_LOAD_SEQ} on {self.url} before this rank ({info.rank}) called it")
+
+    def _load_distributed(self, map_location: Any) -> LoadedCheckpoint | None:
+        info = self.info
+        device = target_device(map_location)
+        found: Found | None = None
+        error: BaseException | None = None
+        if self.is_writer:
+            try:
+                self._layout.check_root()
+                found = self._layout.newest_verified()
+            except Exception as e:  # every rank must learn it, in the next collective
+                error = e
+        found_step = found.dir.step if found is not None else -1
+        if found is not None:
+            self._newest_verified = max(self._newest_verified, found_step)
+        try:
+            step, src, failed_rank = agree_on_holder(found.dir.step if found else None,
+                                                     info.rank, info.world_size,
+                                                     failed=error is not None)
+            if error is not None:
+                raise error
+            if failed_rank >= 0:
+                raise CheckpointError(f"rank {failed_rank} could not read its checkpoint "
+                                      f"store (see its log); nothing was loaded")
+            if step is None:
+                return None
+            state, header = None, None
+            if info.rank == src:
+                assert found is not None
+                try:
+                    loaded = self._found_to_loaded(found, device)
+                    found = None
+                    state = loaded.state
+                    header = {"ok": True, "metadata": loaded.metadata, "path": loaded.path,
+                              "epoch": loaded.epoch, "world_size": loaded.world_size}
+                except Exception as e:
+                    broadcast_object({"ok": False, "error": f"{type(e).__name__}: {e}"}, src=src)
+                    raise
+            header = broadcast_object(header, src=src)
+            if not header["ok"]:
+                raise UnsafeCheckpointError(f"rank {src} could not load checkpoint step "
+                                            f"{step}: {header['error']}")
+            state = broadcast_state(state, src=src, rank=info.rank, device=device)
+        finally:
+            if found is not None:
+                found.source.close()
+        path = header["path"]
+        if self.node_local:
+            path = self._layout.dir_of(step).path
+            if self.is_writer and found_step < step:
+                self._copy_locally(state, step, header)
+        return LoadedCheckpoint(step=step, state=state, metadata=header["metadata"], path=path,
+                                epoch=header["epoch"], world_size=header["world_size"])
+
+    def _copy_locally(self, state: Any, step: int, header: dict[str, Any]) -> None:
+        """A node that lacked the newest step commits the broadcast copy (best effort:
+        the state is already loaded; a failure only costs a later restore)."""
+        try:
+            path, _ = self._layout.commit(prepare_state(state, copy=False), step=step,
+                                          checksum=self.checksum, metadata=header["metadata"],
+                                          world_size=header["world_size"])
+            self._newest_verified = max(self._newest_verified, step)
+            log.info("node %d lacked checkpoint step %d: local copy written to %s",
+                     self.info.node_rank, step, path)
+            self._retain(step)
+        except Exception as e:
+            log.warning("node %d could not write its local copy of checkpoint step %d to %s: "
+                        "%r", self.info.node_rank, step, self.url, e)
