@@ -236,3 +236,14 @@ class TestS3(StoreContract):
     def target(self, s3_bucket):  # noqa: F811
         url, opts = s3_bucket
         return f"{url}/run", opts
+
+
+def test_a_missing_checksum_dependency_fails_when_the_store_is_built(
+        tmp_path, monkeypatch) -> None:
+    """Not at the first save, an epoch later."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "xxhash", None)  # makes `import xxhash` fail
+    with pytest.raises(ImportError, match="needs the xxhash package"):
+        CheckpointStore(str(tmp_path))
+    CheckpointStore(str(tmp_path), checksum="sha256")  # the others need nothing extra

@@ -205,8 +205,12 @@ def new_hasher(algorithm: str) -> Any:
     if algorithm == "sha256":
         return hashlib.sha256()
     if algorithm == "xxh3_128":
-        import xxhash  # a dependency; imported here so that loading never needs it first
-
+        try:
+            import xxhash  # a dependency; checked when a store is built (CheckpointStore)
+        except ImportError as e:
+            raise ImportError(
+                "checksum='xxh3_128' needs the xxhash package, a dependency of elastic_kit: "
+                "pip install xxhash (or choose checksum='crc32' or 'sha256')") from e
         return xxhash.xxh3_128()
     if algorithm == "crc32":
         return _Crc32()

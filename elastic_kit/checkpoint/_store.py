@@ -43,7 +43,8 @@ from elastic_kit.checkpoint._fs import resolve_url
 from elastic_kit.checkpoint._layout import Found, Layout
 from elastic_kit.checkpoint._manifest import CHECKSUMS, Manifest
 from elastic_kit.checkpoint._serialize import (
-    copy_deferred, iter_tensors, load_payload, prepare_state, storage_keys, validate_state,
+    copy_deferred, iter_tensors, load_payload, new_hasher, prepare_state, storage_keys,
+    validate_state,
 )
 from elastic_kit.distributed import DistInfo, broadcast_object, get_dist_info, is_dist_ready
 from elastic_kit.errors import (
@@ -194,6 +195,7 @@ class CheckpointStore:
             raise ValueError(f"keep_last={keep_last!r} must be an int >= 1 or None (keep all)")
         if checksum not in CHECKSUMS:
             raise ValueError(f"checksum={checksum!r} must be one of {CHECKSUMS}")
+        new_hasher(checksum)  # a missing dependency fails here, not at the first save
         for name, value, lo in (("io_timeout", io_timeout, 0.0), ("load_timeout", load_timeout, 0.0),
                                 ("stale_after_s", stale_after_s, -1.0)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > lo:
