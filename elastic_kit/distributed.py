@@ -13,6 +13,7 @@ no process group is initialized.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 from dataclasses import dataclass
@@ -162,6 +163,8 @@ def init_distributed(
     Returns:
         The :class:`DistInfo` of this worker. With ``WORLD_SIZE`` unset or 1 and no
         ``MASTER_ADDR`` no process group is created and world size is 1.
+        A process group it creates is destroyed at exit (an ``atexit`` handler), before
+        interpreter shutdown, when the script has not done so itself.
 
     Example::
 
@@ -189,6 +192,7 @@ def init_distributed(
         log.debug("world size 1 without a rendezvous: no process group")
         return DistInfo(**{**info.__dict__, "device": _device_for(local_rank, backend)})
     dist.init_process_group(backend=backend, timeout=timeout)
+    _register_exit_teardown()
     info = get_dist_info()
     log.info(
         "joined process group: rank %d/%d (node %d/%d, local rank %d), backend %s, "
@@ -197,6 +201,37 @@ def init_distributed(
         info.backend, info.restart_count, info.run_id,
     )
     return info
+
+
+_exit_hook_registered = False
+
+
+def _register_exit_teardown() -> None:
+    """Destroy the process group before the interpreter starts shutting down (once).
+
+    A worker often exits with its process group still alive: on an exception after a
+    peer died, or with ``SystemExit`` after a SIGTERM checkpoint. The backend's own
+    threads may then still hold the last reference to a collective's tensors (gloo's
+    worker thread releases a finished or failed work item a moment after the caller
+    saw its result). Releasing a tensor that Python created needs the GIL, and a
+    thread that asks for the GIL once interpreter shutdown has begun is ended by
+    CPython with ``pthread_exit``; unwinding that through the work item's (noexcept)
+    destructor calls ``std::terminate``: the worker dies with SIGABRT ("terminate
+    called without an active exception") instead of its real exit status. ``atexit``
+    handlers run before that shutdown, while those threads can still take the GIL, so
+    tearing the process group down there lets them finish first.
+    """
+    global _exit_hook_registered
+    if not _exit_hook_registered:
+        atexit.register(_destroy_process_group_quietly)
+        _exit_hook_registered = True
+
+
+def _destroy_process_group_quietly() -> None:
+    try:
+        destroy_distributed()
+    except Exception as e:  # the process is exiting anyway: keep its own exit status
+        log.debug("destroying the process group at exit failed: %r", e)
 
 
 def destroy_distributed() -> None:

@@ -4,6 +4,10 @@ One uninterrupted run is shared by the tests (module fixture). The resume test e
 a run part-way with ``--max-steps`` (a clean stop), continues it on the same
 checkpoint store, SIGKILLs a worker of the continuation (torchrun restarts the
 group), and must end with bitwise the same weights as the uninterrupted run.
+
+The runs that get a worker killed go through ``tests/integration/_hold.py``: both
+ranks wait at the end of step 5 until the test, having seen checkpoint 4 committed,
+has killed the worker, so the kill always lands mid-run however loaded the machine.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[1]
 MAIN = ROOT / "examples" / "imagenet" / "main.py"
+HOLD = ROOT / "tests" / "integration" / "_hold.py"
+HOLD_AT_STEP = 5  # after the checkpoint of step 4 (--checkpoint-every 2), before the end
 CLASSES, PER_CLASS, VAL_PER_CLASS = 4, 16, 5
 DATASET_SIZE = CLASSES * PER_CLASS  # 64
 GLOBAL_BATCH, MICRO_BATCH, EPOCHS = 16, 4, 3
@@ -42,7 +48,7 @@ def script_args(data: Path, ckpt: Path, summary: Path, *extra: str) -> list[str]
 
 
 def run_example(data: Path, ckpt: Path, summary: Path, *extra: str,
-                timeout: float = 150) -> dict[str, Any]:
+                timeout: float = 400) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
            "--nproc-per-node=2", *script_args(data, ckpt, summary, *extra)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -50,6 +56,17 @@ def run_example(data: Path, ckpt: Path, summary: Path, *extra: str,
     assert proc.returncode == 0, (
         f"torchrun failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr[-6000:]}")
     return json.loads(summary.read_text())
+
+
+def hold_env(hold_dir: Path) -> dict[str, str]:
+    hold_dir.mkdir(parents=True, exist_ok=True)
+    return {"EK_TEST_HOLD_DIR": str(hold_dir), "EK_TEST_HOLD_AT_STEP": str(HOLD_AT_STEP),
+            "EK_TEST_HOLD_WORLD_SIZE": "2"}
+
+
+def wait_until_both_ranks_hold(hold_dir: Path, cluster: LocalCluster) -> None:
+    wait_for(lambda: all((hold_dir / f"held-rank{r}").exists() for r in (0, 1)), 240,
+             what=f"both ranks to hold at step {HOLD_AT_STEP}", abort_if=cluster.all_exited)
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +88,9 @@ def test_two_workers_train_every_sample_once_and_write_the_summary(
                       "final_top1", "final_top5", "best_acc1", "param_sha256",
                       "images_per_sec", "arch", "global_batch_size", "dataset_size"}
     assert s["steps"] == EPOCHS * STEPS_PER_EPOCH and s["epochs"] == EPOCHS
-    assert s["world_sizes"] == [{"world_size": 2, "step": 0, "restart": 0, "restored_step": None}]
+    assert [{k: w[k] for k in ("world_size", "step", "restart", "restored_step")}
+            for w in s["world_sizes"]] == [
+        {"world_size": 2, "step": 0, "restart": 0, "restored_step": None}]
     assert s["restarts"] == 0 and s["restored_steps"] == []
     assert s["audit"] == [{"epoch": e, "count": DATASET_SIZE, "expected": DATASET_SIZE, "ok": True}
                           for e in range(EPOCHS)]
@@ -93,15 +112,18 @@ def test_stopped_then_sigkilled_and_resumed_at_same_world_size_gives_identical_w
 
     # 2. resume from step 3, then lose a worker to SIGKILL (no chance to save):
     #    torchrun restarts the group, which resumes from the newest checkpoint
-    summary = tmp_path / "resumed.json"
-    with LocalCluster(script_args(data, ckpt, summary), nnodes="1", nproc_per_node=2,
-                      max_restarts=1, env={"OMP_NUM_THREADS": "1"},
+    summary, hold = tmp_path / "resumed.json", tmp_path / "hold"
+    with LocalCluster([str(HOLD), *script_args(data, ckpt, summary)], nnodes="1",
+                      nproc_per_node=2, max_restarts=1,
+                      env={"OMP_NUM_THREADS": "1", **hold_env(hold)},
                       log_dir=tmp_path / "logs") as cluster:
         agent = cluster.add_agent()
-        wait_for(lambda: (ckpt / "step-000000000004" / "manifest.json").exists(), 120,
+        wait_until_both_ranks_hold(hold, cluster)
+        wait_for(lambda: (ckpt / "step-000000000004" / "manifest.json").exists(), 240,
                  what="checkpoint step 4", abort_if=cluster.all_exited)
         cluster.kill_worker(agent, local_rank=1)
-        assert cluster.wait(150) == [0], cluster.logs()[-6000:]
+        (hold / "release").touch()
+        assert cluster.wait(300) == [0], cluster.logs()[-6000:]
     s = json.loads(summary.read_text())
     assert s["restarts"] == 1
     assert s["restored_steps"][0] == 3 and len(s["restored_steps"]) == 2
@@ -120,17 +142,25 @@ def test_workers_forked_from_the_agent_resume_exactly_after_sigkill(
         data: Path, tmp_path: Path, uninterrupted: dict[str, Any]) -> None:
     """The fast-restart setup of the README (``--start-method=fork --run-path``: workers
     are forked from the agent, which has torch imported) trains the same trajectory."""
-    ckpt, summary = tmp_path / "ckpt", tmp_path / "forked.json"
-    with LocalCluster(script_args(data, ckpt, summary), nnodes="1", nproc_per_node=2,
-                      max_restarts=1, env={"OMP_NUM_THREADS": "1"}, log_dir=tmp_path / "logs",
+    import psutil
+
+    ckpt, summary, hold = tmp_path / "ckpt", tmp_path / "forked.json", tmp_path / "hold"
+    with LocalCluster([str(HOLD), *script_args(data, ckpt, summary)], nnodes="1",
+                      nproc_per_node=2, max_restarts=1,
+                      env={"OMP_NUM_THREADS": "1", **hold_env(hold)}, log_dir=tmp_path / "logs",
                       torchrun_args=["--start-method=fork", "--run-path"]) as cluster:
         agent = cluster.add_agent()
-        wait_for(lambda: (ckpt / "step-000000000004" / "manifest.json").exists(), 120,
+        wait_until_both_ranks_hold(hold, cluster)
+        # Forked workers are copies of the agent process: they carry its command line.
+        workers = agent.worker_pids()
+        assert len(workers) >= 2 and all(
+            "torch.distributed.run" in psutil.Process(pid).cmdline() for pid in workers), (
+            [psutil.Process(pid).cmdline() for pid in workers])
+        wait_for(lambda: (ckpt / "step-000000000004" / "manifest.json").exists(), 240,
                  what="checkpoint step 4", abort_if=cluster.all_exited)
         cluster.kill_worker(agent, local_rank=0)
-        assert cluster.wait(150) == [0], cluster.logs()[-6000:]
-    logs = cluster.logs()
-    assert "start_method: fork" in logs or "run_script_path" in logs, logs[-3000:]
+        (hold / "release").touch()
+        assert cluster.wait(300) == [0], cluster.logs()[-6000:]
     s = json.loads(summary.read_text())
     assert s["restarts"] == 1 and len(s["restored_steps"]) == 1
     assert 4 <= s["restored_steps"][0] < s["steps"]

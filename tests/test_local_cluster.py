@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -25,6 +24,7 @@ from elastic_kit.testing import (  # noqa: E402
     kill_process_tree,
     wait_for,
 )
+from elastic_kit.testing._proc import signal_pending  # noqa: E402
 
 # A stand-in for torchrun: it starts a "worker" in its own session (as torchrun does),
 # writes the worker's pid to a file, and then sleeps.
@@ -71,7 +71,7 @@ def test_kill_process_tree_kills_children_in_other_sessions(fake_agent) -> None:
     killed = kill_process_tree(proc.pid)
     proc.wait(timeout=10)
     assert proc.pid in killed and worker in killed
-    wait_for(lambda: not _alive(worker), 10, what=f"worker {worker} to die")
+    wait_for(lambda: not _alive(worker), 60, what=f"worker {worker} to die")
 
 
 def test_kill_process_tree_of_a_gone_pid_is_a_no_op() -> None:
@@ -127,7 +127,7 @@ def test_close_kills_orphans_of_an_agent_that_died_alone(tmp_path: Path) -> None
     agent.proc.wait(timeout=10)
     assert _alive(worker)
     cluster.close()
-    wait_for(lambda: not _alive(worker), 10, what=f"orphan {worker} to die")
+    wait_for(lambda: not _alive(worker), 60, what=f"orphan {worker} to die")
     assert "###" in agent.read_log()
 
 
@@ -144,13 +144,15 @@ def test_kill_agent_pause_and_resume(tmp_path: Path) -> None:
             workers.append(_read_pid(f))
         paused = cluster.pause_workers()
         assert set(workers) <= set(paused)
-        assert psutil.Process(workers[0]).status() == psutil.STATUS_STOPPED
+        # SIGSTOP is delivered asynchronously: wait for it rather than race it
+        wait_for(lambda: psutil.Process(workers[0]).status() == psutil.STATUS_STOPPED, 60,
+                 what="worker to stop")
         cluster.resume_workers(paused)
-        wait_for(lambda: psutil.Process(workers[0]).status() != psutil.STATUS_STOPPED, 5,
+        wait_for(lambda: psutil.Process(workers[0]).status() != psutil.STATUS_STOPPED, 60,
                  what="worker to resume")
         cluster.kill_agent(agents[1])
         assert not agents[1].alive and agents[0].alive
-        wait_for(lambda: not _alive(workers[1]), 10, what="killed agent's worker to die")
+        wait_for(lambda: not _alive(workers[1]), 60, what="killed agent's worker to die")
         assert _alive(workers[0])
         assert cluster.wait(0.1) == [None, -signal.SIGKILL]
     assert not _alive(workers[0]) and not agents[0].alive
@@ -160,10 +162,31 @@ def test_wait_for_returns_value_times_out_and_aborts() -> None:
     assert wait_for(lambda: 7, 1) == 7
     with pytest.raises(TimeoutError, match="the thing"):
         wait_for(lambda: None, 0.2, interval=0.05, what="the thing")
-    t = time.monotonic()
+    polls: list[int] = []
     with pytest.raises(RuntimeError, match="abort"):
-        wait_for(lambda: None, 30, interval=0.05, abort_if=lambda: True)
-    assert time.monotonic() - t < 5
+        wait_for(lambda: polls.append(1), 600, interval=0.05, abort_if=lambda: True)
+    # gave up at the first failed poll (and one re-check), not at the 600 s timeout
+    assert len(polls) == 2
+
+
+def test_signal_pending_sees_a_signal_held_by_a_stopped_process() -> None:
+    """What ``add_agent_while_paused`` waits for: torchrun's SIGTERM to a paused worker."""
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        os.kill(p.pid, signal.SIGSTOP)
+        wait_for(lambda: psutil.Process(p.pid).status() == psutil.STATUS_STOPPED, 60,
+                 what="the process to stop")
+        assert not signal_pending(p.pid, signal.SIGTERM)
+        os.kill(p.pid, signal.SIGTERM)
+        wait_for(lambda: signal_pending(p.pid, signal.SIGTERM), 60, what="SIGTERM pending")
+        assert psutil.Process(p.pid).status() == psutil.STATUS_STOPPED
+        os.kill(p.pid, signal.SIGCONT)
+        assert p.wait(timeout=60) == -signal.SIGTERM
+        assert not signal_pending(p.pid, signal.SIGTERM)  # gone
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(timeout=60)
 
 
 def test_etcd_server_missing_binary_says_how_to_install() -> None:

@@ -15,7 +15,7 @@ from types import TracebackType
 from typing import IO, Any, Mapping, Sequence
 
 from elastic_kit.testing._proc import (
-    MARKER_ENV, _descendants, _port_open, _psutil, kill_process_tree, wait_for,
+    MARKER_ENV, _descendants, _port_open, _psutil, kill_process_tree, signal_pending, wait_for,
 )
 from elastic_kit.testing._spawn import free_port
 
@@ -270,8 +270,9 @@ class LocalCluster:
         Lets a test hold training still while a new agent starts (several seconds of
         Python and torch imports), so that "add a node while training" does not depend
         on how fast the machine is. The agents keep running, so they still see the new
-        node and restart the group; resume the workers before that happens (a stopped
-        worker cannot act on torchrun's SIGTERM). Pass the result to :meth:`resume_workers`.
+        node and restart the group; a stopped worker acts on torchrun's SIGTERM only once
+        resumed, so resume it well before torchrun's SIGKILL (30 s after the SIGTERM).
+        Pass the result to :meth:`resume_workers`.
         """
         pids: list[int] = []
         for agent in self.alive_agents():
@@ -295,17 +296,35 @@ class LocalCluster:
 
     def add_agent_while_paused(self, *, env: Mapping[str, str] | None = None,
                                timeout: float = 120.0) -> Agent:
-        """Add an agent with training held still until the agent asks to join.
+        """Add an agent with training held still until torchrun restarts the group for it.
 
-        Workers are paused, the agent is started, and the workers resume once its log
-        shows it entering the rendezvous (torchrun logs at INFO, which this cluster
-        enables), so the running group is still mid-training when the node joins.
+        Every worker is paused (SIGSTOP) before the agent starts, and resumed only once
+        torchrun has sent each of them the SIGTERM of the restart that lets the new node
+        in (the signal stays pending while a process is stopped). So the running group
+        makes no progress while the new agent starts and joins, however slow the
+        machine, and on resuming it stops after its current step, exactly as on a real
+        scale-up: the larger group is certain to form before training can finish.
+
+        Call it while a group is training (workers alive, their SIGTERM handling
+        installed); with no live workers it only starts the agent.
+
+        Raises:
+            TimeoutError: torchrun did not stop the workers within ``timeout`` seconds
+                (the workers are resumed first).
+            RuntimeError: the new agent exited before that.
         """
+        workers = [pid for a in self.alive_agents() for pid in a.worker_pids()]
         paused = self.pause_workers()
         try:
             agent = self.add_agent(env=env)
-            wait_for(lambda: "Rendezvous'ing worker group" in agent.read_log(), timeout,
-                     interval=0.05, what=f"agent {agent.index} to enter the rendezvous",
+            psutil = _psutil()
+
+            def all_asked_to_stop() -> bool:
+                return all(signal_pending(pid, signal.SIGTERM) or not psutil.pid_exists(pid)
+                           for pid in workers)
+
+            wait_for(all_asked_to_stop, timeout, interval=0.05,
+                     what=f"torchrun to stop workers {workers} for agent {agent.index}",
                      abort_if=lambda: not agent.alive)
         finally:
             self.resume_workers(paused)

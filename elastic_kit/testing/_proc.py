@@ -14,7 +14,7 @@ import time
 from types import ModuleType
 from typing import Any, Callable
 
-__all__ = ["MARKER_ENV", "kill_process_tree", "wait_for"]
+__all__ = ["MARKER_ENV", "kill_process_tree", "signal_pending", "wait_for"]
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +74,26 @@ def wait_for(
         if time.monotonic() >= deadline:
             raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
         time.sleep(interval)
+
+
+def signal_pending(pid: int, sig: int) -> bool:
+    """True when ``sig`` was sent to process ``pid`` and is not delivered yet.
+
+    A stopped (SIGSTOP) process keeps the signals sent to it pending until it is
+    continued, so this tells a test that, for example, torchrun has asked a paused
+    worker to stop. Reads ``/proc/PID/status`` (Linux); False when the process is gone.
+    """
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            status = f.read()
+    except OSError:
+        return False
+    bit = 1 << (int(sig) - 1)
+    for line in status.splitlines():
+        # SigPnd: sent to this thread; ShdPnd: sent to the process (kill, killpg).
+        if line.startswith(("SigPnd:", "ShdPnd:")) and int(line.split()[1], 16) & bit:
+            return True
+    return False
 
 
 def _descendants(pid: int) -> list[Any]:

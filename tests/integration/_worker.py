@@ -20,11 +20,14 @@ Everything that makes it elastic is the library's, exactly as a user would wire 
 The script adds only test plumbing: a tiny float64 MLP on a fixed synthetic regression
 set, a 30 s collective timeout (``init_distributed`` recommends a short one: it is how
 long survivors wait on a lost peer), an ``on_step_end`` hook that logs ``EKW step=...``
-lines (progress a test can wait on) and sleeps ``--step-delay``, a per-rank ``EKW
-rank=R world_size=W restored step=S`` line, ``--save-final``, the summary JSON rank 0
-writes at the end (the same keys as ``examples/imagenet/main.py``), and a test-only
-fault: ``--crash-in-save-at-step N --crash-marker PATH`` wraps
-:meth:`elastic_kit.checkpoint.manifest.Manifest.to_json`, which the real checkpoint
+lines (for people reading the logs), sleeps ``--step-delay`` and calls the test's hold
+point (``_hold.py``: every rank waits at the end of a chosen step until the test
+releases it), ``--events`` (every rank appends one JSON line when its group starts
+training, with the step it restored, and one when ``ElasticLoop.run`` exits, with
+the step reached and the exit code: what the scenarios check instead of log
+wording), ``--save-final``, the summary JSON rank 0 writes at the end (the same keys
+as ``examples/imagenet/main.py``), and a test-only fault: ``--crash-in-save-at-step N --crash-marker PATH`` wraps
+:meth:`Manifest.to_json` (``elastic_kit.checkpoint._manifest``), which the real checkpoint
 writer calls after the payload is written and right before the manifest (the commit),
 so the writer process dies with ``os._exit(1)`` inside the store's write of step N
 (once: the marker file records that it happened).
@@ -54,6 +57,8 @@ from torch.utils.data import TensorDataset
 import elastic_kit as ek
 from elastic_kit.checkpoint import CheckpointStore
 from elastic_kit.loop import ElasticLoop, LoopConfig, StepInfo, TrainState
+
+from _hold import hold_point  # this script's directory is on sys.path
 
 log = logging.getLogger("ek_worker")
 
@@ -86,6 +91,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--step-delay", type=float, default=0.0,
                    help="seconds to sleep after each step, so a test can act mid-run")
     p.add_argument("--summary-json", default=None)
+    p.add_argument("--events", default=None,
+                   help="append JSON lines here: every rank's start and exit of ElasticLoop.run")
     p.add_argument("--save-final", default=None, help="torch.save the final parameters here")
     p.add_argument("--crash-in-save-at-step", type=int, default=None,
                    help="the checkpoint writer exits after the payload but before the "
@@ -124,8 +131,12 @@ def install_crash_in_save(step: int, marker: str) -> None:
     writes the manifest, so exiting there leaves ``step-<n>/state.pt`` without a
     commit. Only a process that writes checkpoints ever calls it.
     """
-    from elastic_kit.checkpoint import manifest as manifest_mod
+    import importlib
 
+    try:  # the module defining Manifest (private since the checkpoint package split)
+        manifest_mod = importlib.import_module("elastic_kit.checkpoint._manifest")
+    except ImportError:
+        manifest_mod = importlib.import_module("elastic_kit.checkpoint.manifest")
     original = manifest_mod.Manifest.to_json
 
     def to_json(self: Any) -> str:
@@ -148,6 +159,13 @@ def write_json_atomically(path: str, payload: dict[str, Any]) -> None:
     with open(tmp, "w") as f:
         json.dump(payload, f, indent=1)
     os.replace(tmp, path)
+
+
+def append_event(path: str | None, **event: Any) -> None:
+    """One JSON line, appended in a single write (the ranks share the file)."""
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(event) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -181,11 +199,15 @@ def main(argv: list[str] | None = None) -> int:
 
     def log_restored() -> None:
         # Every rank says which step the store gave it (the node-local scenario checks
-        # that all ranks restored the same, newest step).
+        # that all ranks restored the same, newest step). At the first step end the
+        # loop's SIGTERM handling is installed, so a test may restart the group now.
         if not started["logged"]:
             started["logged"] = True
             log.info("EKW rank=%d world_size=%d restored step=%s", info.rank,
                      info.world_size, loop.restored_step)
+            append_event(args.events, event="start", rank=info.rank,
+                         world_size=info.world_size, restart=info.restart_count,
+                         restored_step=loop.restored_step, pid=os.getpid())
 
     def on_step_end(state: TrainState, step: StepInfo) -> None:
         log_restored()
@@ -194,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
                      step.loss)
         if args.step_delay:
             time.sleep(args.step_delay)
+        hold_point(step.step, step.world_size, info.rank)
 
     loop = ElasticLoop(
         state, dataset, loss_fn=loss_fn, store=store, on_step_end=on_step_end,
@@ -204,8 +227,16 @@ def main(argv: list[str] | None = None) -> int:
             checkpoint_at_epoch_end=not args.no_epoch_checkpoints,
             blocking=args.blocking_saves, seed=args.seed, audit="error",
             log_every=0, progress_bar=False))
-    loop.run()  # SIGTERM: checkpoint, then SystemExit(143) so torchrun restarts the group
+    try:
+        loop.run()  # SIGTERM: checkpoint, then SystemExit(143) so torchrun restarts the group
+    except SystemExit as e:
+        append_event(args.events, event="exit", rank=info.rank, world_size=info.world_size,
+                     restart=info.restart_count, step=state.step, code=e.code,
+                     pid=os.getpid())
+        raise
     log_restored()
+    append_event(args.events, event="exit", rank=info.rank, world_size=info.world_size,
+                 restart=info.restart_count, step=state.step, code=0, pid=os.getpid())
 
     sha = param_sha256(model)
     if info.is_main:

@@ -1,11 +1,15 @@
 """Helpers shared by the torchrun integration scenarios.
 
 A scenario starts a :class:`~elastic_kit.testing.LocalCluster` running a
-training script, waits for *observable* events (a checkpoint manifest appearing, a
-torchrun rendezvous line in an agent log) before it injects a fault, then asserts on
-the summary JSON that rank 0 writes at the end and on the logs. Nothing here sleeps
-for a guessed duration: every wait polls an event with a bounded timeout and gives up
-early when every agent has exited.
+training script and acts only on *observable* events: a committed checkpoint (its
+manifest, which also names the world size that wrote it), a line of the worker's
+``--events`` file, or every rank waiting at the test's hold point (``_hold.py``), where
+training cannot run ahead of the test however loaded the machine is. It then asserts
+on what the library guarantees: the summary JSON rank 0 writes at the end (world
+sizes, restored steps, sample audit, final parameters), the committed checkpoints
+and the steps and exit codes the workers report, never on torchrun's log wording or
+on timing. Nothing here sleeps for a guessed duration: every wait polls an event with
+a generous but bounded timeout and gives up early when every agent has exited.
 
 The training script is abstracted by :class:`TrainingScript` so the same scenarios
 run on ``tests/integration/_worker.py`` (a tiny float64 MLP trained with the library's
@@ -25,20 +29,19 @@ from typing import Any, Sequence
 
 import pytest
 
-from elastic_kit.testing import Agent, LocalCluster, wait_for
+from elastic_kit.testing import LocalCluster, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).resolve().parent / "_worker.py"
 
-#: torchrun's agent log line (LOGLEVEL=INFO) announcing a completed rendezvous.
-_GROUP_WORLD = re.compile(r"group_world_size=(\d+)")
+HOLD = Path(__file__).resolve().parent / "_hold.py"
 #: A committed-or-not checkpoint directory of the library's store (``step-000000000012``);
 #: anchored, so the store's ``.tmp-step-...`` staging directories never match.
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 #: Generous but bounded: 2 cores shared by several jobs, a worker start is 2-8 s.
-EVENT_TIMEOUT = 90.0
-RUN_TIMEOUT = 240.0
+EVENT_TIMEOUT = 180.0
+RUN_TIMEOUT = 420.0
 
 
 @dataclass(frozen=True)
@@ -53,13 +56,17 @@ class TrainingScript:
     name: str
     base: tuple[str, ...]
     supports_save_final: bool = True
+    supports_events: bool = True
 
     def argv(self, *, checkpoint_dir: str, summary_json: Path, save_final: Path | None = None,
-             checkpoint_every: int = 2, extra: Sequence[str] = ()) -> list[str]:
+             events: Path | None = None, checkpoint_every: int = 2,
+             extra: Sequence[str] = ()) -> list[str]:
         args = [*self.base, "--checkpoint-dir", checkpoint_dir,
                 "--checkpoint-every", str(checkpoint_every), "--summary-json", str(summary_json)]
         if save_final is not None and self.supports_save_final:
             args += ["--save-final", str(save_final)]
+        if events is not None and self.supports_events:
+            args += ["--events", str(events)]
         return [*args, *extra]
 
 
@@ -77,12 +84,32 @@ EXAMPLE = REPO / "examples" / "imagenet" / "main.py"
 
 def example_script(data_dir: Path, *, epochs: int = 3) -> TrainingScript:
     """The ImageNet example on a tiny image folder: tinycnn (no batch norm), 32 px,
-    no data-loader processes, a global batch of 24 (divisible by 1, 2 and 3 ranks)."""
-    return TrainingScript("example", (str(EXAMPLE), str(data_dir), "-a", "tinycnn",
+    no data-loader processes, a global batch of 24 (divisible by 1, 2 and 3 ranks).
+
+    Run through ``_hold.py`` so that a scenario can hold it at a step like the worker."""
+    return TrainingScript("example", (str(HOLD), str(EXAMPLE), str(data_dir), "-a", "tinycnn",
                                       "--image-size", "32", "-j", "0", "--epochs", str(epochs),
                                       "-b", "12", "--global-batch-size", "24", "--seed", "0",
                                       "-p", "1"),
-                          supports_save_final=False)
+                          supports_save_final=False, supports_events=False)
+
+
+@dataclass(frozen=True)
+class Hold:
+    """Where every rank of a job waits for the test (see ``_hold.py``): at the end of
+    the first step ``>= at_step`` that is at least the ``group_steps``-th step of its
+    worker group, in a group of ``world_size`` ranks (any size if None)."""
+
+    at_step: int = 1
+    world_size: int | None = None
+    group_steps: int = 1
+
+    def env(self, directory: Path) -> dict[str, str]:
+        env = {"EK_TEST_HOLD_DIR": str(directory), "EK_TEST_HOLD_AT_STEP": str(self.at_step),
+               "EK_TEST_HOLD_GROUP_STEPS": str(self.group_steps)}
+        if self.world_size is not None:
+            env["EK_TEST_HOLD_WORLD_SIZE"] = str(self.world_size)
+        return env
 
 
 def final_model_state(checkpoint_url: str) -> dict[str, Any]:
@@ -109,6 +136,8 @@ class Job:
     checkpoint_dir: Path
     summary_path: Path
     final_path: Path
+    events_path: Path
+    hold_dir: Path
     started: float = field(default_factory=time.monotonic)
 
     # -- observing -------------------------------------------------------------------
@@ -117,50 +146,74 @@ class Job:
         """Steps whose ``step-*/manifest.json`` exists under ``directory``."""
         return committed_steps(directory or self.checkpoint_dir)
 
+    def manifest(self, step: int, directory: Path | None = None) -> dict[str, Any]:
+        """The parsed ``manifest.json`` of committed checkpoint ``step``."""
+        return read_manifest(directory or self.checkpoint_dir, step)
+
     def _gone(self) -> bool:
         return self.cluster.all_exited()
 
     def wait_for_checkpoint(self, min_step: int, *, directory: Path | None = None,
+                            world_size: int | None = None,
                             timeout: float = EVENT_TIMEOUT) -> int:
-        """Wait until a checkpoint of step >= ``min_step`` is committed; return its step."""
+        """Wait until a checkpoint of step >= ``min_step`` is committed (by a group of
+        ``world_size`` ranks, when given, as its manifest says); return its step."""
+        where = directory or self.checkpoint_dir
+
         def newest() -> int | None:
-            steps = [s for s in self.committed_steps(directory) if s >= min_step]
+            steps = [s for s in committed_steps(where) if s >= min_step and (
+                world_size is None or read_manifest(where, s).get("world_size") == world_size)]
             return max(steps) if steps else None
-        return int(self._wait(newest, timeout, f"a checkpoint of step >= {min_step}"))
+        what = f"a checkpoint of step >= {min_step}" + (
+            f" saved at world size {world_size}" if world_size is not None else "")
+        return int(self._wait(newest, timeout, what))
 
-    def wait_for_world_size(self, world_size: int, *, more_than: int = 0,
-                            timeout: float = EVENT_TIMEOUT) -> int:
-        """Wait until more than ``more_than`` rendezvous of ``world_size`` nodes are logged.
+    def events(self) -> list[dict[str, Any]]:
+        """The worker's ``--events`` lines so far (start and exit of every rank), in order."""
+        if not self.events_path.exists():
+            return []
+        lines = self.events_path.read_text().splitlines()
+        return [json.loads(line) for line in lines if line.strip()]
 
-        Every agent of a round logs it, so a round of N nodes counts N times; pass the
-        previous return value to wait for the *next* such round. Returns the count.
-        """
-        def seen() -> int | None:
-            n = self.rendezvous_sizes().count(world_size)
-            return n if n > more_than else None
-        return int(self._wait(seen, timeout, f"a rendezvous of {world_size} nodes"))
+    def groups(self, rank: int = 0) -> list[dict[str, dict[str, Any]]]:
+        """``{"start": event, "exit": event}`` of each process that had ``rank``, in order:
+        one per worker group that trained at least one step (a worker stopped before
+        that reports nothing; one killed reports no exit)."""
+        by_pid: dict[int, dict[str, dict[str, Any]]] = {}
+        for e in self.events():
+            if e["rank"] == rank:
+                by_pid.setdefault(e["pid"], {})[e["event"]] = e
+        return list(by_pid.values())
 
-    def rendezvous_sizes(self) -> list[int]:
-        """Group sizes of every completed rendezvous, as logged by each agent taking part
-        (agent by agent, so not in time order across agents)."""
-        out: list[int] = []
-        for agent in self.cluster.agents:
-            out += [int(m) for m in _GROUP_WORLD.findall(agent.read_log())]
-        return out
+    def wait_for_start(self, world_size: int, *, timeout: float = EVENT_TIMEOUT) -> None:
+        """Wait until every rank of a group of ``world_size`` ranks has started training
+        (finished its first step, so its SIGTERM handling is installed)."""
+        def started() -> bool:
+            ranks = {e["rank"] for e in self.events()
+                     if e["event"] == "start" and e["world_size"] == world_size}
+            return ranks >= set(range(world_size))
+        self._wait(started, timeout, f"a group of {world_size} ranks to start training")
 
-    def wait_for_log(self, pattern: str, *, agent: Agent | None = None,
-                     timeout: float = EVENT_TIMEOUT) -> re.Match[str]:
-        """Wait until ``pattern`` (a regex) appears in one agent's log or any agent's."""
-        rx = re.compile(pattern)
-
-        def found() -> re.Match[str] | None:
-            agents = [agent] if agent is not None else self.cluster.agents
-            for a in agents:
-                m = rx.search(a.read_log())
-                if m:
-                    return m
+    def wait_until_held(self, world_size: int, *, timeout: float = EVENT_TIMEOUT) -> int:
+        """Wait until every rank of a group of ``world_size`` waits at the hold point;
+        return the step they hold at (the job needs a :class:`Hold`)."""
+        def held() -> int | None:
+            seen = [json.loads(p.read_text()) for p in self.hold_dir.glob("held-rank*")]
+            seen = [h for h in seen if h["world_size"] == world_size]
+            steps = {h["step"] for h in seen}
+            if len(seen) == world_size and len(steps) == 1:
+                return steps.pop()
             return None
-        return self._wait(found, timeout, f"log pattern {pattern!r}")
+        return int(self._wait(held, timeout, f"{world_size} ranks to reach the hold point"))
+
+    def wait_for_sigterm_at_hold(self, *, timeout: float = EVENT_TIMEOUT) -> None:
+        """Wait until some held rank has received torchrun's SIGTERM."""
+        self._wait(lambda: any(self.hold_dir.glob("sigterm-rank*")), timeout,
+                   "a held rank to receive SIGTERM")
+
+    def release(self) -> None:
+        """Let every held rank go on; nobody holds again in this job."""
+        (self.hold_dir / "release").touch()
 
     def _wait(self, predicate: Any, timeout: float, what: str) -> Any:
         try:
@@ -189,6 +242,15 @@ class Job:
         return self.cluster.logs()
 
 
+def read_manifest(directory: Path, step: int) -> dict[str, Any]:
+    """The parsed ``manifest.json`` of committed checkpoint ``step`` under ``directory``."""
+    for d in directory.iterdir():
+        m = _STEP_DIR.match(d.name)
+        if m and int(m.group(1)) == step:
+            return json.loads((d / "manifest.json").read_text())
+    raise FileNotFoundError(f"no checkpoint of step {step} in {directory}")
+
+
 def committed_steps(directory: Path) -> list[int]:
     """Steps ``N`` of every ``step-N/manifest.json`` directly under ``directory``."""
     if not directory.is_dir():
@@ -205,19 +267,23 @@ def make_job(root: Path, script: TrainingScript, *, nnodes: str, max_restarts: i
              rdzv_backend: str = "c10d", rdzv_endpoint: str | None = None,
              checkpoint_dir: str | None = None, checkpoint_every: int = 2,
              extra: Sequence[str] = (), env: dict[str, str] | None = None,
-             monitor_interval: float = 0.2) -> Job:
+             hold: Hold | None = None, monitor_interval: float = 0.2) -> Job:
     """A :class:`Job` (not started: call ``job.cluster.add_agent()``) writing under ``root``."""
     root.mkdir(parents=True, exist_ok=True)
     ckpt = root / "ckpt"
-    summary, final = root / "summary.json", root / "final.pt"
+    summary, final, events = root / "summary.json", root / "final.pt", root / "events.jsonl"
+    hold_dir = root / "hold"
+    hold_dir.mkdir(exist_ok=True)
     argv = script.argv(checkpoint_dir=checkpoint_dir or str(ckpt), summary_json=summary,
-                       save_final=final, checkpoint_every=checkpoint_every, extra=extra)
+                       save_final=final, events=events, checkpoint_every=checkpoint_every,
+                       extra=extra)
     cluster = LocalCluster(argv, nnodes=nnodes, max_restarts=max_restarts,
                            rdzv_backend=rdzv_backend, rdzv_endpoint=rdzv_endpoint,
-                           env={"PYTHONPATH": str(REPO), **(env or {})},
+                           env={"PYTHONPATH": str(REPO), **(hold.env(hold_dir) if hold else {}),
+                                **(env or {})},
                            log_dir=root / "logs", monitor_interval=monitor_interval,
                            python=sys.executable)
-    return Job(cluster, root, ckpt, summary, final)
+    return Job(cluster, root, ckpt, summary, final, events, hold_dir)
 
 
 def run_fault_free(root: Path, script: TrainingScript, *, epochs: int) -> tuple[Job, dict[str, Any]]:
@@ -273,6 +339,14 @@ def assert_audit_ok(summary: dict[str, Any], epochs: int) -> None:
     assert [a["epoch"] for a in audit] == list(range(epochs)), f"audited epochs: {audit}"
     bad = [a for a in audit if not a["ok"] or a["count"] != a["expected"]]
     assert not bad, f"sample audit failed: {bad}"
+
+
+def segments_after_last(summary: dict[str, Any], world_size: int) -> list[dict[str, Any]]:
+    """The worker-group starts after the last one at ``world_size`` (run summary)."""
+    sizes = [w["world_size"] for w in summary["world_sizes"]]
+    assert world_size in sizes, f"the job never ran at world size {world_size}: {sizes}"
+    last = len(sizes) - 1 - sizes[::-1].index(world_size)
+    return summary["world_sizes"][last + 1:]
 
 
 def world_size_sequence(summary: dict[str, Any]) -> list[int]:
