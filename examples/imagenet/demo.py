@@ -32,8 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from elastic_kit.testing import make_imagefolder
-from elastic_kit.testing import LocalCluster, wait_for
+from elastic_kit.testing import LocalCluster, make_imagefolder, wait_for  # the launcher's harness
 
 log = logging.getLogger("demo")
 
