@@ -127,33 +127,8 @@ def pyplot() -> Any:
 
 # --- writing files the way the baselines need ----------------------------------------
 
-_SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start writeback of dirty pages, do not wait
-_sync_file_range: Any = None  # resolved on first use; False when unavailable
-
-
-def start_writeback(fd: int, offset: int, nbytes: int) -> bool:
-    """``sync_file_range(fd, offset, nbytes, SYNC_FILE_RANGE_WRITE)`` through libc.
-
-    A copy of the call the checkpoint store makes every 8 MiB it writes to a local
-    file (kept here so the benchmark does not import the library's internals): the
-    kernel starts writing those pages to disk and returns at once, so the final fsync
-    waits only for the tail. Returns False where it is unavailable (not Linux/glibc).
-    """
-    global _sync_file_range
-    if _sync_file_range is None:
-        _sync_file_range = False
-        try:
-            import ctypes
-
-            fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-            fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-            fn.restype = ctypes.c_int
-            _sync_file_range = fn
-        except (OSError, AttributeError):
-            pass
-    if _sync_file_range is False:
-        return False
-    return _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE) == 0
+# The store's own writeback call, so the same-strategy baseline cannot drift from it.
+from elastic_kit.checkpoint._fs import start_writeback  # noqa: E402,F401
 
 
 def aligned_buffer(nbytes: int, align: int = 1 << 12) -> Any:

@@ -15,8 +15,8 @@ Baselines, all measured in the same run, on the same directory, with the same st
   where the filesystem refuses ``O_DIRECT`` (tmpfs).
 - ``buffered_writeback``: **the same write strategy as the store**, without the
   store: each tensor's bytes written through the page cache, the kernel asked to
-  start writeback every 8 MiB (``sync_file_range(SYNC_FILE_RANGE_WRITE)``, copied
-  in ``_common.start_writeback``), one fsync at the end. The store's ratio against
+  start writeback every 8 MiB (``sync_file_range(SYNC_FILE_RANGE_WRITE)``, through
+  the store's own ``start_writeback``), one fsync at the end. The store's ratio against
   it is the cost of everything else the store does (pickling the structure,
   checksum, manifest, temporary directory, rename, directory fsyncs).
 - ``raw_write_fsync``: the naive buffered writer (one ``write()`` per tensor, a
