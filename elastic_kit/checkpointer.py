@@ -576,10 +576,7 @@ class Checkpointer:
         if self._closed:
             return
         self._closed = True
-        if self._step_hook is not None:
-            self._step_hook.remove()
-            self._step_hook = None
-        self._stop.uninstall()
+        self._remove_hooks()
         if is_dist_ready():
             self._resolve_flags()
         if self.store is not None:
@@ -603,15 +600,27 @@ class Checkpointer:
     def __exit__(self, exc_type: Any, *exc: Any) -> None:
         if exc_type is None:
             self.close()
-        else:  # on one failing rank: no collective, or it would block on its peers
-            self._closed = True
-            if self._step_hook is not None:
-                self._step_hook.remove()
-            self._stop.uninstall()
-            if self.store is not None:
-                self.store.wait_local()
-            if self.snapshots is not None:
-                self.snapshots.close(remove=False)
+        else:
+            self._close_local()
+
+    def _close_local(self) -> None:
+        """Close on this rank alone, while an exception propagates (possibly on this
+        rank only): no collective, or it would block on its peers or match one of
+        their collectives. A pending save's failure is logged, not raised."""
+        if self._closed:
+            return
+        self._closed = True
+        self._remove_hooks()
+        if self.store is not None:
+            self.store.wait_local()
+        if self.snapshots is not None:
+            self.snapshots.close(remove=False)
+
+    def _remove_hooks(self) -> None:
+        if self._step_hook is not None:
+            self._step_hook.remove()
+            self._step_hook = None
+        self._stop.uninstall()
 
 
 def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

@@ -157,14 +157,18 @@ def test_sample_weights_count_every_real_sample_once_on_the_last_partial_step() 
     assert sum(sum(w) for w in last) == pytest.approx(3.0)
 
 
-def test_request_stop_saves_the_current_step_and_exits_143(tmp_path: Any) -> None:
+def _linear_at_world_size_1(url: Any, **options: Any) -> tuple[Any, Any, Any, Any]:
+    """``(dataset, sampler, state, checkpointer)`` of a linear model at world size 1."""
     torch.manual_seed(0)
     model = nn.Linear(5, 2)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ds = _dataset()
     sampler = ek.ElasticDistributedSampler(ds, 1, 0)
-    state = ek.TrainState(model, opt, sampler=sampler)
-    ckpt = ek.Checkpointer(state, tmp_path, every_steps=100, handle_signals=False)
+    state = ek.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1), sampler=sampler)
+    return ds, sampler, state, ek.Checkpointer(state, url, handle_signals=False, **options)
+
+
+def test_request_stop_saves_the_current_step_and_exits_143(tmp_path: Any) -> None:
+    ds, sampler, state, ckpt = _linear_at_world_size_1(tmp_path, every_steps=100)
     ckpt.restore()
     sampler.set_epoch(0)
     it = iter(DataLoader(ds, batch_size=BATCH, sampler=sampler))
@@ -185,13 +189,7 @@ def test_request_stop_saves_the_current_step_and_exits_143(tmp_path: Any) -> Non
 def _one_epoch_loop(url: str, stop_at: int | None) -> dict[str, Any]:
     """Two epochs of 13 steps at world size 1; a stop is requested before step
     ``stop_at + 1`` (12: the epoch's last step)."""
-    torch.manual_seed(0)
-    model = nn.Linear(5, 2)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ds = _dataset()
-    sampler = ek.ElasticDistributedSampler(ds, 1, 0)
-    state = ek.TrainState(model, opt, sampler=sampler)
-    ckpt = ek.Checkpointer(state, url, every_steps=5, audit=True, handle_signals=False)
+    ds, sampler, state, ckpt = _linear_at_world_size_1(url, every_steps=5, audit=True)
     steps = []
     for epoch in range(ckpt.restore(), 2):
         sampler.set_epoch(epoch)

@@ -244,7 +244,7 @@ class ElasticLoop:
                 # possibly on this rank alone: no collective here, or it would be
                 # matched against a peer's gradient all-reduce or block until the
                 # timeout, and hide the real error.
-                ckpt.__exit__(RuntimeError, None, None)
+                ckpt._close_local()
             self._loader = None
         return state
 
