@@ -20,13 +20,15 @@ after training resumed from the previous event, plus a random fraction of a step
 Variants, interleaved (each repeat runs every variant with the same random moments):
 
 - ``ours``: exactly the README's launch settings, ``--rdzv-conf=`` :data:`RDZV_CONF`
-  (a 1 s last call, keep-alive every 1 s with 3 attempts), and a checkpoint every
-  :data:`CHECKPOINT_EVERY` steps;
+  (a 1 s last call, keep-alive every 1 s with 3 attempts), a checkpoint every
+  :data:`CHECKPOINT_EVERY` steps and the example's default in-memory snapshots
+  (``--snapshot-every auto``);
 - ``ours_fork``: the same plus ``--start-method=fork --run-path`` (the README's fast
   restart: workers forked from the agent, which has torch imported already);
 - ``baseline``: what a user would otherwise run: torchrun's default rendezvous
   settings (30 s last call, keep-alive 5 s x 3, no ``--rdzv-conf``) and a checkpoint
-  at the end of each epoch only (the pytorch/elastic example's frequency; the
+  at the end of each epoch only (the pytorch/elastic example's frequency, no
+  snapshots; the
   example script still saves on SIGTERM, which only helps the baseline).
 
 Everything else (monitor interval 0.1 s, torchrun's default, the script, data, seeds)
@@ -83,8 +85,10 @@ EPOCH_STEPS = 25  # 4 classes x 150 images / global batch 24
 GOAL_S = 10.0
 
 VARIANTS: dict[str, dict[str, Any]] = {
-    "ours": {"rdzv_conf": RDZV_CONF, "checkpoint_every": CHECKPOINT_EVERY, "fork": False},
-    "ours_fork": {"rdzv_conf": RDZV_CONF, "checkpoint_every": CHECKPOINT_EVERY, "fork": True},
+    "ours": {"rdzv_conf": RDZV_CONF, "checkpoint_every": CHECKPOINT_EVERY, "fork": False,
+             "snapshot_every": "auto"},
+    "ours_fork": {"rdzv_conf": RDZV_CONF, "checkpoint_every": CHECKPOINT_EVERY, "fork": True,
+                  "snapshot_every": "auto"},
     # torchrun's defaults; only the epoch-end checkpoint (a period longer than an epoch)
     "baseline": {"rdzv_conf": "", "checkpoint_every": 10**6, "fork": False},
 }
@@ -287,9 +291,11 @@ def run_once(work: Path, data: Path, *, variant: dict[str, Any], events: tuple[s
 
 def smoke_variant(variant: dict[str, Any]) -> dict[str, Any]:
     """``--smoke`` only checks that a scenario runs and reports: torchrun's default 30 s
-    last call (the baseline's) would double its time, so it waits 1 s there too. No
-    smoke figure is a measurement."""
-    return {**variant, "rdzv_conf": variant["rdzv_conf"] or "last_call_timeout=1"}
+    last call (the baseline's) would double its time, so it waits 1 s there too, and
+    the workers are forked from the agent (no torch import per restart). No smoke
+    figure is a measurement."""
+    return {**variant, "rdzv_conf": variant["rdzv_conf"] or "last_call_timeout=1",
+            "fork": True}
 
 
 def plot(run: dict[str, Any], png: str, fork: bool = False) -> str:

@@ -122,8 +122,9 @@ class Checkpointer:
             a torchrun group restart, so a restart redoes at most a step or two
             instead of everything since the last durable save. ``"auto"``: on under
             torchrun, with the interval chosen to cost at most ``snapshot_budget`` of
-            the step time (every step for a small state); an int: every that many
-            steps; ``0`` or ``None`` (default): off. Needs a store.
+            the step time (every step for a small state; the default); an int: every
+            that many steps; ``0`` or ``None``: off. Needs a store. Outside torchrun
+            nothing restarts the workers, so ``"auto"`` is off there.
         snapshot_budget: the share of step time automatic snapshots may cost.
         info: this worker's :class:`~elastic_kit.DistInfo`; read from the environment
             and process group by :meth:`restore` when None.
@@ -149,7 +150,7 @@ class Checkpointer:
                  overlap_staging: bool = True, handle_signals: bool = True,
                  exit_code: int = 143, node_local: bool = False,
                  storage_options: dict[str, Any] | None = None,
-                 snapshot_every: int | str | None = None, snapshot_budget: float = 0.02,
+                 snapshot_every: int | str | None = "auto", snapshot_budget: float = 0.02,
                  info: DistInfo | None = None) -> None:
         if not hasattr(state, "state_dict") or not hasattr(state, "load_state_dict"):
             raise TypeError(f"state={state!r} must be an ek.TrainState (state_dict/load_state_dict)")

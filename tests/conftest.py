@@ -12,12 +12,17 @@ optional dependency, import it plainly so its absence is an error.
 Escape hatch for local runs: ``ELASTIC_KIT_ALLOW_SKIPS=1 pytest ...`` still lists the
 unexpected skips but keeps the exit status. ``xfail`` results are not skips and are
 not affected.
+
+The suite's in-memory snapshots go to a directory of its own (see
+:data:`SNAPSHOT_ENV`), removed when the run ends.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
+import tempfile
 from typing import Any
 
 import pytest
@@ -31,6 +36,35 @@ ALLOWED_SKIP_REASONS: tuple[str, ...] = (
 ALLOW_ENV = "ELASTIC_KIT_ALLOW_SKIPS"
 
 _unexpected: list[tuple[str, str]] = []
+
+#: In-memory snapshots are on by default under torchrun (and under the torchrun
+#: environment ``spawn_multi_process`` gives); the suite keeps them in a directory of
+#: its own, in shared memory like the real thing, and removes it at the end.
+SNAPSHOT_ENV = "ELASTIC_KIT_SNAPSHOT_DIR"
+_snapshot_root: str | None = None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    global _snapshot_root
+    if SNAPSHOT_ENV not in os.environ:
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+        _snapshot_root = tempfile.mkdtemp(prefix="elastic-kit-tests-", dir=shm)
+        os.environ[SNAPSHOT_ENV] = _snapshot_root
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # scripts/test runs the suite on two pytest-xdist workers (--dist loadgroup): the
+    # real-torchrun scenarios under tests/integration share one session fixture (the
+    # never-interrupted reference run), so they stay together on one worker.
+    for item in items:
+        if item.nodeid.startswith("tests/integration/"):
+            item.add_marker(pytest.mark.xdist_group("integration"))
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _snapshot_root is not None:
+        shutil.rmtree(_snapshot_root, ignore_errors=True)
+        os.environ.pop(SNAPSHOT_ENV, None)
 
 
 def skip_reason(report: Any) -> str:

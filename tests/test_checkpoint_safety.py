@@ -219,9 +219,13 @@ def test_every_checksum_detects_a_flipped_byte_and_a_default_store_reads_them(
 def test_local_saves_start_writeback_in_contiguous_ranges_and_still_verify(
         tmp_path, monkeypatch):
     """Every WRITEBACK_EVERY bytes the writer asks the kernel to start writing the new
-    range (then fsyncs at the end); the ranges tile the payload without gaps."""
+    range (then fsyncs at the end); the ranges tile the payload without gaps. This is
+    the buffered path, used where O_DIRECT is refused (forced here)."""
     from elastic_kit.checkpoint import _fs as fs_mod
+    from elastic_kit.checkpoint import _layout
     from elastic_kit.checkpoint import _serialize as serialize
+
+    monkeypatch.setattr(_layout, "open_direct", lambda path, mode: None)
 
     calls: list[tuple[int, int]] = []
     real = fs_mod.start_writeback

@@ -1,10 +1,10 @@
 """In-memory snapshots under real torchrun agents (gloo, CPU, 127.0.0.1).
 
 Durable checkpoints are far apart (every 1000 steps, and at epoch ends), snapshots are
-taken every step. A worker SIGKILLed at a random moment (c10d), or the whole first
-node, agent and workers, SIGKILLed (etcd-v2, where any node may die), costs at most
-one step: the restarted group resumes from the newest snapshot that any surviving
-node holds. A finished run leaves nothing in the snapshot directory.
+taken every step. A worker SIGKILLed at a random moment (c10d and etcd-v2), and the
+whole first node, agent and workers, SIGKILLed (etcd-v2, where any node may die), each
+cost at most one step: the restarted group resumes from the newest snapshot that any
+surviving node holds. A finished run leaves nothing in the snapshot directory.
 """
 
 from __future__ import annotations
@@ -85,44 +85,69 @@ def test_worker_killed_at_a_random_moment_loses_at_most_one_step(tmp_path: Path)
     assert list(shm.iterdir()) == []  # a finished run leaves nothing behind
 
 
-def test_whole_node_of_rank_0_killed_resumes_from_the_survivors_snapshot_etcd(
+def test_etcd_worker_kill_then_loss_of_rank_0_node_each_cost_at_most_one_step(
         tmp_path: Path) -> None:
+    """etcd-v2, where any node may die: a worker SIGKILLed at a random moment resumes
+    from memory; then the whole node of global rank 0 (agent and worker) is SIGKILLed
+    at a random moment and the survivor resumes from its own copy of the snapshots."""
     shm = tmp_path / "shm"
     shm.mkdir()
     env = {"OMP_NUM_THREADS": "1", "ELASTIC_KIT_SNAPSHOT_DIR": str(shm),
            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    rng = random.Random(11)
     with EtcdServer(log_path=tmp_path / "etcd.log") as etcd, LocalCluster(
             script_args(tmp_path, "run", 1), nnodes="1:2", nproc_per_node=1, max_restarts=3,
             rdzv_backend="etcd-v2", rdzv_endpoint=etcd.endpoint, env=env,
             log_dir=tmp_path / "logs") as cluster:
         agents = [cluster.add_agent(), cluster.add_agent()]
 
-        def main_agent_at_world_2() -> Any:
-            # rank 0 prints "world size 2 on ..." when a group of two starts
-            return next((a for a in agents if "world size 2 on" in a.read_log()), None)
+        def groups_of_two() -> int:
+            # rank 0 prints "world size 2 on" when a group of two starts
+            return sum(a.read_log().count("world size 2 on") for a in agents)
 
-        wait_for(lambda: main_agent_at_world_2() is not None, 120, interval=0.02,
-                 what="a group of two", abort_if=cluster.all_exited)
-        main = main_agent_at_world_2()
+        def main_agent() -> Any:
+            """The agent whose worker is global rank 0 in the newest group of two."""
+            def start(a: Any) -> int:
+                return a.read_log().rfind("world size 2 on")
+            return max((a for a in agents if start(a) >= 0), key=lambda a: (
+                a.read_log().count("world size 2 on"), start(a)))
 
-        def step() -> int:
-            log = main.read_log()
+        def step(agent: Any) -> int:
+            log = agent.read_log()
             return last_step_of_epoch_0(log[log.rfind("world size 2 on"):])
 
-        kill_after = random.Random(11).randint(5, 12)
-        wait_for(lambda: step() >= kill_after, 120, interval=0.01, what=f"step {kill_after}",
+        wait_for(lambda: groups_of_two() == 1, 120, interval=0.02, what="a group of two",
                  abort_if=cluster.all_exited)
+        main = main_agent()
+        kill_after = rng.randint(4, 8)
+        wait_for(lambda: step(main) >= kill_after, 120, interval=0.01,
+                 what=f"step {kill_after}", abort_if=cluster.all_exited)
+        other = agents[1 - agents.index(main)]
+        cluster.kill_worker(other, local_rank=0)  # rank 1: the group restarts at W=2
+        last_before_worker_kill = step(main)
+
+        wait_for(lambda: groups_of_two() == 2, 120, interval=0.02,
+                 what="the restarted group of two", abort_if=cluster.all_exited)
+        main = main_agent()
+        kill_after = rng.randint(3, 6)
+        wait_for(lambda: step(main) >= kill_after, 120, interval=0.01,
+                 what=f"{kill_after} steps after the restart", abort_if=cluster.all_exited)
         cluster.kill_agent(main)  # the node of global rank 0: agent and worker
-        last = step()
+        last_before_node_loss = step(main)
         survivor = agents[1 - agents.index(main)]
         got = cluster.wait(RUN_TIMEOUT)
         if got[agents.index(survivor)] != 0:
             pytest.fail(f"agent exit codes {got}\n{cluster.logs()[-20000:]}")
     s = json.loads((tmp_path / "run" / "summary.json").read_text())
-    resumed = s["world_sizes"][-1]
-    assert resumed["world_size"] == 1
-    assert resumed["restored_from"] in ("memory", "peer"), s["world_sizes"]
-    assert last - 1 <= resumed["restored_step"] <= last + 1, (last, s["world_sizes"])
+    first, after_kill, after_loss = s["world_sizes"]
+    assert (first["world_size"], after_kill["world_size"], after_loss["world_size"]) == (2, 2, 1)
+    assert after_kill["restored_from"] == "memory", s["world_sizes"]
+    lo, hi = last_before_worker_kill - 1, last_before_worker_kill + 1
+    assert lo <= after_kill["restored_step"] <= hi, (last_before_worker_kill, s["world_sizes"])
+    assert after_loss["restored_from"] in ("memory", "peer"), s["world_sizes"]
+    # steps in the log restart at 0 with each group: count from the restored step
+    last = after_kill["restored_step"] + last_before_node_loss
+    assert last - 1 <= after_loss["restored_step"] <= last + 1, (last, s["world_sizes"])
     assert s["audit"] == full_audit()
     # the survivor removed the run's snapshots on this host when the run finished,
     # the lost node's included

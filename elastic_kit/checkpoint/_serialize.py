@@ -9,9 +9,10 @@ Three jobs, one concern (the payload's bytes):
 - :class:`HashingWriter` computes the checksum while ``torch.save`` writes, so the
   file is never read a second time; a helper thread hashes behind the writes and
   overlaps with the final fsync (xxhash, zlib, hashlib and file writes release the
-  GIL). On a local file it also starts the disk's writeback every few MB
-  (``_fs.start_writeback``), so the fsync at the end only
-  waits for the tail.
+  GIL). On a local file written through the page cache it also starts the disk's
+  writeback every few MB (``_fs.start_writeback``), so the fsync at the end only
+  waits for the tail; a :class:`~elastic_kit.checkpoint._direct.DirectFile`
+  (``O_DIRECT``, the usual local case) needs neither.
 - :func:`load_payload` reads with ``weights_only=True`` and turns the refusal of a
   pickled object into :class:`UnsafeCheckpointError`.
 """
@@ -34,6 +35,7 @@ import numpy as np
 
 import torch
 
+from elastic_kit.checkpoint._direct import DirectFile
 from elastic_kit.checkpoint._fs import start_writeback, write_error
 from elastic_kit.checkpoint._manifest import FileEntry
 from elastic_kit.errors import UnsafeCheckpointError
@@ -445,16 +447,23 @@ def save_into(f: IO[bytes], path: str, state: Any, checksum: str, *, fsync: bool
 
     A failed write (disk full, quota) is raised as that OSError naming ``path``:
     torch.save itself would only report ``unexpected pos``.
+
+    ``f`` may be a :class:`DirectFile` (``O_DIRECT``): no page cache, hence no
+    writeback to start; its :meth:`~DirectFile.finish` writes the tail and fsyncs.
     """
+    direct = isinstance(f, DirectFile)
     w = HashingWriter(f, checksum, stable=list(iter_tensors(state)),
-                      writeback_every=WRITEBACK_EVERY if fsync else None)
+                      writeback_every=WRITEBACK_EVERY if fsync and not direct else None)
     try:
         try:
             with torch_zip_crc_off(w):
                 torch.save(state, w)
-            f.flush()
-            if fsync:
-                os.fsync(f.fileno())
+            if direct:
+                f.finish(fsync=fsync)
+            else:
+                f.flush()
+                if fsync:
+                    os.fsync(f.fileno())
         except OSError as e:
             raise write_error(w.write_error or e, path) from e
         except Exception as e:

@@ -81,7 +81,7 @@ class LoopConfig:
     collate_fn: Callable[[list[Any]], Any] | None = None
     sigterm_exit_code: int = 143
     handle_signals: bool = True
-    snapshot_every: int | str | None = None
+    snapshot_every: int | str | None = "auto"
 
     def __post_init__(self) -> None:
         def _check(name: str, ok: bool, expected: str) -> None:

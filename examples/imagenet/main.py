@@ -82,6 +82,19 @@ IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
+def _snapshot_every(text: str) -> int | str:
+    """``--snapshot-every``: ``auto`` or a number of steps >= 0 (0: off)."""
+    if text == "auto":
+        return text
+    try:
+        steps = int(text)
+    except ValueError:
+        steps = -1
+    if steps < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected 'auto' or a number of steps >= 0")
+    return steps
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line (the flags of the pytorch/elastic ImageNet example, plus ours)."""
     arch_names = ["tinycnn"] + sorted(torchvision.models.list_models(module=torchvision.models))
@@ -113,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "/tmp/elastic_kit_imagenet/<TORCHELASTIC_RUN_ID>")
     p.add_argument("--checkpoint-every", default=100, type=int, metavar="STEPS",
                    help="checkpoint every STEPS optimizer steps (and at every epoch end)")
-    p.add_argument("--snapshot-every", default="0", metavar="STEPS",
+    p.add_argument("--snapshot-every", default="auto", type=_snapshot_every, metavar="STEPS",
                    help="in-memory snapshots in /dev/shm every STEPS steps, which survive a "
                         "worker-group restart ('auto': within 2%% of step time; 0: off)")
     p.add_argument("--global-batch-size", default=256, type=int, metavar="N",
@@ -319,8 +332,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             epochs=args.epochs, global_batch_size=args.global_batch_size,
             micro_batch_size=args.batch_size, batch_policy=args.batch_policy,
             max_steps=args.max_steps, checkpoint_every_steps=args.checkpoint_every,
-            snapshot_every=(args.snapshot_every if args.snapshot_every == "auto"
-                            else int(args.snapshot_every)),
+            snapshot_every=args.snapshot_every,
             log_every=args.print_freq, seed=args.seed, num_workers=args.workers,
             persistent_workers=args.workers > 0, progress_bar=False,
             pin_memory=info.device.type == "cuda"),

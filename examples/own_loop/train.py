@@ -73,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-dir", default=None, metavar="URL",
                    help="checkpoint store: a directory or fsspec URL (s3://, gs://, ...)")
     p.add_argument("--checkpoint-every", type=int, default=100, metavar="STEPS")
-    p.add_argument("--snapshot-every", default="0", metavar="STEPS",
+    p.add_argument("--snapshot-every", default="auto", metavar="STEPS",
                    help="in-memory snapshots that survive a restart, every STEPS steps "
                         "('auto': within 2%% of the step time; 0: off)")
     p.add_argument("--audit", action=argparse.BooleanOptionalAction, default=False,

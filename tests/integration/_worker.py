@@ -79,6 +79,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--node-local-checkpoints", action="store_true",
                    help="CheckpointStore(node_local=True); the directory is "
                         "$EK_NODE_CHECKPOINT_DIR when set, else --checkpoint-dir")
+    p.add_argument("--snapshot-every", default="auto",
+                   help="in-memory snapshots (LoopConfig.snapshot_every; the library's "
+                        "default 'auto', or a number of steps, 0: off)")
     p.add_argument("--dataset-size", type=int, default=50)
     p.add_argument("--global-batch-size", type=int, default=6)
     p.add_argument("--micro-batch-size", type=int, default=2)
@@ -226,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
             checkpoint_every_steps=args.checkpoint_every,
             checkpoint_at_epoch_end=not args.no_epoch_checkpoints,
             blocking=args.blocking_saves, seed=args.seed, audit="error",
+            snapshot_every=(args.snapshot_every if args.snapshot_every == "auto"
+                            else int(args.snapshot_every)),
             log_every=0, progress_bar=False))
     try:
         loop.run()  # SIGTERM: checkpoint, then SystemExit(143) so torchrun restarts the group
