@@ -98,6 +98,8 @@ def _net() -> nn.Module:
 def _phase(cfg: dict[str, Any]) -> dict[str, Any]:
     import logging
 
+    import torch.distributed as dist
+
     import elastic_kit as ek
     from elastic_kit.loop import ElasticLoop, LoopConfig, StepInfo, TrainState
 
@@ -110,7 +112,11 @@ def _phase(cfg: dict[str, Any]) -> dict[str, Any]:
     curve: list[tuple[int, float, int]] = []
 
     def on_step(state: TrainState, s: StepInfo) -> None:
-        curve.append((s.step, s.loss, s.world_size))
+        # StepInfo.loss is this rank's; the curve is the step's mean over all ranks
+        # (the hook runs on every rank, so it may use a collective)
+        total = torch.tensor([s.loss], dtype=torch.float64)
+        dist.all_reduce(total)
+        curve.append((s.step, float(total[0]) / s.world_size, s.world_size))
 
     criterion = nn.CrossEntropyLoss(reduction="none")
     loop = ElasticLoop(

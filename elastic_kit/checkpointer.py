@@ -77,6 +77,12 @@ class StoreLike(Protocol):
     def close(self) -> None: ...
 
 
+#: Seconds of training between two exchanges of the ranks' flags (see
+#: :meth:`Checkpointer._poll_flags`), and the most steps between two.
+EXCHANGE_PERIOD_S = 0.2
+MAX_EXCHANGE_EVERY = 64
+_NO_FLAGS = (0.0, 0.0, 0.0, 0.0)
+
 _TIER_NAMES = {"memory": "this node's memory", "peer": "a peer node's memory",
                "store": "the checkpoint store", None: "nowhere"}
 
@@ -194,11 +200,21 @@ class Checkpointer:
         self.loaded: LoadedCheckpoint | None = None
         self.restored_step: int | None = None
         self._stop = TerminationFlag()
-        self._flags: Any = None  # the previous step's async all-reduce of (stop, time due)
+        self._flags: Any = None  # the previous exchange's async all-reduce (see _poll_flags)
+        self._exchange_every = 1  # steps between exchanges, agreed by all ranks
+        self._until_exchange = 1
+        self._exchange_t: float | None = None  # rank 0: when the previous exchange ran
+        self._exchange_step = 0
+        self._step_s: float | None = None  # rank 0: step time estimate
         self._last_save_time = time.monotonic()
         self._last_saved_step: int | None = None
         self._pass_key: tuple[int, ...] | None = None
         self._pass_indices: torch.Tensor | None = None
+        # Audited steps not yet digested: (epoch, the pass's local indices, samples the
+        # pass started with, world size, first and end local position). Consecutive
+        # steps extend one span, digested in one vectorised call when the audit is
+        # next needed (a save, a snapshot, the epoch's end), not once per step.
+        self._audit_span: tuple[int, torch.Tensor, int, int, int, int] | None = None
         self._step_hook: Any = None
         self._closed = False
 
@@ -377,15 +393,13 @@ class Checkpointer:
         j0, r0, w = self._pass_position()
         n_real = max(0, min(r0 - j0 * w, n * w))
         if self.audit != "off" and n_real:
-            ids = self._pass_local_indices()[j0:j0 + n]
-            real = torch.arange(j0, j0 + len(ids)).mul_(w).add_(sampler.rank) < r0
-            state.audit.record(sampler.epoch, ids[real])
+            self._note_audited(sampler.epoch, self._pass_local_indices(), r0, w, j0, j0 + n)
         sampler.advance(n_real)
         state.epoch = sampler.epoch
 
     def _act(self, flags: list[float]) -> None:
-        """Given the ranks' agreed ``[stop, save time due, snapshot due]``: save and exit
-        after SIGTERM, save when due, take a snapshot when due."""
+        """Given the ranks' agreed flags (:meth:`_poll_flags`): save and exit after
+        SIGTERM, save when due, take a snapshot when due."""
         if flags[0] > 0:
             self._exit_after_save()
         state, sampler = self.state, self.state.sampler
@@ -397,10 +411,29 @@ class Checkpointer:
         tier = self.snapshots
         if tier is not None:
             tier.observe_step()
-            # A fixed interval is known to every rank; an automatic one is rank 0's,
-            # carried by the flags (and so acted on one step later).
-            if tier.every is not None and tier.due(state.step) or flags[2] > 0:
+            # A fixed interval is known to every rank; an automatic one is rank 0's
+            # proposal, agreed through the exchanges (see _poll_flags).
+            if tier.due(state.step):
                 self.snapshot()
+
+    def _note_audited(self, epoch: int, indices: torch.Tensor, r0: int, w: int,
+                      a: int, b: int) -> None:
+        span = self._audit_span
+        if span is not None and span[0] == epoch and span[1] is indices and span[5] == a:
+            self._audit_span = (*span[:5], b)
+            return
+        self._digest_audited()
+        self._audit_span = (epoch, indices, r0, w, a, b)
+
+    def _digest_audited(self) -> None:
+        """Fold the pending span of audited steps into this rank's audit share."""
+        span, self._audit_span = self._audit_span, None
+        if span is None:
+            return
+        epoch, indices, r0, w, a, b = span
+        ids = indices[a:b]
+        real = torch.arange(a, a + len(ids)).mul_(w).add_(self.state.sampler.rank) < r0
+        self.state.audit.record(epoch, ids[real])
 
     def _pass_local_indices(self) -> torch.Tensor:
         s = self.state.sampler
@@ -412,34 +445,69 @@ class Checkpointer:
         return self._pass_indices
 
     def _poll_flags(self) -> list[float]:
-        """Agree on ``[stop, time due, snapshot due]`` across ranks.
+        """The ranks' agreed ``[stop, save time due, snapshot interval, exchange
+        interval]``, or no flags (zeros) between exchanges.
 
-        Each step issues a small async all-reduce and reads the previous step's:
-        the collective overlaps a whole training step, and the decision it carries
-        is acted on one step later, on every rank alike.
+        What one rank knows alone (a SIGTERM, rank 0's clock, rank 0's automatic
+        snapshot interval) reaches every rank through a small async all-reduce, an
+        *exchange*: issued after one step and read at the next exchange, so it never
+        waits on the critical path, and every rank acts on it at the same step. Even
+        an overlapped collective costs a short step something (a gloo all-reduce
+        takes its thread ~1 ms on a busy CPU): exchanges run about every
+        :data:`EXCHANGE_PERIOD_S` seconds of training (every step when steps are
+        longer), at an interval rank 0 proposes from its step time and all ranks
+        adopt at the same exchange. A SIGTERM is thus acted on within two exchange
+        periods.
         """
-        local = self._local_flags()
         if not is_dist_ready() or self.info.world_size == 1:
-            return local.tolist()
+            flags = self._local_flags().tolist()
+            self._adopt(flags)
+            return flags
+        self._until_exchange -= 1
+        if self._until_exchange > 0:
+            return list(_NO_FLAGS)
         previous = self._resolve_flags()
-        self._flags = all_reduce_sum_async(local)
+        self._adopt(previous)
+        self._until_exchange = self._exchange_every
+        self._flags = all_reduce_sum_async(self._local_flags())
         return previous
 
-    def _local_flags(self) -> torch.Tensor:
-        """This rank's ``[stop requested, save time due, snapshot due]`` as float64
-        (summed over ranks). The step is the one about to complete."""
-        main = self.info.is_main
-        time_due = (self.every_seconds is not None and main
-                    and time.monotonic() - self._last_save_time >= self.every_seconds)
+    def _adopt(self, flags: list[float]) -> None:
+        """Take rank 0's proposals carried by an exchange (every rank at once)."""
+        if flags[3] >= 1:
+            self._exchange_every = int(flags[3])
         tier = self.snapshots
-        snap_due = (main and tier is not None and tier.every is None
-                    and tier.due(self.state.step + 1))
-        return torch.tensor([float(self._stop.is_set()), float(time_due), float(snap_due)],
-                            dtype=torch.float64)
+        if tier is not None and flags[2] >= 1:
+            tier.interval = int(flags[2])
+
+    def _local_flags(self) -> torch.Tensor:
+        """This rank's ``[stop requested, save time due, proposed snapshot interval,
+        proposed exchange interval]`` as float64, summed over ranks; only rank 0
+        proposes (the others send zeros)."""
+        main = self.info.is_main
+        now = time.monotonic()
+        time_due = (self.every_seconds is not None and main
+                    and now - self._last_save_time >= self.every_seconds)
+        snap_every = exchange_every = 0
+        if main:
+            tier = self.snapshots
+            snap_every = tier.proposed if tier is not None else 0
+            steps = self.state.step - self._exchange_step
+            if self._exchange_t is not None and steps > 0:
+                dt = (now - self._exchange_t) / steps
+                self._step_s = dt if self._step_s is None else 0.5 * (self._step_s + dt)
+            self._exchange_t, self._exchange_step = now, self.state.step
+            if self._step_s:
+                exchange_every = max(1, min(MAX_EXCHANGE_EVERY,
+                                            int(EXCHANGE_PERIOD_S / self._step_s)))
+            else:
+                exchange_every = 1
+        return torch.tensor([float(self._stop.is_set()), float(time_due), float(snap_every),
+                             float(exchange_every)], dtype=torch.float64)
 
     def _resolve_flags(self) -> list[float]:
         if self._flags is None:
-            return [0.0, 0.0, 0.0]
+            return list(_NO_FLAGS)
         flags, self._flags = self._flags().tolist(), None
         return flags
 
@@ -494,6 +562,7 @@ class Checkpointer:
         if self.audit == "off" or sampler is None:
             return None
         epoch = sampler.epoch
+        self._digest_audited()
         audit = state.audit.epoch(epoch)
         if audit.ok is not None and audit.expected_count == sampler.dataset_length:
             return audit
@@ -549,6 +618,7 @@ class Checkpointer:
         # Fold every rank's audit share in first, so the saved audit matches exactly
         # the samples behind the saved model state.
         if self.audit != "off":
+            self._digest_audited()
             self.state.audit.sync(self.state.epoch)
 
     def _metadata(self) -> dict[str, Any]:

@@ -229,3 +229,56 @@ def test_checkpointer_rejects_bad_options(tmp_path: Any) -> None:
         ek.Checkpointer(state, tmp_path, every_seconds=0)
     with pytest.raises(TypeError, match="TrainState"):
         ek.Checkpointer(object(), tmp_path)  # type: ignore[arg-type]
+
+
+def _count_exchanges(steps: int, step_s: float, stop_at: int | None) -> dict[str, Any]:
+    """``steps`` steps of ``step_s`` seconds with no store; counts the flag exchanges
+    (async all-reduces) the checkpointer issues; rank 1 requests a stop at ``stop_at``."""
+    import time
+
+    import elastic_kit.checkpointer as ckpt_mod
+
+    torch.set_num_threads(1)
+    ek.init_distributed()
+    calls = []
+    real = ckpt_mod.all_reduce_sum_async
+
+    def counting(t: torch.Tensor) -> Any:
+        calls.append(1)
+        return real(t)
+
+    ckpt_mod.all_reduce_sum_async = counting
+    model = nn.Linear(2, 2)
+    state = ek.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    ckpt = ek.Checkpointer(state, None, handle_signals=False)
+    ckpt.restore()
+    stopped_at = None
+    try:
+        for i in range(steps):
+            time.sleep(step_s)
+            if stop_at is not None and i == stop_at and ek.get_dist_info().rank == 1:
+                ckpt.request_stop()
+            ckpt.step(1)
+    except SystemExit as e:
+        stopped_at = (state.step, e.code)
+    return {"exchanges": len(calls), "every": ckpt._exchange_every, "stopped_at": stopped_at}
+
+
+def test_short_steps_exchange_flags_rarely_and_every_rank_agrees_when() -> None:
+    # 1 ms steps: rank 0 proposes an exchange every 0.2 s of training (capped at 64
+    # steps), and every rank adopts it at the same exchange (a mismatch would hang)
+    out = spawn_multi_process(2, _count_exchanges, 300, 0.001, None)
+    assert out[0]["every"] == out[1]["every"] > 1
+    assert out[0]["exchanges"] == out[1]["exchanges"] < 300 // 4
+    # 0.25 s steps: one exchange per step
+    out = spawn_multi_process(2, _count_exchanges, 6, 0.25, None)
+    assert out[0]["every"] == out[1]["every"] == 1
+    assert out[0]["exchanges"] == out[1]["exchanges"] == 6
+
+
+def test_a_stop_requested_on_one_rank_exits_every_rank_at_the_same_step() -> None:
+    out = spawn_multi_process(2, _count_exchanges, 1000, 0.001, 150)
+    assert out[0]["stopped_at"] == out[1]["stopped_at"]
+    step, code = out[0]["stopped_at"]
+    assert code == 143
+    assert 151 <= step <= 151 + 2 * 64  # within two exchange intervals of the request

@@ -162,6 +162,6 @@ def test_automatic_interval_keeps_the_write_within_the_budget(tmp_path: Path, sh
                         budget=0.02, root=shm)
     tier._step_s = 0.01          # 10 ms steps
     tier._adapt(0.05)            # a 50 ms write: 0.05 / (0.02 * 0.01) = 250 steps
-    assert tier.interval == 250
+    assert tier.proposed == 250
     tier._adapt(0.0001)          # a tiny state: every step
-    assert tier.interval == 1
+    assert tier.proposed == 1

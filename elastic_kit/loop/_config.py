@@ -114,14 +114,15 @@ class LoopConfig:
                            micro_batch_size=self.micro_batch_size)
 
 
-@dataclass
 class StepInfo:
     """What ``on_step_end(state, info)`` receives after every optimizer step.
 
     Attributes:
         step: the global step just completed.
         epoch: its epoch.
-        loss: the mean loss over the step's real samples, all ranks.
+        loss: this rank's loss of the step: the mean over its share of the step's real
+            samples, weighted as DDP averages the ranks (as torchvision's reference
+            logs per step; :class:`EpochSummary` has the mean over all ranks).
         samples: real samples in the step, all ranks.
         samples_per_second: recent throughput, all ranks.
         lr: the first parameter group's learning rate.
@@ -130,17 +131,43 @@ class StepInfo:
             returned ``(losses, outputs)`` (this rank's), else empty.
         metrics: ``loss``, ``samples_per_second``, ``lr`` and, when clipping,
             ``grad_norm`` (before clipping) as one dict, for loggers.
+
+    ``loss`` (and ``metrics``, which holds it) is read from the device on first
+    access, so a hook that logs every ``N`` steps does not synchronise with the GPU on
+    the others. No collective runs per step for it: a global per-step loss would cost
+    an all-reduce every step.
     """
 
-    step: int
-    epoch: int
-    loss: float
-    samples: int
-    samples_per_second: float
-    lr: float | None
-    world_size: int
-    outputs: list[Any] = field(default_factory=list)
-    metrics: dict[str, float] = field(default_factory=dict)
+    def __init__(self, step: int, epoch: int, loss: float | Callable[[], float], samples: int,
+                 samples_per_second: float, lr: float | None, world_size: int,
+                 outputs: list[Any] | None = None,
+                 metrics: dict[str, float] | None = None) -> None:
+        self.step = step
+        self.epoch = epoch
+        self._loss = loss
+        self.samples = samples
+        self.samples_per_second = samples_per_second
+        self.lr = lr
+        self.world_size = world_size
+        self.outputs: list[Any] = outputs if outputs is not None else []
+        self._metrics: dict[str, float] = metrics if metrics is not None else {}
+
+    @property
+    def loss(self) -> float:
+        if callable(self._loss):
+            self._loss = float(self._loss())
+        return self._loss
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        if "loss" in self._metrics and callable(self._metrics["loss"]):
+            self._metrics["loss"] = self.loss
+        return self._metrics
+
+    def __repr__(self) -> str:
+        return (f"StepInfo(step={self.step}, epoch={self.epoch}, loss={self.loss!r}, "
+                f"samples={self.samples}, samples_per_second={self.samples_per_second!r}, "
+                f"lr={self.lr!r}, world_size={self.world_size})")
 
 
 @dataclass

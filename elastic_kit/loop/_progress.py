@@ -75,9 +75,13 @@ class ProgressReporter:
             return None
         return (self.total_samples - self.done_samples) / self.samples_per_second
 
-    def update(self, *, step: int, epoch: int, samples: int, loss: float, lr: float | None,
+    def update(self, *, step: int, epoch: int, samples: int, loss: Any, lr: float | None,
                world_size: int) -> None:
-        """Account one optimizer step of ``samples`` real samples (all ranks)."""
+        """Account one optimizer step of ``samples`` real samples (all ranks).
+
+        ``loss`` (a float or 0-dim tensor) is read only when a bar or a log line
+        shows it.
+        """
         self.done_samples += samples
         self.window_samples += samples
         now = time.monotonic()
@@ -87,12 +91,12 @@ class ProgressReporter:
             return
         if self._bar is not None:
             self._bar.update(1)
-            self._bar.set_postfix(epoch=epoch, loss=f"{loss:.4f}",
+            self._bar.set_postfix(epoch=epoch, loss=f"{float(loss):.4f}",
                                   sps=f"{self.samples_per_second:.1f}", refresh=False)
         if self.log_every and step % self.log_every == 0:
             lr_txt = f" lr {lr:.4g}" if lr is not None else ""
             say(log, "step %d epoch %d loss %.4f%s %.1f samples/s (W=%d) eta %s",
-                     step, epoch, loss, lr_txt, self.samples_per_second, world_size,
+                     step, epoch, float(loss), lr_txt, self.samples_per_second, world_size,
                      format_eta(self.eta()))
             self.window_samples = 0
             self.window_start = now

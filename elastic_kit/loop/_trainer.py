@@ -28,7 +28,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 import elastic_kit.checkpointer as _checkpointer
-from elastic_kit.distributed import DistInfo, all_reduce_sum_async, init_distributed
+from elastic_kit.distributed import DistInfo, all_reduce_sum, init_distributed
 from elastic_kit.loop._config import EpochSummary, LoopConfig, StepInfo
 from elastic_kit.loop._data import CollateWithIds, KeyedDataset, ScheduleBatchSampler, to_device
 from elastic_kit.loop._policy import BatchPlan
@@ -279,7 +279,8 @@ class ElasticLoop:
         steps, mask = self._schedule(epoch)
         state.model.train()
         t0 = time.monotonic()
-        losses: list[float] = []
+        done = 0
+        loss_total: torch.Tensor | None = None  # this rank's, summed over the steps
         samples = 0
         if steps:
             batches = iter(self._loader)
@@ -287,34 +288,39 @@ class ElasticLoop:
                 for step in steps:
                     if self._max_steps_reached():
                         break
-                    losses.append(self.train_step(epoch, step, batches, mask))
+                    loss = self.train_step(epoch, step, batches, mask)
+                    loss_total = loss if loss_total is None else loss_total + loss
+                    done += 1
                     samples += step.n_real
             finally:
                 del batches  # drop prefetched batches (never counted)
         seconds = time.monotonic() - t0
-        return EpochSummary(epoch, len(losses), samples, seconds,
-                            samples / seconds if seconds > 0 else 0.0,
-                            sum(losses) / len(losses) if losses else float("nan"),
+        mean_loss = float("nan")
+        if loss_total is not None:  # one collective per epoch, the same steps on every rank
+            mean_loss = float(all_reduce_sum(loss_total.cpu().view(1))[0]) / (
+                info.world_size * done)
+        return EpochSummary(epoch, done, samples, seconds,
+                            samples / seconds if seconds > 0 else 0.0, mean_loss,
                             info.world_size, state.audit.epoch(epoch))
 
     # ---------------------------------------------------------------- a step
     def train_step(self, epoch: int, step: _Step, batches: Iterator[Any],
-                   mask: torch.Tensor) -> float:
-        """One optimizer step: forward/backward, optimizer step, bookkeeping; the
-        global mean loss."""
+                   mask: torch.Tensor) -> torch.Tensor:
+        """One optimizer step: forward/backward, optimizer step, bookkeeping; this
+        rank's loss of the step (a 0-dim tensor on the model's device; summed over
+        ranks it is ``world_size`` times the step's mean loss).
+
+        Nothing here waits on the other ranks beyond DDP's own gradient all-reduce:
+        the checkpointer's flags travel in an occasional overlapped exchange, and
+        the loss is not all-reduced per step.
+        """
         ckpt, info = self.checkpointer, self.info
         assert ckpt is not None and info is not None and self.plan is not None
         loss_sum, outputs = self.forward_backward(step, batches, mask)
-        # One small collective per step: the checkpointer's flags (stop, rank 0's
-        # clock, a snapshot due) and the loss. Issued
-        # before the optimizer step and read after it, so it never waits on the
-        # critical path.
-        flags_of = all_reduce_sum_async(torch.cat([ckpt._local_flags(),
-                                                   loss_sum.detach().cpu().view(1)]))
         grad_norm = self.optimizer_step()
         ckpt._record_step(self.plan.per_rank)
-        flags = flags_of().tolist()
-        loss = flags.pop() / info.world_size
+        flags = ckpt._poll_flags()
+        loss = loss_sum.detach()
         self._report(epoch, step.n_real, loss, grad_norm, outputs)
         ckpt._act(flags)
         return loss
@@ -384,7 +390,7 @@ class ElasticLoop:
             state.scheduler.step()
         return grad_norm
 
-    def _report(self, epoch: int, n_real: int, loss: float, grad_norm: float | None,
+    def _report(self, epoch: int, n_real: int, loss: torch.Tensor, grad_norm: float | None,
                 outputs: list[Any]) -> None:
         assert self._progress is not None and self.info is not None
         lr = self.state.optimizer.param_groups[0].get("lr")
@@ -393,13 +399,14 @@ class ElasticLoop:
                               lr=lr, world_size=self.info.world_size)
         self.samples_per_second = self._progress.samples_per_second
         if self.on_step_end is not None:
-            metrics = {"loss": loss, "samples_per_second": self.samples_per_second}
+            metrics: dict[str, Any] = {"loss": loss.item,
+                                       "samples_per_second": self.samples_per_second}
             if lr is not None:
                 metrics["lr"] = lr
             if grad_norm is not None:
                 metrics["grad_norm"] = grad_norm
             self.on_step_end(self.state, StepInfo(
-                self.state.step, epoch, loss, n_real, self.samples_per_second, lr,
+                self.state.step, epoch, loss.item, n_real, self.samples_per_second, lr,
                 self.info.world_size, outputs=outputs, metrics=metrics))
 
     def _end_epoch(self, summary: EpochSummary) -> None:

@@ -97,7 +97,11 @@ class SnapshotTier:
         self.node_dir = os.path.join(self.run_dir, re.sub(r"[^A-Za-z0-9_.-]", "_", node))
         self.enabled = True
         self.store: CheckpointStore | None = None
-        self.interval = every or 1  # the current K (rank 0's decision in automatic mode)
+        #: the current K, the same on every rank (automatic mode: rank 0's proposal,
+        #: which the checkpointer's flag exchange makes every rank adopt at one step)
+        self.interval = every or 1
+        #: the K this node's writes suggest (automatic mode)
+        self.proposed = every or 1
         self._step_s: float | None = None
         self._last_step_t: float | None = None
         self._space_checked = False
@@ -122,8 +126,9 @@ class SnapshotTier:
         self._last_step_t = now
 
     def due(self, step: int) -> bool:
-        """Whether a snapshot is due at ``step`` by this rank's current interval."""
-        return self.enabled and step % self.interval == 0
+        """Whether a snapshot is due at ``step`` by the agreed interval (on every rank
+        alike, also where writing is off: taking one syncs the audit, a collective)."""
+        return step % self.interval == 0
 
     def _adapt(self, write_s: float) -> None:
         if self.every is not None or self._step_s is None or self._step_s <= 0:
@@ -131,7 +136,7 @@ class SnapshotTier:
         # A background write of write_s seconds costs at most that much training time
         # (it competes for the cores); spread it over enough steps to stay in budget.
         k = math.ceil(write_s / (self.budget * self._step_s))
-        self.interval = max(1, min(k, _MAX_AUTO_EVERY))
+        self.proposed = max(1, min(k, _MAX_AUTO_EVERY))
 
     # ------------------------------------------------------------------ writing
     def save(self, state_dict: dict[str, Any], *, step: int, metadata: dict[str, Any],
