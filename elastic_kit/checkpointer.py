@@ -118,8 +118,10 @@ class Checkpointer:
             copy is waited for in a pre-hook of ``optimizer.step()``, the only place
             they change. Turn off if the script changes parameters in place outside
             ``optimizer.step()``.
-        handle_signals: catch SIGTERM (torchrun's restart notice): the next
-            :meth:`step` saves synchronously and raises ``SystemExit(exit_code)``.
+        handle_signals: catch SIGTERM (torchrun's restart notice): a :meth:`step`
+            soon after (every rank at the same one, within about 0.4 s of training:
+            see :meth:`_poll_flags`; at the latest :meth:`end_epoch`) saves
+            synchronously and raises ``SystemExit(exit_code)``.
         exit_code: the exit status after a SIGTERM save (non-zero, so torchrun
             restarts the group instead of reporting success).
         node_local / storage_options: passed to the store made from a URL.
@@ -333,7 +335,7 @@ class Checkpointer:
         return self._stop.is_set()
 
     def request_stop(self) -> None:
-        """Save and exit at the next :meth:`step` as if SIGTERM had arrived."""
+        """Save and exit soon (as after SIGTERM, see ``handle_signals``)."""
         self._stop.set()
 
     def _pass_position(self) -> tuple[int, int, int]:
@@ -376,7 +378,9 @@ class Checkpointer:
         Call it after ``optimizer.step()``, on every rank. It advances the sampler by
         the step's real samples over all ranks, records them in the audit (when on),
         saves when a save is due, and after a SIGTERM on any rank saves synchronously
-        and raises ``SystemExit(exit_code)`` on every rank.
+        and raises ``SystemExit(exit_code)`` on every rank (at the same step, within
+        about 0.4 s of training). It runs a collective only now and then (about every
+        0.2 s of training, overlapped with the next steps), never one per step.
         """
         self._record_step(n)
         self._act(self._poll_flags())
@@ -608,10 +612,12 @@ class Checkpointer:
         if self.snapshots is None:
             return
         self._sync_audit()
+        if not self.snapshots.writes:
+            return
         state = self.state
         later = (_optimizer_tensors(state.optimizer)
                  if self.overlap_staging and state.optimizer is not None else ())
-        self.snapshots.save(state.state_dict(), step=state.step, metadata=self._metadata(),
+        self.snapshots.save(state.state_dict, step=state.step, metadata=self._metadata(),
                             copy_later=later)
 
     def _sync_audit(self) -> None:

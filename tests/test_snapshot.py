@@ -165,3 +165,6 @@ def test_automatic_interval_keeps_the_write_within_the_budget(tmp_path: Path, sh
     assert tier.proposed == 250
     tier._adapt(0.0001)          # a tiny state: every step
     assert tier.proposed == 1
+    tier._taking_s = 0.03        # 30 ms on the training thread + a 20 ms write: 250 again
+    tier._adapt(0.02)
+    assert tier.proposed == 250

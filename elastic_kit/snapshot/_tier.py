@@ -10,7 +10,7 @@ import re
 import shutil
 import socket
 import time
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -105,6 +105,7 @@ class SnapshotTier:
         self._step_s: float | None = None
         self._last_step_t: float | None = None
         self._space_checked = False
+        self._taking_s = 0.0  # the training thread's time in the last snapshot
         if not os.path.isdir(self.root):
             self._disable(f"{self.root} does not exist")
             return
@@ -130,20 +131,31 @@ class SnapshotTier:
         alike, also where writing is off: taking one syncs the audit, a collective)."""
         return step % self.interval == 0
 
+    @property
+    def writes(self) -> bool:
+        """Whether this rank writes snapshots (each node's local rank 0, while on)."""
+        return self.enabled and self.store is not None and self.info.local_rank == 0
+
     def _adapt(self, write_s: float) -> None:
         if self.every is not None or self._step_s is None or self._step_s <= 0:
             return
-        # A background write of write_s seconds costs at most that much training time
-        # (it competes for the cores); spread it over enough steps to stay in budget.
-        k = math.ceil(write_s / (self.budget * self._step_s))
+        # A snapshot costs the training thread the time spent taking it (the state
+        # dict, staging) and, at most, the background write's duration (it competes
+        # for the cores); spread both over enough steps to stay in budget.
+        k = math.ceil((write_s + self._taking_s) / (self.budget * self._step_s))
         self.proposed = max(1, min(k, _MAX_AUTO_EVERY))
 
     # ------------------------------------------------------------------ writing
-    def save(self, state_dict: dict[str, Any], *, step: int, metadata: dict[str, Any],
-             copy_later: Iterable[torch.Tensor] = ()) -> None:
-        """Write a snapshot of ``state_dict`` in the background (local rank 0 only)."""
-        if not self.enabled or self.store is None or self.info.local_rank != 0:
+    def save(self, state_dict: dict[str, Any] | Callable[[], dict[str, Any]], *, step: int,
+             metadata: dict[str, Any], copy_later: Iterable[torch.Tensor] = ()) -> None:
+        """Write a snapshot of ``state_dict`` (or of what the callable returns, called
+        only here: other ranks skip building it) in the background (local rank 0
+        only)."""
+        if not self.writes:
             return
+        t0 = time.perf_counter()
+        if callable(state_dict):
+            state_dict = state_dict()
         if not self._space_checked:
             self._space_checked = True
             need = int(SPACE_FACTOR * _state_bytes(state_dict))
@@ -161,6 +173,7 @@ class SnapshotTier:
             self._adapt(self.store.last_save_s)
             self.store.save(state_dict, step=step, metadata=metadata, blocking=False,
                             copy_later=copy_later)
+            self._taking_s = time.perf_counter() - t0
         except Exception as e:  # snapshots are an optimisation: never fail training
             self._disable(f"writing snapshot step {step} to {self.node_dir} failed: {e!r}")
 
