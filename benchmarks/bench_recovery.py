@@ -226,8 +226,13 @@ def run_once(work: Path, data: Path, *, variant: dict[str, Any], events: tuple[s
     watcher = LogWatcher(log_dir, t0)
     watcher.start()
     marks: list[dict[str, Any]] = []
+    # The run is stopped, not finished, so its snapshots are not removed by the job:
+    # keep them in a shared-memory directory of this run's own, removed below.
+    shm = tempfile.mkdtemp(prefix="ek-bench-shm-",
+                           dir="/dev/shm" if Path("/dev/shm").is_dir() else None)
     cluster = LocalCluster(argv, nnodes="1:3", max_restarts=5, log_dir=log_dir,
-                           env={"OMP_NUM_THREADS": "1"}, monitor_interval=monitor_interval,
+                           env={"OMP_NUM_THREADS": "1", "ELASTIC_KIT_SNAPSHOT_DIR": shm},
+                           monitor_interval=monitor_interval,
                            rdzv_backend=rdzv_backend, rdzv_endpoint=rdzv_endpoint,
                            rdzv_conf=variant["rdzv_conf"],
                            torchrun_args=["--start-method=fork", "--run-path"] if fork else ())
@@ -270,6 +275,7 @@ def run_once(work: Path, data: Path, *, variant: dict[str, Any], events: tuple[s
     finally:
         cluster.close()
         watcher.stop()
+        shutil.rmtree(shm, ignore_errors=True)
         if keep_logs is not None:
             shutil.copytree(log_dir, keep_logs, dirs_exist_ok=True)
     evs = watcher.snapshot()

@@ -69,9 +69,10 @@ def _numbers(value: Any) -> list[float]:
     return []
 
 
-def run_smoke(script: str, *args: str, timeout: float = 600) -> dict[str, Any]:
+def run_smoke(script: str, *args: str, timeout: float = 600,
+              env_extra: dict[str, str] | None = None) -> dict[str, Any]:
     """Run ``script --smoke``; the JSON object on its last line."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env_extra or {}))
     proc = subprocess.run([sys.executable, str(BENCH / script), "--smoke", *args],
                           capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
     assert proc.returncode == 0, f"{script} --smoke failed:\n{proc.stderr[-6000:]}"
@@ -89,7 +90,9 @@ def test_the_glob_finds_every_known_benchmark() -> None:
 @pytest.mark.parametrize("script", _params())
 def test_benchmark_smoke_prints_a_ratio_against_its_baseline(script: str, tmp_path: Path) -> None:
     extra = ("--dir", str(tmp_path)) if script == "bench_checkpoint.py" else ()
-    res = run_smoke(script, *extra)
+    shm = tmp_path / "shm"  # where the torchrun jobs' snapshots would go by default
+    shm.mkdir()
+    res = run_smoke(script, *extra, env_extra={"ELASTIC_KIT_SNAPSHOT_DIR": str(shm)})
     assert isinstance(res.get("claim"), str) and res["claim"], "no claim named"
     ratios = {k: v for k, v in res.items() if k.startswith("ratio")}
     assert ratios, f"{script}: no ratio_* key in {sorted(res)}"
@@ -99,8 +102,11 @@ def test_benchmark_smoke_prints_a_ratio_against_its_baseline(script: str, tmp_pa
     for key in HEADLINE.get(script, ()):
         assert key in res, f"{script}: headline key {key!r} missing"
     assert isinstance(res["load_avg_1m_end"], float)
+    # jobs stopped mid-run do not remove their snapshots: the script must
+    leftovers = [str(p.relative_to(shm)) for p in shm.rglob("*")]
+    assert leftovers == [], leftovers
     if script == "bench_checkpoint.py":
-        assert list(tmp_path.iterdir()) == []  # cleaned up
+        assert list(tmp_path.iterdir()) == [shm]  # cleaned up
         size = res["per_size"]["20"]
         for method, seconds in size["seconds"].items():
             assert seconds is None or seconds > 0, method
