@@ -82,8 +82,9 @@ class ElasticLoop:
         on_epoch_end: ``fn(state, summary)`` after every epoch, on every rank, before
             the epoch's checkpoint (validation; update ``state.extras`` here).
         on_step_end: ``fn(state, step_info)`` after every optimizer step, every rank;
-            ``step_info`` has the global mean loss, the learning rate, throughput,
-            the gradient norm when clipping, and the step's ``outputs``.
+            ``step_info`` has this rank's loss (the epoch's mean over all ranks is
+            in :class:`EpochSummary`), the learning rate, throughput, the gradient
+            norm when clipping, and the step's ``outputs``.
 
     Mixed precision: wrap the forward pass in ``torch.autocast`` inside ``loss_fn``
     and pass a ``GradScaler`` as ``TrainState(scaler=...)``; the loop scales, unscales
