@@ -412,13 +412,10 @@ class Checkpointer:
         if (due or flags[1] > 0) and not (epoch_done and self.save_at_epoch_end):
             # The epoch's last step is saved by end_epoch, with the epoch closed.
             self.save(blocking=self.blocking)
-        tier = self.snapshots
-        if tier is not None:
-            tier.observe_step()
-            # A fixed interval is known to every rank; an automatic one is rank 0's
-            # proposal, agreed through the exchanges (see _poll_flags).
-            if tier.due(state.step):
-                self.snapshot()
+        # A fixed snapshot interval is known to every rank; an automatic one is rank
+        # 0's proposal, agreed through the exchanges (see _poll_flags).
+        if self.snapshots is not None and self.snapshots.due(state.step):
+            self.snapshot()
 
     def _note_audited(self, epoch: int, indices: torch.Tensor, r0: int, w: int,
                       a: int, b: int) -> None:
@@ -500,12 +497,11 @@ class Checkpointer:
             if self._exchange_t is not None and steps > 0:
                 dt = (now - self._exchange_t) / steps
                 self._step_s = dt if self._step_s is None else 0.5 * (self._step_s + dt)
+                if tier is not None:
+                    tier.set_step_time(self._step_s)
             self._exchange_t, self._exchange_step = now, self.state.step
-            if self._step_s:
-                exchange_every = max(1, min(MAX_EXCHANGE_EVERY,
-                                            int(EXCHANGE_PERIOD_S / self._step_s)))
-            else:
-                exchange_every = 1
+            exchange_every = max(1, min(MAX_EXCHANGE_EVERY, int(
+                EXCHANGE_PERIOD_S / self._step_s))) if self._step_s else 1
         return torch.tensor([float(self._stop.is_set()), float(time_due), float(snap_every),
                              float(exchange_every)], dtype=torch.float64)
 

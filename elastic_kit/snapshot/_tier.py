@@ -102,8 +102,7 @@ class SnapshotTier:
         self.interval = every or 1
         #: the K this node's writes suggest (automatic mode)
         self.proposed = every or 1
-        self._step_s: float | None = None
-        self._last_step_t: float | None = None
+        self._step_s: float | None = None  # the step time (set_step_time)
         self._space_checked = False
         self._taking_s = 0.0  # the training thread's time in the last snapshot
         if not os.path.isdir(self.root):
@@ -118,13 +117,10 @@ class SnapshotTier:
         self.enabled = False
 
     # ------------------------------------------------------------------ cadence
-    def observe_step(self) -> None:
-        """Feed the step-time estimate (called once per optimizer step)."""
-        now = time.monotonic()
-        if self._last_step_t is not None:
-            dt = now - self._last_step_t
-            self._step_s = dt if self._step_s is None else 0.9 * self._step_s + 0.1 * dt
-        self._last_step_t = now
+    def set_step_time(self, seconds: float) -> None:
+        """The training step time, which the automatic interval is a budget of (the
+        checkpointer measures it on rank 0, whose proposal every rank adopts)."""
+        self._step_s = seconds
 
     def due(self, step: int) -> bool:
         """Whether a snapshot is due at ``step`` by the agreed interval (on every rank
