@@ -16,6 +16,8 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import threading
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Sequence
@@ -164,7 +166,8 @@ def init_distributed(
         The :class:`DistInfo` of this worker. With ``WORLD_SIZE`` unset or 1 and no
         ``MASTER_ADDR`` no process group is created and world size is 1.
         A process group it creates is destroyed at exit (an ``atexit`` handler), before
-        interpreter shutdown, when the script has not done so itself.
+        interpreter shutdown, when the script has not done so itself; the handler then
+        waits, at most :data:`EXIT_SETTLE_S`, for the backend's threads to go idle.
 
     Example::
 
@@ -220,6 +223,13 @@ def _register_exit_teardown() -> None:
     called without an active exception") instead of its real exit status. ``atexit``
     handlers run before that shutdown, while those threads can still take the GIL, so
     tearing the process group down there lets them finish first.
+
+    Destroying the group is not always enough: a script may have destroyed it itself
+    while DDP still holds the backend, whose threads then live on into shutdown, and
+    on a loaded machine a backend thread may not yet have been scheduled to release
+    its last work item. The handler therefore also waits (at most
+    :data:`EXIT_SETTLE_S`, with the GIL released) until no other thread of the process
+    is running.
     """
     global _exit_hook_registered
     if not _exit_hook_registered:
@@ -232,6 +242,57 @@ def _destroy_process_group_quietly() -> None:
         destroy_distributed()
     except Exception as e:  # the process is exiting anyway: keep its own exit status
         log.debug("destroying the process group at exit failed: %r", e)
+    _let_threads_settle(EXIT_SETTLE_S)
+
+
+#: The longest the exit handler waits for other threads to stop running (seconds).
+EXIT_SETTLE_S = 0.5
+_SETTLE_POLL_S = 0.002
+
+
+def _let_threads_settle(timeout: float) -> bool:
+    """Sleep (the GIL released) until no other thread of this process is running or
+    waiting to run, for at most ``timeout`` seconds; True when they settled.
+
+    A thread that waits for the GIL gets it while this one sleeps; one that runs
+    native code without it shows as running in ``/proc/self/task``. Where that is not
+    readable, only the first short sleep happens.
+    """
+    deadline = time.monotonic() + timeout
+    quiet = 0
+    while True:
+        time.sleep(_SETTLE_POLL_S)
+        busy = _other_threads_running()
+        if busy is None:
+            return False
+        quiet = 0 if busy else quiet + 1
+        if quiet >= 2:
+            return True
+        if time.monotonic() >= deadline:
+            log.debug("threads still running at exit after %.1f s", timeout)
+            return False
+
+
+def _other_threads_running() -> bool | None:
+    """Whether a thread other than the calling one is running or runnable (None: the
+    kernel does not say)."""
+    me = threading.get_native_id()
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    for tid in tids:
+        if tid == str(me):
+            continue
+        try:
+            with open(f"/proc/self/task/{tid}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:  # it just ended
+            continue
+        end = stat.rfind(b")")  # the name may contain anything; the state follows it
+        if stat[end + 2:end + 3] in (b"R", b"D"):
+            return True
+    return False
 
 
 def destroy_distributed() -> None:

@@ -175,6 +175,9 @@ class LocalCluster:
         # torchrun's own logger (rendezvous rounds, restarts, world sizes) is silent
         # below WARNING by default; those lines are what a failing test needs to show.
         env.setdefault("LOGLEVEL", "INFO")
+        # A worker that dies of a signal (SIGABRT, SIGSEGV) prints every Python
+        # thread's stack: where it was is otherwise lost with the process.
+        env.setdefault("PYTHONFAULTHANDLER", "1")
         env[MARKER_ENV] = self.marker
         return env
 

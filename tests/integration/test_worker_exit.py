@@ -1,6 +1,10 @@
 """A worker that exits while a background thread still runs torch code exits with its own
 status, not SIGABRT ("terminate called without an active exception").
 
+Besides the two cases below, the exit handler that ``init_distributed`` registers waits
+(boundedly) until no other thread is running, so that a backend thread the scheduler
+has not yet run (a loaded machine) releases its work before shutdown begins.
+
 Two such threads exist in a worker: the checkpoint store's background save, and the
 process-group backend's own worker thread, which releases a collective's tensors a
 moment after the caller saw the collective finish or fail (a peer died).
@@ -136,3 +140,76 @@ def _env() -> dict[str, str]:
     import os
 
     return {**os.environ, "PYTHONPATH": str(_REPO)}
+
+
+_BUSY_CHILD = textwrap.dedent("""
+    import hashlib, sys, threading
+    from pathlib import Path
+    import elastic_kit as ek
+
+    ek.init_distributed(backend="gloo")
+    marker = Path(sys.argv[1])
+    data = bytes(32 * 2**20)  # about 0.1 s of hashing: inside the exit handler's bound
+
+    def work():
+        # Native work without the GIL (as a backend thread releasing a collective's
+        # tensors), then a step that needs the GIL again.
+        for _ in range(3):
+            hashlib.sha256(data).digest()
+        marker.write_text("done")
+
+    threading.Thread(target=work, daemon=True).start()
+    sys.exit(3)  # at once: the thread is still hashing when the interpreter exits
+""")
+
+
+def test_exit_lets_a_thread_busy_outside_the_gil_finish_first(tmp_path: Path) -> None:
+    """The exit handler waits (boundedly) until no other thread is running: a thread
+    in native code at exit would otherwise be ended as soon as it asks for the GIL
+    during interpreter shutdown, in the middle of whatever it was doing."""
+    from elastic_kit.testing import free_port
+
+    marker = tmp_path / "marker"
+    env = {**_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+           "WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0"}
+    proc = subprocess.run([sys.executable, "-c", _BUSY_CHILD, str(marker)], cwd=_REPO,
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert marker.read_text() == "done"
+
+
+def test_settle_waits_for_a_running_thread_and_is_bounded() -> None:
+    import hashlib
+    import threading
+    import time
+
+    from elastic_kit.distributed import _let_threads_settle
+
+    data = bytes(64 * 2**20)
+    finished: list[float] = []
+
+    def work() -> None:
+        for _ in range(4):
+            hashlib.sha256(data).digest()
+        finished.append(time.monotonic())
+
+    t = threading.Thread(target=work)
+    t.start()
+    assert _let_threads_settle(30.0) is True
+    settled = time.monotonic()
+    assert finished and finished[0] <= settled
+    t.join()
+
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            hashlib.sha256(data).digest()
+
+    t = threading.Thread(target=spin)
+    t.start()
+    try:
+        assert _let_threads_settle(0.2) is False  # still running: gives up
+    finally:
+        stop.set()
+        t.join()
