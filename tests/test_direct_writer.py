@@ -133,22 +133,54 @@ def test_xb_refuses_an_existing_file_and_wb_truncates_it(tmp_path):
     assert path.read_bytes() == b"abc"
 
 
-def test_on_dev_shm_the_answer_matches_what_the_filesystem_does():
-    """tmpfs refused O_DIRECT until Linux 6.6 (EINVAL: then open_direct returns None
-    and leaves no file behind for "xb"); newer kernels accept it, and then the file
-    must come out exact."""
-    shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-    d = shm or os.getcwd()
-    path = os.path.join(d, f"ek-direct-test-{os.getpid()}-{random.getrandbits(32):x}")
-    data = random.Random(5).randbytes(BUF + 4099)
-    accepted = _odirect_accepted(d)
+def _mount_type(path: str) -> str | None:
+    """The filesystem type of the longest mount point containing ``path`` (/proc/mounts)."""
     try:
-        f = open_direct(path, "xb", buffer_size=BUF)
-        if not accepted:
-            assert f is None and not os.path.exists(path)
+        with open("/proc/mounts") as f:
+            mounts = [line.split()[1:3] for line in f]
+    except OSError:
+        return None
+    path = os.path.realpath(path)
+    best: tuple[int, str] | None = None
+    for point, kind in mounts:
+        point = point.replace("\\040", " ")
+        if path == point or path.startswith(point.rstrip("/") + "/"):
+            if best is None or len(point) > best[0]:
+                best = (len(point), kind)
+    return best[1] if best else None
+
+
+def _shm_dir() -> str | None:
+    ok = os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK)
+    return "/dev/shm" if ok else None
+
+
+def test_memory_filesystem_agrees_with_the_mount_table(tmp_path):
+    for d in filter(None, [str(tmp_path), _shm_dir(), os.getcwd()]):
+        kind = _mount_type(d)
+        expected = kind if kind in ("tmpfs", "ramfs") else None
+        assert _direct.memory_filesystem(d) == expected, (d, kind)
+
+
+def test_on_a_memory_filesystem_open_direct_writes_buffered_and_leaves_nothing():
+    """/dev/shm (the in-memory snapshots) is tmpfs: its pages are the storage, so
+    O_DIRECT (accepted there since Linux 6.6) would only add a staging copy."""
+    d = _shm_dir()
+    if d is None or _direct.memory_filesystem(d) is None:
+        pytest.skip("no writable memory filesystem at /dev/shm")
+    path = os.path.join(d, f"ek-direct-test-{os.getpid()}-{random.getrandbits(32):x}")
+    try:
+        assert open_direct(path, "xb", buffer_size=BUF) is None
+        assert not os.path.exists(path)
+        # DirectFile itself still does what the filesystem allows: exact bytes when
+        # the flag is accepted, a refusal (and no file) when it is not.
+        data = random.Random(5).randbytes(BUF + 4099)
+        if not _odirect_accepted(d):
+            with pytest.raises(_direct.DirectIORefused):
+                DirectFile(path, "xb", buffer_size=BUF)
+            assert not os.path.exists(path)
             return
-        assert f is not None
-        with f:
+        with DirectFile(path, "xb", buffer_size=BUF) as f:
             f.write(data)
             f.finish()
         with open(path, "rb") as g:

@@ -24,7 +24,10 @@ cleared on the descriptor), then one fsync. The buffers are kept for the next fi
 fresh memory would cost a page fault per 4 KiB on every save.
 
 Fallbacks (correctness first): :func:`open_direct` returns None where the platform
-has no ``O_DIRECT`` or the filesystem refuses it (the caller then writes buffered);
+has no ``O_DIRECT`` or the filesystem refuses it (the caller then writes buffered),
+and on a memory filesystem (tmpfs, ramfs: the in-memory snapshots in ``/dev/shm``),
+which accepts the flag but has no device behind its pages, so the staging copy would
+only be a second copy of every byte;
 a filesystem that accepts the flag but refuses the first aligned write (EINVAL) is
 written through the page cache instead, transparently.
 """
@@ -32,6 +35,7 @@ written through the page cache instead, transparently.
 from __future__ import annotations
 
 import errno
+import functools
 import io
 import logging
 import mmap
@@ -43,11 +47,17 @@ from typing import Any
 import numpy as np
 
 try:
+    import ctypes
+    import ctypes.util
+except ImportError:  # pragma: no cover - no ctypes in this build
+    ctypes = None  # type: ignore[assignment]
+
+try:
     import fcntl
 except ImportError:  # pragma: no cover - not POSIX
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["DirectFile", "open_direct", "BUFFER_SIZE", "ALIGN"]
+__all__ = ["DirectFile", "open_direct", "memory_filesystem", "BUFFER_SIZE", "ALIGN"]
 
 log = logging.getLogger(__name__)
 
@@ -389,13 +399,49 @@ class DirectFile(io.RawIOBase):
                 pass
 
 
+# statfs(2) f_type of the filesystems whose pages are the storage itself.
+_MEMORY_FS = {0x01021994: "tmpfs", 0x858458F6: "ramfs"}
+
+
+def memory_filesystem(directory: str | os.PathLike[str]) -> str | None:
+    """``"tmpfs"`` or ``"ramfs"`` when ``directory`` is on one, else None (also where
+    ``statfs`` is not available). One ``statfs`` call."""
+    statfs = _libc_statfs()
+    if statfs is None:
+        return None
+    buf = ctypes.create_string_buffer(256)  # struct statfs: 120 bytes on x86-64
+    if statfs(os.fsencode(os.path.abspath(os.fspath(directory))), buf) != 0:
+        return None
+    # f_type is the first member, a native long on Linux
+    return _MEMORY_FS.get(ctypes.c_ulong.from_buffer(buf).value & 0xFFFFFFFF)
+
+
+@functools.lru_cache(maxsize=None)
+def _libc_statfs() -> Any:
+    if ctypes is None or not hasattr(os, "O_DIRECT"):  # Linux only (where O_DIRECT is)
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        fn = libc.statfs
+    except (OSError, AttributeError):  # pragma: no cover - no libc statfs
+        return None
+    fn.argtypes = [ctypes.c_char_p, ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+    return fn
+
+
 def open_direct(path: str | os.PathLike[str], mode: str = "wb", *,
                 buffer_size: int = BUFFER_SIZE, buffers: int = BUFFERS) -> DirectFile | None:
     """A :class:`DirectFile` on ``path``, or None where ``O_DIRECT`` is refused (no
-    such flag on this platform, or a filesystem that does not support it at open);
-    the caller then writes through an ordinary buffered file. Other open errors
-    (exists, permission) are raised as ``open(path, mode)`` would raise them.
+    such flag on this platform, or a filesystem that does not support it at open)
+    or pointless (a memory filesystem: :func:`memory_filesystem`); the caller then
+    writes through an ordinary buffered file. Other open errors (exists, permission)
+    are raised as ``open(path, mode)`` would raise them.
     """
+    kind = memory_filesystem(os.path.dirname(os.path.abspath(os.fspath(path))))
+    if kind is not None:
+        log.debug("not using O_DIRECT for %s: on %s", os.fspath(path), kind)
+        return None
     try:
         return DirectFile(path, mode, buffer_size=buffer_size, buffers=buffers)
     except DirectIORefused as e:
