@@ -233,11 +233,12 @@ def _register_exit_teardown() -> None:
     """
     global _exit_hook_registered
     if not _exit_hook_registered:
-        atexit.register(_destroy_process_group_quietly)
+        atexit.register(_teardown_at_exit)
         _exit_hook_registered = True
 
 
-def _destroy_process_group_quietly() -> None:
+def _teardown_at_exit() -> None:
+    """Destroy the process group (if the script has not), then let threads settle."""
     try:
         destroy_distributed()
     except Exception as e:  # the process is exiting anyway: keep its own exit status

@@ -438,7 +438,7 @@ def open_direct(path: str | os.PathLike[str], mode: str = "wb", *,
     writes through an ordinary buffered file. Other open errors (exists, permission)
     are raised as ``open(path, mode)`` would raise them.
     """
-    kind = memory_filesystem(os.path.dirname(os.path.abspath(os.fspath(path))))
+    kind = memory_filesystem(os.path.dirname(os.path.abspath(path)))
     if kind is not None:
         log.debug("not using O_DIRECT for %s: on %s", os.fspath(path), kind)
         return None
