@@ -305,6 +305,7 @@ class Checkpointer:
             loaded = store.load(map_location=map_location)
             self.restored_from = "store" if loaded is not None else None
             return loaded
+        tier.connect()
         mine = tier.newest_local()
         durable = store.latest_step() if getattr(store, "is_writer", info.rank == 0) else None
         newest_snapshot = all_reduce_max(-1 if mine is None else mine)
@@ -313,8 +314,9 @@ class Checkpointer:
         if newest_snapshot >= 0 and newest_snapshot >= newest_durable:
             loaded = tier.load(map_location=map_location)
             if loaded is not None and loaded.step >= newest_durable:
-                # memory when rank 0's node held it, else a peer node's copy
-                held = all_reduce_max(int(info.rank == 0 and mine == loaded.step))
+                # memory when rank 0's node held it, else a peer node's copy or a
+                # replica a peer streamed here
+                held = all_reduce_max(int(info.rank == 0 and tier.loaded_own))
                 self.restored_from = "memory" if held else "peer"
                 return loaded
         loaded = store.load(map_location=map_location)

@@ -58,7 +58,9 @@ def _life(url: str, shm: str, crash_after: int | None, snapshot_every: int | Non
             done += 1
             if crash_after is not None and done == crash_after:
                 if ckpt.snapshots is not None:
-                    ckpt.snapshots.close(remove=False)  # a kill comes after the write here
+                    # a kill comes after the write and its stream to the peer here
+                    ckpt.snapshots.close(remove=False)
+                    torch.distributed.barrier()  # the peer's stream to us is in, too
                 return {"crashed_at": state.step}
         ckpt.end_epoch()
     ckpt.close()
@@ -105,12 +107,61 @@ def test_a_node_that_lost_its_memory_restores_from_a_peer_and_keeps_a_copy(
     out = spawn_multi_process(2, _life, url, shm, 2, 1, local_world_size=1)
     assert out[0] == {"crashed_at": 11}
     steps = sorted(os.listdir(os.path.join(run_dir, "node0")))
-    assert steps == ["step-000000000011"]                  # a copy, then its own snapshots
+    assert steps == ["replicas", "step-000000000011"]      # a copy, then its own snapshots
+    assert os.listdir(os.path.join(run_dir, "node0", "replicas", "node1")) == [
+        "step-000000000011"]                               # and node 1's, streamed here
     final = spawn_multi_process(2, _life, url, shm, None, 1, local_world_size=1)
     history = final[0]["report"]["world_sizes"]
     assert [h["restored_from"] for h in history] == [None, "peer", "memory"]
     assert [h["restored_step"] for h in history] == [None, 9, 11]
     assert final[0]["audit"] == [(0, N, True), (1, N, True)]
+
+
+def _files(d: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(d.iterdir())}
+
+
+def test_each_node_streams_its_snapshot_into_the_next_nodes_memory(
+        tmp_path: Path, shm: str) -> None:
+    url = str(tmp_path / "run")
+    spawn_multi_process(2, _life, url, shm, 9, 1, local_world_size=1)   # two "nodes"
+    run = Path(snapshot_dir(shm, "test", url))
+    step = "step-000000000009"
+    for node, peer in (("node0", "node1"), ("node1", "node0")):
+        replicas = run / peer / "replicas"
+        assert [p.name for p in replicas.iterdir()] == [node]            # one replica each
+        assert [p.name for p in (replicas / node).iterdir()] == [step]   # the newest only
+        assert _files(replicas / node / step) == _files(run / node / step)
+
+
+@pytest.mark.parametrize("damage", ["lost", "corrupt"])
+def test_a_lost_node_is_restored_from_its_replica_on_the_survivor(
+        tmp_path: Path, shm: str, damage: str) -> None:
+    """Node 0 dies with its memory; the survivor's own snapshot is gone (or corrupt),
+    so the newest state exists only as node 0's replica in the survivor's memory."""
+    ref = spawn_multi_process(2, _life, str(tmp_path / "ref"), shm, None, None,
+                              local_world_size=1)
+    url = str(tmp_path / "run")
+    spawn_multi_process(2, _life, url, shm, 9, 1, local_world_size=1)   # durable: none past 0
+    run = Path(snapshot_dir(shm, "test", url))
+    shutil.rmtree(run / "node0")                                         # the lost node
+    own = run / "node1" / "step-000000000009"
+    if damage == "lost":
+        shutil.rmtree(own)
+    else:
+        payload = own / "state.pt"
+        data = bytearray(payload.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        payload.write_bytes(bytes(data))
+    out = spawn_multi_process(2, _life, url, shm, None, 1, local_world_size=1)
+    history = out[0]["report"]["world_sizes"]
+    assert [(h["restored_step"], h["restored_from"]) for h in history] == [
+        (None, None), (9, "peer")]
+    assert out[0]["step"] == ref[0]["step"] == 12
+    for a, b in zip(out[0]["params"], ref[0]["params"]):
+        np.testing.assert_array_equal(a, b)
+    assert out[0]["audit"] == [(0, N, True), (1, N, True)]
+    assert os.listdir(shm) == []                 # the finished run removed every replica
 
 
 def test_a_corrupt_snapshot_is_skipped_for_the_durable_store(tmp_path: Path, shm: str) -> None:

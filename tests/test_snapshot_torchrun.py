@@ -89,7 +89,8 @@ def test_etcd_worker_kill_then_loss_of_rank_0_node_each_cost_at_most_one_step(
         tmp_path: Path) -> None:
     """etcd-v2, where any node may die: a worker SIGKILLed at a random moment resumes
     from memory; then the whole node of global rank 0 (agent and worker) is SIGKILLed
-    at a random moment and the survivor resumes from its own copy of the snapshots."""
+    at a random moment and the survivor resumes from its own copy of the snapshots (it
+    also held the lost node's replica, streamed over the side channel)."""
     shm = tmp_path / "shm"
     shm.mkdir()
     env = {"OMP_NUM_THREADS": "1", "ELASTIC_KIT_SNAPSHOT_DIR": str(shm),
@@ -132,9 +133,14 @@ def test_etcd_worker_kill_then_loss_of_rank_0_node_each_cost_at_most_one_step(
         kill_after = rng.randint(3, 6)
         wait_for(lambda: step(main) >= kill_after, 120, interval=0.01,
                  what=f"{kill_after} steps after the restart", abort_if=cluster.all_exited)
+        survivor = agents[1 - agents.index(main)]
+        # the survivor's memory holds a replica the main node streamed there
+        replica = f"elastic_kit/*/*-{survivor.pid}/replicas/*-{main.pid}/step-*"
+        wait_for(lambda: any(shm.glob(replica)), 60, interval=0.01,
+                 what="a replica of the main node's snapshot on the survivor",
+                 abort_if=cluster.all_exited)
         cluster.kill_agent(main)  # the node of global rank 0: agent and worker
         last_before_node_loss = step(main)
-        survivor = agents[1 - agents.index(main)]
         got = cluster.wait(RUN_TIMEOUT)
         if got[agents.index(survivor)] != 0:
             pytest.fail(f"agent exit codes {got}\n{cluster.logs()[-20000:]}")

@@ -232,6 +232,9 @@ class CheckpointStore:
         self._staging: dict[str, torch.Tensor] = {}
         self._staged: threading.Event | None = None  # set when deferred copies are done
         self.last_save_s: float = 0.0  # duration of the last write (writers only)
+        # node_local: a node that lacked the loaded step commits a copy (the snapshot
+        # tier turns it off when it loads from a peer's replica directory)
+        self._copy_missing = True
 
     # ------------------------------------------------------------------ roles
     @property
@@ -619,7 +622,7 @@ class CheckpointStore:
         path = header["path"]
         if self.node_local:
             path = self._layout.dir_of(step).path
-            if self.is_writer and found_step < step:
+            if self.is_writer and found_step < step and self._copy_missing:
                 self._copy_locally(state, step, header)
         return LoadedCheckpoint(step=step, state=state, metadata=header["metadata"], path=path,
                                 epoch=header["epoch"], world_size=header["world_size"])

@@ -9,21 +9,29 @@ worker processes, so a restarted group finds it and loses at most a step or two.
 Layout, on every host::
 
     /dev/shm/elastic_kit/<run id>-<store key>/<host>-<agent pid>/step-<n>/{state.pt,manifest.json}
+    /dev/shm/elastic_kit/<run id>-<store key>/<host>-<agent pid>/replicas/<peer node>/step-<n>/...
 
-It is a node-local :class:`~elastic_kit.CheckpointStore` with ``keep_last=2``: two
-slots, the manifest (size and xxh3 checksum of the payload) written last, the older
-slot deleted only after the newer one committed, so a kill at any moment leaves the
+It is a node-local :class:`~elastic_kit.CheckpointStore` with ``keep_last=1``: the
+manifest (size and xxh3 checksum of the payload) written last, the older snapshot
+deleted only after the newer one committed, so a kill at any moment leaves the
 previous snapshot valid. The directory is named by the torchrun run id and a hash of
 the durable store's URL (a snapshot of another run or another store is never seen),
 and by the agent, which survives the worker restarts it drives.
 
-Because a data-parallel job holds the same state on every node, each node's snapshot
-is a full replica: losing a whole node loses nothing while another node lives, and a
-node that joins (or lost its memory) receives the newest snapshot from a peer by the
-store's tensor-by-tensor broadcast, keeping a copy. The state is the same
-:class:`~elastic_kit.TrainState` dict as a durable checkpoint (sampler position, audit,
-RNG, optimizer), so exact data accounting and bitwise resume hold; since the sampler's
-position is global, a snapshot taken at one world size restores at any other.
+Each node's writer also streams every snapshot it commits into the next node's memory
+(ring order over the nodes, a TCP side channel, see
+:mod:`elastic_kit.snapshot._replica`), so a node's state outlives the whole node: a
+node holds its own snapshot and one peer's replica (plus, for a moment, the next of
+each). A data-parallel job holds the same state on every node, so each node's own
+snapshot is a full replica already; the streamed one covers what only one node held
+(a node that joined or restarted late, a snapshot write that failed on a node).
+
+On restore the ranks agree on the newest snapshot held anywhere (own or replica; a
+corrupt or truncated one is skipped for the next newest source) and its holder
+broadcasts it tensor by tensor; a node that lacked it keeps a copy. The state is the
+same :class:`~elastic_kit.TrainState` dict as a durable checkpoint (sampler position,
+audit, RNG, optimizer), so exact data accounting and bitwise resume hold; since the
+sampler's position is global, a snapshot taken at one world size restores at any other.
 """
 
 from elastic_kit.snapshot._tier import SnapshotTier, default_root, snapshot_dir

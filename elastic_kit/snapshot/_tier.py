@@ -7,6 +7,7 @@ import logging
 import math
 import os
 import re
+import secrets
 import shutil
 import socket
 import time
@@ -15,7 +16,13 @@ from typing import Any, Callable, Iterable
 import torch
 
 from elastic_kit.checkpoint import CheckpointStore, LoadedCheckpoint
-from elastic_kit.distributed import DistInfo
+from elastic_kit.checkpoint._fs import resolve_url
+from elastic_kit.checkpoint._layout import Layout, step_dir_name
+from elastic_kit.distributed import DistInfo, is_dist_ready
+from elastic_kit.errors import CheckpointError
+from elastic_kit.snapshot._replica import (
+    REPLICAS, ReplicaReceiver, ReplicaSender, advertised_host,
+)
 
 __all__ = ["SnapshotTier", "default_root", "snapshot_dir"]
 
@@ -30,6 +37,8 @@ NODE_ENV = "ELASTIC_KIT_SNAPSHOT_NODE"
 #: committed snapshot stays until the next one is committed) plus a margin.
 SPACE_FACTOR = 2.2
 _MAX_AUTO_EVERY = 10_000
+#: Seconds :meth:`SnapshotTier.close` waits for the last snapshot's stream to a peer.
+FLUSH_TIMEOUT_S = 10.0
 
 
 def default_root() -> str:
@@ -70,19 +79,25 @@ class SnapshotTier:
             time (every step while the state is small).
         budget: the share of training time snapshots may cost (``every=None``).
         root: the shared-memory directory (default :func:`default_root`).
+        replicate: stream each committed snapshot to the next node's memory (see
+            :mod:`elastic_kit.snapshot._replica`; from :meth:`connect`, with two nodes
+            or more).
 
     Only local rank 0 of each node writes (a non-blocking save: the tensors are copied
     on a background thread, which the optimizer-step pre-hook waits for).
 
     .. warning::
-        Shared memory is host RAM: a node holds at most two snapshots (about twice the
-        state's size) while the run lives. When ``root`` has less free space than
-        that, snapshots are switched off with a warning and restarts resume from the
-        durable store.
+        Shared memory is host RAM. A node holds its own snapshot and one peer's
+        replica while the run lives (about twice the state's size), and up to twice
+        that for a moment: the next snapshot is written, and the next replica
+        received, before the previous one is deleted. When ``root`` has less free
+        space than 2.2 times the state, snapshots are switched off with a warning and
+        restarts resume from the durable store; a replica that does not fit is
+        refused (the sender logs a warning once) and the node keeps its own.
     """
 
     def __init__(self, key: str, *, info: DistInfo, every: int | None = None,
-                 budget: float = 0.02, root: str | None = None) -> None:
+                 budget: float = 0.02, root: str | None = None, replicate: bool = True) -> None:
         if every is not None and (type(every) is not int or every < 1):
             raise ValueError(f"snapshot every={every!r} must be None (automatic) or an int >= 1")
         if not 0 < budget < 1:
@@ -105,6 +120,12 @@ class SnapshotTier:
         self._step_s: float | None = None  # the step time (set_step_time)
         self._space_checked = False
         self._taking_s = 0.0  # the training thread's time in the last snapshot
+        self.replicate = replicate
+        self._receiver: ReplicaReceiver | None = None
+        self._sender: ReplicaSender | None = None
+        #: whether this node's restore read its own snapshot (not a replica) of the
+        #: step that was loaded (local rank 0; set by :meth:`load`)
+        self.loaded_own = False
         if not os.path.isdir(self.root):
             self._disable(f"{self.root} does not exist")
             return
@@ -169,6 +190,11 @@ class SnapshotTier:
             self._adapt(self.store.last_save_s)
             self.store.save(state_dict, step=step, metadata=metadata, blocking=False,
                             copy_later=copy_later)
+            if self._sender is not None:
+                # runs on the store's worker after the write committed (or failed: the
+                # sender then finds no manifest and skips the step)
+                self.store._submit(self._sender.offer, step,
+                                   os.path.join(self.node_dir, step_dir_name(step)))
             self._taking_s = time.perf_counter() - t0
         except Exception as e:  # snapshots are an optimisation: never fail training
             self._disable(f"writing snapshot step {step} to {self.node_dir} failed: {e!r}")
@@ -178,38 +204,145 @@ class SnapshotTier:
         if self.store is not None:
             self.store.wait_staged()
 
+    # ------------------------------------------------------------------ peers
+    def connect(self) -> None:
+        """Start streaming snapshots to the next node. Collective: call on every rank.
+
+        Each node's writer opens a receiver on :func:`advertised_host` (any free port);
+        the ranks gather the writers' addresses and a token rank 0 draws, and each
+        writer streams to the next writer in global rank order. Nothing happens with
+        one node, outside a process group, or with ``replicate=False``.
+        """
+        if not (self.replicate and is_dist_ready() and self.info.world_size > 1):
+            return
+        import torch.distributed as dist
+
+        if self._receiver is None and self.writes:
+            try:
+                self._receiver = ReplicaReceiver(self.node_dir, run=os.path.basename(self.run_dir),
+                                                 token="", host=advertised_host())
+            except OSError as e:
+                log.warning("snapshots are not replicated to this node (%s): cannot listen "
+                            "on %s: %r", self.node_dir, advertised_host(), e)
+        r = self._receiver
+        mine = (self.info.rank, os.path.basename(self.node_dir),
+                None if r is None else (r.host, r.port),
+                secrets.token_hex(16) if self.info.rank == 0 else None)
+        everyone: list[Any] = [None] * self.info.world_size
+        dist.all_gather_object(everyone, mine)
+        token = everyone[0][3]
+        writers = [e for e in sorted(everyone) if e[2] is not None]
+        if r is None:
+            return
+        r.token = token
+        names = [e[1] for e in writers]
+        if len(writers) < 2 or len(set(names)) < len(names):
+            return  # one node (or nodes that share a directory): no one to replicate to
+        me = names.index(mine[1])
+        succ = writers[(me + 1) % len(writers)]
+        if self._sender is not None:
+            self._sender.close(timeout=FLUSH_TIMEOUT_S)
+        self._sender = ReplicaSender(succ[2], source=mine[1], run=r.run, token=token)
+        log.info("snapshots of %s are replicated to node %s at %s:%d", mine[1], succ[1],
+                 *succ[2])
+
     # ------------------------------------------------------------------ reading
+    def _candidates(self) -> list[tuple[int, str, bool]]:
+        """``(step, root, own)`` of every committed snapshot on this node, newest first
+        (own before a replica of the same step); manifests read, payloads not."""
+        roots = [(self.node_dir, True)]
+        replicas = os.path.join(self.node_dir, REPLICAS)
+        if os.path.isdir(replicas):
+            roots += [(os.path.join(replicas, n), False) for n in sorted(os.listdir(replicas))]
+        out = []
+        for root, own in roots:
+            layout = _layout(root)
+            out += [(d.step, root, own) for d, _ in layout.committed()]
+        return sorted(out, key=lambda c: (-c[0], not c[2]))
+
     def newest_local(self) -> int | None:
-        """The newest snapshot step this node holds (local rank 0; None elsewhere)."""
+        """The newest snapshot step this node holds, its own or a peer's replica (local
+        rank 0; None elsewhere)."""
         if not self.enabled or self.store is None or self.info.local_rank != 0:
             return None
         try:
-            return self.store.latest_step()
+            found = self._candidates()
         except Exception as e:
             log.warning("cannot list the snapshots in %s: %r", self.node_dir, e)
             return None
+        return found[0][0] if found else None
+
+    def _choose_root(self) -> tuple[str, int | None]:
+        """The directory holding this node's newest snapshot that verifies, and its
+        step. With replicas present the candidates are verified newest first (one
+        extra read of the chosen payload from memory), so a corrupt or truncated
+        snapshot is skipped for the next newest source, own or replica."""
+        try:
+            found = self._candidates()
+        except Exception as e:
+            log.warning("cannot list the snapshots in %s: %r", self.node_dir, e)
+            return self.node_dir, None
+        if all(own for _, _, own in found):
+            return self.node_dir, found[0][0] if found else None
+        for step, root, _ in found:
+            layout = _layout(root)
+            try:
+                layout.verify(layout.dir_of(step), deep=True)
+                return root, step
+            except (CheckpointError, OSError) as e:
+                log.warning("skipping snapshot %s for the next newest: %s",
+                            layout.dir_of(step).path, e)
+        return self.node_dir, None
 
     def load(self, *, map_location: Any = None) -> LoadedCheckpoint | None:
-        """The newest snapshot any node holds, broadcast to every rank. Collective.
+        """The newest snapshot any node holds, its own or a replica, broadcast to every
+        rank from its holder. Collective.
 
         A corrupt or truncated newest snapshot is skipped for the one before (the
         manifest's checksum is verified as for any checkpoint).
         """
         assert self.store is not None
-        return self.store.load(map_location=map_location)
+        root, step = (self.node_dir, None)
+        if self.info.local_rank == 0 and self.enabled:
+            root, step = self._choose_root()
+        store = self.store
+        if root != self.node_dir:
+            store = CheckpointStore(root, keep_last=None, node_local=True, info=self.info)
+            store._copy_missing = False  # a node keeps only its own snapshots and one replica
+        try:
+            loaded = store.load(map_location=map_location)
+        finally:
+            if store is not self.store:
+                store.close()
+        self.loaded_own = (loaded is not None and root == self.node_dir
+                           and step == loaded.step)
+        return loaded
 
     # ------------------------------------------------------------------ cleanup
     def close(self, *, remove: bool) -> None:
-        """Join the in-flight snapshot; with ``remove``, delete this run's snapshots on
-        this host (local rank 0; call it once every rank is done writing)."""
+        """Join the in-flight snapshot and its stream to the peer (at most
+        ``FLUSH_TIMEOUT_S``); with ``remove``, also stop receiving replicas and delete
+        this run's snapshots on this host (local rank 0; call it once every rank is
+        done writing)."""
         if self.store is not None:
             try:
                 self.store.wait()
             except Exception as e:
                 log.warning("the last snapshot to %s failed: %r", self.node_dir, e)
+        if self._sender is not None:
+            self._sender.close(timeout=FLUSH_TIMEOUT_S)
+            self._sender = None
+        if remove and self._receiver is not None:
+            self._receiver.close()
+            self._receiver = None
         if remove and self.info.local_rank == 0:
             shutil.rmtree(self.run_dir, ignore_errors=True)
             try:  # the parent too, when this was the last run on the host
                 os.rmdir(os.path.dirname(self.run_dir))
             except OSError:
                 pass
+
+
+def _layout(root: str) -> Layout:
+    fs, path = resolve_url(root)
+    return Layout(fs, path, url=root)

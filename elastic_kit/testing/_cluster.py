@@ -178,6 +178,8 @@ class LocalCluster:
         # A worker that dies of a signal (SIGABRT, SIGSEGV) prints every Python
         # thread's stack: where it was is otherwise lost with the process.
         env.setdefault("PYTHONFAULTHANDLER", "1")
+        # Snapshot replicas stream between the "nodes" on loopback, like everything here.
+        env.setdefault("ELASTIC_KIT_SNAPSHOT_ADDR", "127.0.0.1")
         env[MARKER_ENV] = self.marker
         return env
 
