@@ -79,3 +79,28 @@ def _fail_on_rank_one() -> int:
 def test_spawn_reports_the_failing_rank() -> None:
     with pytest.raises(RuntimeError, match="(?s)rank 1 of 2 failed:.*boom on one"):
         spawn_multi_process(2, _fail_on_rank_one, timeout=60)
+
+
+def _quick_rank_stays() -> bool | int:
+    """Rank 1 returns at once after init; rank 0 checks, 2 s later, that it is still
+    there (a rank that exits early breaks a peer's gloo connect)."""
+    import time
+
+    import psutil
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    info = ekd.init_distributed()
+    kv = _get_default_store()
+    if info.rank == 1:
+        kv.set("pid1", str(os.getpid()))
+        return 0
+    pid = int(kv.get("pid1"))
+    time.sleep(2.0)
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_spawn_keeps_a_rank_that_returned_until_every_rank_returned() -> None:
+    assert spawn_multi_process(2, _quick_rank_stays) == [True, 0]

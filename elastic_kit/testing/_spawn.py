@@ -66,9 +66,11 @@ def torchrun_env(rank: int, world_size: int, port: int, *, local_world_size: int
 def _worker(rank: int, world_size: int, port: int, local_world_size: int | None,
             fn: Callable[..., Any], args: tuple[Any, ...], queue: Any) -> None:
     os.environ.update(torchrun_env(rank, world_size, port, local_world_size=local_world_size))
+    ok = False
     try:
         result = fn(*args)
         queue.put((rank, True, result))
+        ok = True
     except BaseException:  # report every failure to the parent, then exit non-zero
         queue.put((rank, False, traceback.format_exc()))
         raise
@@ -76,7 +78,29 @@ def _worker(rank: int, world_size: int, port: int, local_world_size: int | None,
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():
+            if ok:
+                _wait_for_every_rank(world_size)
             dist.destroy_process_group()
+
+
+def _wait_for_every_rank(world_size: int, timeout_s: float = 30.0) -> None:
+    """Stay until every rank's ``fn`` returned (through the store, no collective).
+
+    A rank whose ``fn`` returns at once after ``init_distributed`` would otherwise
+    exit while a peer's gloo backend is still connecting to it, and that peer fails
+    with "Connection closed by peer". Bounded: a failed peer never arrives.
+    """
+    from datetime import timedelta
+
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    try:
+        kv = _get_default_store()
+        if kv.add("elastic_kit/spawn/returned", 1) >= world_size:
+            kv.set("elastic_kit/spawn/all", "1")
+        kv.wait(["elastic_kit/spawn/all"], timedelta(seconds=timeout_s))
+    except Exception:  # a peer failed or the store's host exited: nothing to wait for
+        pass
 
 
 class MultiProcessError(RuntimeError):
