@@ -8,8 +8,8 @@ blocks the caller for <= 0.1x of a synchronous save.
 Baselines, all measured in the same run, on the same directory, with the same state
 (random float32 tensors of 10 MB each, so nothing compresses):
 
-- ``o_direct``: **the device ceiling**, the faster in each round of ``o_direct_8m``
-  and ``o_direct_16m`` (8 MiB requests, and 16 MiB: the store's own request size).
+- ``o_direct``: **the device ceiling**, the faster (by median) of ``o_direct_8m`` and
+  ``o_direct_16m`` (8 MiB requests, and 16 MiB: the store's own request size).
   The same bytes, already in one page-aligned
   buffer, written with ``O_DIRECT`` in those pieces, then fsync (what ``dd
   if=<those bytes> of=<target> bs=8M oflag=direct conv=fsync`` measures, without
@@ -333,9 +333,10 @@ def measure(size_mb: int, repeats: int, base_dir: str | None, device: str) -> di
         shutil.rmtree(base, ignore_errors=True)
 
     if "o_direct_8m" in times:
-        # the device ceiling: the faster request size, round by round
-        times["o_direct"] = [min(a, b) for a, b in zip(times["o_direct_8m"],
-                                                       times["o_direct_16m"])]
+        # the device ceiling: the request size with the faster median (a per-round
+        # minimum of two noisy samples would be biased low)
+        times["o_direct"] = min(times["o_direct_8m"], times["o_direct_16m"],
+                                key=statistics.median)
     med: dict[str, float | None] = {k: statistics.median(v) for k, v in times.items()}
     med.setdefault("o_direct", None)
     gbps = {k: (None if v is None else nbytes / v / 1e9) for k, v in med.items()}
