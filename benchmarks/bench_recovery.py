@@ -23,8 +23,9 @@ Variants, interleaved (each repeat runs every variant with the same random momen
   (a 1 s last call, keep-alive every 1 s with 3 attempts), a checkpoint every
   :data:`CHECKPOINT_EVERY` steps and the example's default in-memory snapshots
   (``--snapshot-every auto``);
-- ``ours_fork``: the same plus ``--start-method=fork --run-path`` (the README's fast
-  restart: workers forked from the agent, which has torch imported already);
+- ``ours_fork``: the same, launched the README's fast-restart way: ``python -m
+  elastic_kit.run --preload torchvision ... --start-method=fork --run-path`` (workers
+  forked from the agent, which has torch, ``torch._dynamo`` and torchvision imported);
 - ``baseline``: what a user would otherwise run: torchrun's default rendezvous
   settings (30 s last call, keep-alive 5 s x 3, no ``--rdzv-conf``) and a checkpoint
   at the end of each epoch only (the pytorch/elastic example's frequency, no
@@ -235,7 +236,9 @@ def run_once(work: Path, data: Path, *, variant: dict[str, Any], events: tuple[s
                            monitor_interval=monitor_interval,
                            rdzv_backend=rdzv_backend, rdzv_endpoint=rdzv_endpoint,
                            rdzv_conf=variant["rdzv_conf"],
-                           torchrun_args=["--start-method=fork", "--run-path"] if fork else ())
+                           torchrun_args=["--start-method=fork", "--run-path"] if fork else (),
+                           launcher="elastic_kit.run" if fork else "torch.distributed.run",
+                           launcher_args=["--preload", "torchvision"] if fork else ())
     try:
         cluster.add_agent()
         cluster.add_agent()

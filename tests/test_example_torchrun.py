@@ -140,21 +140,26 @@ def test_stopped_then_sigkilled_and_resumed_at_same_world_size_gives_identical_w
 
 def test_workers_forked_from_the_agent_resume_exactly_after_sigkill(
         data: Path, tmp_path: Path, uninterrupted: dict[str, Any]) -> None:
-    """The fast-restart setup of the README (``--start-method=fork --run-path``: workers
-    are forked from the agent, which has torch imported) trains the same trajectory."""
+    """The fast-restart setup of the README (``python -m elastic_kit.run --preload
+    torchvision ... --start-method=fork --run-path``: workers are forked from the agent,
+    which has torch, ``torch._dynamo`` and torchvision imported) trains the same
+    trajectory, and the agent reports the SIGKILLed worker without importing anything
+    (plain torchrun's log formatter imports ``torch._dynamo`` there)."""
     import psutil
 
     ckpt, summary, hold = tmp_path / "ckpt", tmp_path / "forked.json", tmp_path / "hold"
     with LocalCluster([str(HOLD), *script_args(data, ckpt, summary)], nnodes="1",
                       nproc_per_node=2, max_restarts=1,
                       env={"OMP_NUM_THREADS": "1", **hold_env(hold)}, log_dir=tmp_path / "logs",
-                      torchrun_args=["--start-method=fork", "--run-path"]) as cluster:
+                      torchrun_args=["--start-method=fork", "--run-path"],
+                      launcher="elastic_kit.run", launcher_args=["--preload", "torchvision"],
+                      ) as cluster:
         agent = cluster.add_agent()
         wait_until_both_ranks_hold(hold, cluster)
         # Forked workers are copies of the agent process: they carry its command line.
         workers = agent.worker_pids()
         assert len(workers) >= 2 and all(
-            "torch.distributed.run" in psutil.Process(pid).cmdline() for pid in workers), (
+            "elastic_kit.run" in psutil.Process(pid).cmdline() for pid in workers), (
             [psutil.Process(pid).cmdline() for pid in workers])
         wait_for(lambda: (ckpt / "step-000000000004" / "manifest.json").exists(), 240,
                  what="checkpoint step 4", abort_if=cluster.all_exited)

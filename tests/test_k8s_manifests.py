@@ -9,6 +9,7 @@ renaming a flag in main.py without updating the manifests fails here.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import re
 import shlex
@@ -19,6 +20,8 @@ import pytest
 import torchvision  # noqa: F401  (main.py needs it; part of the test extras)
 import yaml
 from torch.distributed.run import get_args_parser
+
+from elastic_kit.run import split_preload
 
 from test_example import load_main
 
@@ -53,9 +56,18 @@ def strict_parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.N
 
 
 def split_launch(argv: list[str]) -> tuple[argparse.Namespace, argparse.Namespace]:
-    """(torchrun options, script options) of ``torchrun ... main.py ...``."""
+    """(torchrun options, script options) of ``torchrun ... main.py ...`` (also
+    ``python -m torch.distributed.run ...`` and ``python -m elastic_kit.run
+    [--preload M] ...``, whose preloads must import)."""
     assert argv[0] in ("torchrun", "python"), argv
-    rest = argv[1:] if argv[0] == "torchrun" else argv[3:]  # python -m torch.distributed.run
+    rest = argv[1:]
+    if argv[0] == "python":
+        assert argv[1] == "-m" and argv[2] in ("torch.distributed.run", "elastic_kit.run"), argv
+        rest = argv[3:]
+        if argv[2] == "elastic_kit.run":
+            modules, rest = split_preload(rest)
+            for m in modules:
+                importlib.import_module(m)
     tr = strict_parse(get_args_parser(), rest)
     # --run-path needs an absolute path: the docs write it as $PWD/<script>
     script = SCRIPT if not tr.run_path else f"$PWD/{SCRIPT}"
@@ -117,13 +129,15 @@ def test_dockerfile_runs_torchrun_on_the_script_with_valid_flags() -> None:
 
 
 def _documented_commands(text: str) -> list[list[str]]:
-    """Every ``torchrun ...`` command in a docstring or markdown (with \\ continuations)."""
+    """Every ``torchrun ...`` (or ``python -m elastic_kit.run ...``) command in a
+    docstring or markdown (with \\ continuations)."""
     joined = re.sub(r"\\\\?\n\s*", " ", text)  # main.py's docstring has "\\\n"
     cmds = []
     for line in joined.splitlines():
-        if "torchrun " in line and SCRIPT in line:
-            words = shlex.split(line[line.index("torchrun "):])
-            cmds.append(words)
+        for start in ("torchrun ", "python -m elastic_kit.run "):
+            if start in line and SCRIPT in line:
+                cmds.append(shlex.split(line[line.index(start):]))
+                break
     return cmds
 
 

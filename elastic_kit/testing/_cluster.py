@@ -96,6 +96,11 @@ class LocalCluster:
         torchrun_args: more torchrun options, placed before the script (e.g.
             ``["--start-method=fork", "--run-path"]``; see the example's README on
             fast restarts).
+        launcher: the module that runs each agent (``python -m <launcher>``):
+            ``"torch.distributed.run"`` (torchrun) or ``"elastic_kit.run"`` (torchrun
+            with ``torch._dynamo`` imported into the agent first), followed by any
+            ``--preload`` options in ``launcher_args``.
+        launcher_args: options of the launcher itself, before torchrun's.
     """
 
     def __init__(
@@ -114,6 +119,8 @@ class LocalCluster:
         monitor_interval: float = 0.5,
         python: str = sys.executable,
         torchrun_args: Sequence[str] = (),
+        launcher: str = "torch.distributed.run",
+        launcher_args: Sequence[str] = (),
     ) -> None:
         if not script_and_args:
             raise ValueError("script_and_args is empty: give the training script to run")
@@ -139,6 +146,8 @@ class LocalCluster:
         self.monitor_interval = monitor_interval
         self.python = python
         self.torchrun_args = list(torchrun_args)
+        self.launcher = launcher
+        self.launcher_args = list(launcher_args)
         self.agents: list[Agent] = []
         self.marker = f"{self.rdzv_id}-{uuid.uuid4().hex[:8]}"
         self._closed = False
@@ -151,7 +160,7 @@ class LocalCluster:
         if script[0] == "-m":
             script = ["--module", *script[1:]]
         return [
-            self.python, "-m", "torch.distributed.run",
+            self.python, "-m", self.launcher, *self.launcher_args,
             f"--nnodes={self.nnodes}",
             f"--nproc-per-node={self.nproc_per_node}",
             f"--rdzv-backend={self.rdzv_backend}",
