@@ -290,7 +290,14 @@ class Checkpointer:
             every = None
         tier = SnapshotTier(str(self.store.url), info=info, every=every,  # type: ignore[arg-type]
                             budget=self.snapshot_budget)
-        return tier if tier.enabled else None
+        # Every rank must take the same restore path (its loads are collective), so
+        # snapshots are on only when every node can keep them.
+        if all_reduce_max(int(not tier.enabled)):
+            if tier.enabled and info.rank == 0:
+                log.warning("in-memory snapshots are off: another node cannot keep them "
+                            "(see its warning); restarts resume from the durable store")
+            return None
+        return tier
 
     def _load_newest(self, map_location: Any) -> LoadedCheckpoint | None:
         """The newest state in any tier: this node's memory, a peer's, or the store.

@@ -32,7 +32,7 @@ def _life(url: str, shm: str, crash_after: int | None, snapshot_every: int | Non
           epochs: int = 2) -> dict[str, Any]:
     """An own loop with durable checkpoints far apart (every 10 steps) and a snapshot
     every step; 'crashes' (no close) after ``crash_after`` steps of this life."""
-    os.environ["ELASTIC_KIT_SNAPSHOT_DIR"] = shm
+    os.environ["ELASTIC_KIT_SNAPSHOT_DIR"] = shm.format(node=os.environ.get("GROUP_RANK", "0"))
     os.environ["ELASTIC_KIT_SNAPSHOT_NODE"] = f"node{os.environ.get('GROUP_RANK', '0')}"
     torch.set_num_threads(1)
     info = ek.init_distributed()
@@ -174,6 +174,21 @@ def test_a_corrupt_snapshot_is_skipped_for_the_durable_store(tmp_path: Path, shm
     payload.write_bytes(bytes(data))
     out = spawn_multi_process(2, _life, url, shm, None, 1)
     assert out[0]["restored"] == 10 and out[0]["restored_from"] == "store"
+    assert out[0]["audit"] == [(0, N, True), (1, N, True)]
+
+
+def test_a_node_without_shared_memory_turns_snapshots_off_for_every_rank(
+        tmp_path: Path) -> None:
+    """Node 1 has no snapshot directory: the restore's collectives must still match,
+    so every rank resumes from the durable store."""
+    (tmp_path / "shm0").mkdir()
+    shm = str(tmp_path / "shm{node}")                     # shm1 does not exist
+    url = str(tmp_path / "run")
+    spawn_multi_process(2, _life, url, shm, 9, 1, local_world_size=1, timeout=60)
+    out = spawn_multi_process(2, _life, url, shm, None, 1, local_world_size=1, timeout=60)
+    history = out[0]["report"]["world_sizes"]
+    assert [(h["restored_step"], h["restored_from"]) for h in history] == [
+        (None, None), (6, "store")]                       # the epoch-end save
     assert out[0]["audit"] == [(0, N, True), (1, N, True)]
 
 
