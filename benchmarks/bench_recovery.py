@@ -274,7 +274,21 @@ def run_once(work: Path, data: Path, *, variant: dict[str, Any], events: tuple[s
         # the steps redone after the last event, and a few more for the plot
         end = until_step if until_step is not None else (
             marks[-1]["step_at_event"] + settle_steps)
-        _wait(lambda: watcher.last_step() >= end, 600, f"step {end}", cluster)
+        last = marks[-1] if marks else None
+
+        def regained() -> bool:
+            """A step past the last event's, trained after its restore (a fast restart
+            can otherwise reach ``until_step`` with redone steps only)."""
+            if last is None:  # an uninterrupted run
+                return True
+            evs = watcher.snapshot()
+            t_restored = min((t for t, _, k, _ in evs if k == "restored" and t >= last["t"]),
+                             default=None)
+            return t_restored is not None and any(
+                k == "step" and t >= t_restored and int(g[0]) > last["step_at_event"]
+                for t, _, k, g in evs)
+
+        _wait(lambda: watcher.last_step() >= end and regained(), 600, f"step {end}", cluster)
     finally:
         cluster.close()
         watcher.stop()
