@@ -74,6 +74,14 @@ def _life(url: str, shm: str, crash_after: int | None, snapshot_every: int | Non
     }
 
 
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Rank 0's result of an uninterrupted run (no snapshots, no restarts)."""
+    tmp = tmp_path_factory.mktemp("reference")
+    (tmp / "shm").mkdir()
+    return spawn_multi_process(2, _life, str(tmp / "ref"), str(tmp / "shm"), None, None)[0]
+
+
 @pytest.fixture()
 def shm(tmp_path: Path) -> str:
     root = tmp_path / "shm"
@@ -82,14 +90,13 @@ def shm(tmp_path: Path) -> str:
 
 
 def test_restart_resumes_from_memory_at_the_last_step_and_ends_bitwise_equal(
-        tmp_path: Path, shm: str) -> None:
-    ref = spawn_multi_process(2, _life, str(tmp_path / "ref"), shm, None, None)
+        tmp_path: Path, shm: str, reference: dict[str, Any]) -> None:
     url = str(tmp_path / "run")
     spawn_multi_process(2, _life, url, shm, 7, 1)        # durable: none yet (every 10)
     out = spawn_multi_process(2, _life, url, shm, None, 1)
     assert out[0]["restored"] == 7 and out[0]["restored_from"] == "memory"
-    assert out[0]["step"] == ref[0]["step"] == 12          # 2 epochs of 6 steps
-    for a, b in zip(out[0]["params"], ref[0]["params"]):
+    assert out[0]["step"] == reference["step"] == 12       # 2 epochs of 6 steps
+    for a, b in zip(out[0]["params"], reference["params"]):
         np.testing.assert_array_equal(a, b)
     assert out[0]["audit"] == [(0, N, True), (1, N, True)]
     assert out[0]["report"]["world_sizes"][-1]["restored_from"] == "memory"
@@ -136,11 +143,9 @@ def test_each_node_streams_its_snapshot_into_the_next_nodes_memory(
 
 @pytest.mark.parametrize("damage", ["lost", "corrupt"])
 def test_a_lost_node_is_restored_from_its_replica_on_the_survivor(
-        tmp_path: Path, shm: str, damage: str) -> None:
+        tmp_path: Path, shm: str, damage: str, reference: dict[str, Any]) -> None:
     """Node 0 dies with its memory; the survivor's own snapshot is gone (or corrupt),
     so the newest state exists only as node 0's replica in the survivor's memory."""
-    ref = spawn_multi_process(2, _life, str(tmp_path / "ref"), shm, None, None,
-                              local_world_size=1)
     url = str(tmp_path / "run")
     spawn_multi_process(2, _life, url, shm, 9, 1, local_world_size=1)   # durable: none past 0
     run = Path(snapshot_dir(shm, "test", url))
@@ -157,8 +162,8 @@ def test_a_lost_node_is_restored_from_its_replica_on_the_survivor(
     history = out[0]["report"]["world_sizes"]
     assert [(h["restored_step"], h["restored_from"]) for h in history] == [
         (None, None), (9, "peer")]
-    assert out[0]["step"] == ref[0]["step"] == 12
-    for a, b in zip(out[0]["params"], ref[0]["params"]):
+    assert out[0]["step"] == reference["step"] == 12
+    for a, b in zip(out[0]["params"], reference["params"]):
         np.testing.assert_array_equal(a, b)
     assert out[0]["audit"] == [(0, N, True), (1, N, True)]
     assert os.listdir(shm) == []                 # the finished run removed every replica
