@@ -274,21 +274,11 @@ def run_once(work: Path, data: Path, *, variant: dict[str, Any], events: tuple[s
         # the steps redone after the last event, and a few more for the plot
         end = until_step if until_step is not None else (
             marks[-1]["step_at_event"] + settle_steps)
-        last = marks[-1] if marks else None
-
-        def regained() -> bool:
-            """A step past the last event's, trained after its restore (a fast restart
-            can otherwise reach ``until_step`` with redone steps only)."""
-            if last is None:  # an uninterrupted run
-                return True
-            evs = watcher.snapshot()
-            t_restored = min((t for t, _, k, _ in evs if k == "restored" and t >= last["t"]),
-                             default=None)
-            return t_restored is not None and any(
-                k == "step" and t >= t_restored and int(g[0]) > last["step_at_event"]
-                for t, _, k, g in evs)
-
-        _wait(lambda: watcher.last_step() >= end and regained(), 600, f"step {end}", cluster)
+        # also a step past the last event's, trained after its restore (a fast restart
+        # can otherwise reach ``until_step`` with redone steps only)
+        _wait(lambda: watcher.last_step() >= end and (
+            not marks or _regain(watcher.snapshot(), marks[-1]) is not None),
+            600, f"step {end}", cluster)
     finally:
         cluster.close()
         watcher.stop()
@@ -299,10 +289,9 @@ def run_once(work: Path, data: Path, *, variant: dict[str, Any], events: tuple[s
     out = []
     for m in marks:
         ph = phases(evs, m["t"], m["survivors"])
-        t_restored, restored = next((t, _restored_step(g)) for t, _, k, g in evs
-                                    if k == "restored" and t >= m["t"])
-        t_regain = next(t for t, _, k, g in evs
-                        if k == "step" and t >= t_restored and int(g[0]) > m["step_at_event"])
+        regain = _regain(evs, m)
+        assert regain is not None, f"no step past {m['step_at_event']} after {m['event']}"
+        restored, t_regain = regain
         out.append({"event": m["event"], "w_after": m["w_after"],
                     "step_at_event": m["step_at_event"], "restored_step": restored,
                     "steps_redone": max(m["step_at_event"] - restored, 0),
@@ -310,6 +299,18 @@ def run_once(work: Path, data: Path, *, variant: dict[str, Any], events: tuple[s
                     "regain": round(t_regain - m["t"], 3), "t_event": round(m["t"], 3)})
     timeline = [(round(t, 3), int(g[0]), int(g[2])) for t, _, k, g in evs if k == "step"]
     return {"events": out, "timeline": timeline}
+
+
+def _regain(evs: list[Any], mark: dict[str, Any]) -> tuple[int, float] | None:
+    """``(restored step, time of the first step past the event's)`` after ``mark``'s
+    restore, or None while training has not got past it."""
+    restored = next(((t, g) for t, _, k, g in evs if k == "restored" and t >= mark["t"]), None)
+    if restored is None:
+        return None
+    t_restored, g = restored
+    t_regain = next((t for t, _, k, g2 in evs if k == "step" and t >= t_restored
+                     and int(g2[0]) > mark["step_at_event"]), None)
+    return None if t_regain is None else (_restored_step(g), t_regain)
 
 
 def smoke_variant(variant: dict[str, Any]) -> dict[str, Any]:

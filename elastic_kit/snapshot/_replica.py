@@ -81,6 +81,15 @@ def advertised_host() -> str:
         return "127.0.0.1"
 
 
+#: Entries the ``received``/``sent`` histories keep (a run may snapshot every step).
+_HISTORY = 16
+
+
+def _note(history: list[Any], item: Any) -> None:
+    history.append(item)
+    del history[:-_HISTORY]
+
+
 def _recv_line(conn: socket.socket, limit: int) -> bytes:
     out = bytearray()
     while not out.endswith(b"\n"):
@@ -114,7 +123,7 @@ class ReplicaReceiver:
         self.host, self.port = host, int(self._sock.getsockname()[1])
         self._stop = threading.Event()
         self._warned = False
-        #: steps committed, as ``(source, step)`` (for logs and tests)
+        #: the last steps committed, as ``(source, step)`` (for logs and tests)
         self.received: list[tuple[str, int]] = []
         self._thread = threading.Thread(target=self._serve, name="ek-replica-recv", daemon=True)
         self._thread.start()
@@ -194,7 +203,7 @@ class ReplicaReceiver:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         self._drop_older(source, step)
-        self.received.append((source, step))
+        _note(self.received, (source, step))
         log.debug("replica of node %s step %d committed in %s", source, step, root)
         return "ok"
 
@@ -230,7 +239,7 @@ class ReplicaSender:
         self._busy = False
         self._closed = False
         self._warned = False
-        #: steps the peer committed (for logs and tests)
+        #: the last steps the peer committed (for logs and tests)
         self.sent: list[int] = []
         self._thread = threading.Thread(target=self._run, name="ek-replica-send", daemon=True)
         self._thread.start()
@@ -295,7 +304,7 @@ class ReplicaSender:
                 f.close()
         if reply != "ok":
             raise RuntimeError(f"the peer refused the replica: {reply}")
-        self.sent.append(step)
+        _note(self.sent, step)
         log.debug("snapshot step %d replicated to %s:%d", step, *self.peer)
 
     def flush(self, timeout: float = IO_TIMEOUT_S) -> bool:
