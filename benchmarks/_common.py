@@ -84,6 +84,18 @@ def spread(xs: Sequence[float]) -> dict[str, float]:
             "max": round(max(xs), 4)}
 
 
+def mean_ci95(xs: Sequence[float]) -> dict[str, float | int] | None:
+    """Mean of ``xs`` with a 95% confidence interval (normal approximation,
+    1.96 standard errors): how far a figure made of noisy blocks can be trusted.
+    None for fewer than two values."""
+    if len(xs) < 2:
+        return None
+    m = statistics.fmean(xs)
+    half = 1.96 * statistics.stdev(xs) / len(xs) ** 0.5
+    return {"mean": round(m, 4), "low": round(m - half, 4), "high": round(m + half, 4),
+            "n": len(xs)}
+
+
 def emit(result: dict[str, Any], results_file: str | None = None) -> None:
     """Print ``result`` as the last line (JSON); optionally append it to a results file."""
     result = dict(result)

@@ -43,10 +43,21 @@ Reported, from the summed block times (a block lasts as long as its slowest rank
 - ``ratio_ek_ckpt_vs_plain``: with a non-blocking checkpoint every ``--ckpt-every``
   steps vs the plain loop without any (the headline; goal >= 0.97 at every 50 steps);
 - ``ratio_ek_ckpt_vs_plain_ckpt``: vs the plain loop with its synchronous ``torch.save``;
+- ``*_ci95``: the mean of the per-block (per-cycle) values with its 95% interval: on a
+  busy 2-core machine a block's ratio varies by several percent, so a goal is shown met
+  only when the interval lies above it;
 - ``ckpt_lost_s_per_save``: throughput lost per save period, in seconds of training,
   ``(ek_ckpt time - ek time) / saves``, next to ``ckpt_blocked_s_per_save`` (time
   inside ``save()`` + ``wait_staged()``, median) and one synchronous save of the same
-  state: the difference between lost and blocked is what the background write costs.
+  state: the difference between lost and blocked is what the background write costs;
+- ``ckpt_cpu_s_per_save``: the CPU seconds a save adds over its period, all ranks and
+  threads (process CPU time of the ``ek_ckpt`` blocks minus the ``ek`` blocks', per
+  save), ``ckpt_side_thread_cpu_s_per_save`` the part outside the training threads
+  (the save's own threads), and ``cpu_busy_fraction`` per kind of block (CPU time over
+  wall time x cores): less noisy than wall time, and what the save takes from cores
+  that training keeps busy; ``ckpt_cpu_s_alone``: the CPU of one non-blocking save
+  of the same state measured with training idle (the writing rank, every thread), and
+  ``ckpt_cpu_alone_fraction_of_period`` that over the training time of one period.
 
 Usage::
 
@@ -197,13 +208,14 @@ def _worker(cfg: dict[str, Any]) -> dict[str, Any]:
                         "optimizer": plain_opt.state_dict()}, plain_path + ".tmp")
             os.replace(plain_path + ".tmp", plain_path)
 
-    def plain_block(checkpoint: bool) -> float:
-        t0 = now()
+    def plain_block(checkpoint: bool) -> tuple[float, float, float]:
+        """(wall s, CPU s of this process, CPU s of this thread) of one plain block."""
+        t0, c0, m0 = now(), time.process_time(), time.thread_time()
         for i in range(block):
             if checkpoint and i % every == every // 2:  # where the ek block saves
                 plain_save()
             plain_step()
-        return now() - t0
+        return now() - t0, time.process_time() - c0, time.thread_time() - m0
 
     # --- elastic_kit: one run cut into blocks, a plain block after each --------------
     per_sample = nn.CrossEntropyLoss(reduction="none")
@@ -218,9 +230,11 @@ def _worker(cfg: dict[str, Any]) -> dict[str, Any]:
     store = ek.CheckpointStore(os.path.join(cfg["dir"], "ek"), keep_last=2)
     wrapped = _NoRestore(store)
     times: dict[str, list[float]] = {k: [] for k in KINDS}
+    cpu: dict[str, list[float]] = {k: [] for k in KINDS}  # this process's CPU s, all threads
+    cpu_main: dict[str, list[float]] = {k: [] for k in KINDS}  # the training thread's only
     end_wait: list[float] = []
     saves_per_block: list[int] = []
-    mark = {"t": 0.0, "saves": 0}
+    mark = {"t": 0.0, "cpu": 0.0, "cpu_main": 0.0, "saves": 0}
     loop: Any = None
 
     def set_every(value: int | None) -> None:
@@ -232,6 +246,8 @@ def _worker(cfg: dict[str, Any]) -> dict[str, Any]:
         set_every(every if j < len(kinds) and kinds[j] == "ek_ckpt" else None)
         mark["saves"] = wrapped.saves
         mark["t"] = now()
+        mark["cpu"] = time.process_time()
+        mark["cpu_main"] = time.thread_time()
 
     def on_step(state: Any, step: Any) -> None:
         s = step.step
@@ -251,9 +267,14 @@ def _worker(cfg: dict[str, Any]) -> dict[str, Any]:
             store.wait()  # the block's last save commits inside the block
             end_wait.append(now() - t0)
         times[kind].append(now() - mark["t"])
+        cpu[kind].append(time.process_time() - mark["cpu"])
+        cpu_main[kind].append(time.thread_time() - mark["cpu_main"])
         saves_per_block.append(wrapped.saves - mark["saves"])
         plain_kind = "plain_ckpt" if kind == "ek_ckpt" else "plain"
-        times[plain_kind].append(plain_block(kind == "ek_ckpt"))
+        wall_s, cpu_s, main_s = plain_block(kind == "ek_ckpt")
+        times[plain_kind].append(wall_s)
+        cpu[plain_kind].append(cpu_s)
+        cpu_main[plain_kind].append(main_s)
         start_block(j + 1)
 
     loop = ek.ElasticLoop(
@@ -273,6 +294,19 @@ def _worker(cfg: dict[str, Any]) -> dict[str, Any]:
     t0 = time.perf_counter()  # one synchronous save of the same state, for the ratio
     store.save(state.state_dict(), step=10**9, blocking=True)
     sync_s = time.perf_counter() - t0
+    # The CPU one non-blocking save costs (every thread of this process), measured
+    # with training idle, as the loop saves (parameters and optimizer state copied on
+    # the save thread): what a save can take from cores that training keeps busy,
+    # without the blocks' noise.
+    later = list(model.parameters()) + [v for st in opt.state.values() for v in st.values()
+                                        if isinstance(v, torch.Tensor)]
+    save_cpu: list[float] = []
+    for i in range(3):
+        c0 = time.process_time()
+        store.save(state.state_dict(), step=10**9 + 1 + i, blocking=False, copy_later=later)
+        store.wait_staged()
+        store.wait()
+        save_cpu.append(time.process_time() - c0)
     mb = None
     if info.rank == 0:
         d = os.path.join(cfg["dir"], "ek")
@@ -280,8 +314,10 @@ def _worker(cfg: dict[str, Any]) -> dict[str, Any]:
         mb = sum(os.path.getsize(os.path.join(dp, f)) for dp, _, fs in os.walk(d)
                  for f in fs) / 1e6 / max(len(infos), 1)
     store.close()
-    return {"times": times, "kinds": kinds, "images_per_step": G, "rank": info.rank,
+    return {"times": times, "cpu": cpu, "cpu_main": cpu_main, "kinds": kinds,
+            "images_per_step": G, "rank": info.rank,
             "blocked_s": wrapped.blocked_s, "end_wait_s": end_wait, "sync_save_s": sync_s,
+            "save_cpu_s": save_cpu,
             "ckpt_mb": mb, "device": str(device), "backend": info.backend,
             "snapshot_interval": (loop.checkpointer.snapshots.interval
                                   if loop.checkpointer.snapshots is not None else None),
@@ -362,6 +398,16 @@ def main() -> None:
     ips = {k: G * block * len(per_kind[k]) / total[k] for k in KINDS}
     saves = periods * len(per_kind["ek_ckpt"])
     lost = (total["ek_ckpt"] - total["ek"]) / saves
+    # CPU seconds of all ranks' processes (every thread: training, gloo, the save's);
+    # busy = that CPU over the cores the ranks had (wall x min(ranks, cores))
+    cpu_total = {k: sum(sum(r["cpu"][k]) for r in out) for k in KINDS}
+    cores = min(ranks, os.cpu_count() or 1)
+    busy = {k: round(cpu_total[k] / (total[k] * cores), 3) for k in KINDS}
+    save_cpu = (cpu_total["ek_ckpt"] - cpu_total["ek"]) / saves
+    # the same for threads other than training's (the save's threads, gloo's, the
+    # snapshot writer's): the difference is what the save ran beside training
+    side = {k: sum(sum(r["cpu"][k]) - sum(r["cpu_main"][k]) for r in out) for k in KINDS}
+    save_side_cpu = (side["ek_ckpt"] - side["ek"]) / saves
     blocked = r0["blocked_s"]
     res: dict[str, Any] = {
         "claim": "loop_overhead",
@@ -384,10 +430,35 @@ def main() -> None:
                                         zip(per_kind["plain"], per_kind["ek"])],
         "ratio_ek_ckpt_vs_plain_per_block": [round(p / e, 4) for p, e in
                                              zip(per_kind["plain"], per_kind["ek_ckpt"])],
+        # per-block ratios: their mean and its 95% interval say whether a goal is
+        # met, missed, or inside this machine's noise
+        "ratio_ek_vs_plain_ci95": _common.mean_ci95(
+            [p / e for p, e in zip(per_kind["plain"], per_kind["ek"])]),
+        "ratio_ek_ckpt_vs_plain_ci95": _common.mean_ci95(
+            [p / e for p, e in zip(per_kind["plain"], per_kind["ek_ckpt"])]),
         "block_s": {k: _common.spread(v) for k, v in per_kind.items()},
         "saves": saves,
         "ckpt_mb": round(r0["ckpt_mb"] or 0, 2),
         "ckpt_lost_s_per_save": round(lost, 4),
+        # the same per cycle (its ek_ckpt block minus its ek block, per save)
+        "ckpt_lost_s_per_save_ci95": _common.mean_ci95(
+            [(c - e) / periods for c, e in zip(per_kind["ek_ckpt"], per_kind["ek"])]),
+        # what a save costs in CPU over its period (all ranks, every thread): the
+        # ek_ckpt blocks' process CPU time minus the ek blocks', per save
+        "ckpt_cpu_s_per_save": round(save_cpu, 4),
+        "ckpt_side_thread_cpu_s_per_save": round(save_side_cpu, 4),
+        # one non-blocking save alone (training idle), the writing rank's process CPU
+        # time, and that as a fraction of the training time of its period
+        "ckpt_cpu_s_alone": round(statistics.median(r0["save_cpu_s"]), 4),
+        "ckpt_cpu_alone_fraction_of_period": round(
+            statistics.median(r0["save_cpu_s"]) / (statistics.median(per_kind["ek"]) / periods),
+            4),
+        "cpu_busy_fraction": busy,
+        # the training thread's own CPU per step (mean over ranks): the loop's Python
+        # and tensor work per step, without the scheduling noise of wall time
+        "cpu_main_ms_per_step": {
+            k: round(1e3 * statistics.fmean(sum(r["cpu_main"][k]) for r in out)
+                     / (block * len(per_kind[k])), 4) for k in KINDS},
         "ckpt_blocked_s_per_save": round(statistics.median(blocked), 4) if blocked else None,
         "ckpt_end_of_block_wait_s": round(statistics.median(r0["end_wait_s"]), 4)
         if r0["end_wait_s"] else None,
@@ -408,9 +479,17 @@ def main() -> None:
     print(f"  ek vs plain {res['ratio_ek_vs_plain']:.4f}; ek_ckpt vs plain "
           f"{res['ratio_ek_ckpt_vs_plain']:.4f}, vs plain_ckpt "
           f"{res['ratio_ek_ckpt_vs_plain_ckpt']:.4f}")
+    for k in ("ratio_ek_vs_plain_ci95", "ratio_ek_ckpt_vs_plain_ci95",
+              "ckpt_lost_s_per_save_ci95"):
+        if res[k] is not None:
+            print(f"  {k[:-5]}: per-block mean {res[k]['mean']} "
+                  f"(95% interval {res[k]['low']}..{res[k]['high']}, n={res[k]['n']})")
     print(f"  per save: {lost:.4f} s of training lost over its period, "
           f"{res['ckpt_blocked_s_per_save']} s blocked in save()+wait_staged(), a sync "
-          f"save takes {r0['sync_save_s']:.4f} s")
+          f"save takes {r0['sync_save_s']:.4f} s; it used {save_cpu:.3f} CPU s "
+          f"({save_side_cpu:.3f} s beside the training threads); cores busy "
+          f"{busy}; alone a save uses {res['ckpt_cpu_s_alone']} CPU s, "
+          f"{100 * res['ckpt_cpu_alone_fraction_of_period']:.2f}% of its period")
     _common.emit(res, args.results)
 
 

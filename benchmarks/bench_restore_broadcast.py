@@ -33,6 +33,7 @@ import resource
 import shutil
 import tempfile
 import time
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -105,7 +106,9 @@ def _blob(path: str) -> dict[str, float]:
         if info.rank != src:
             blob = torch.zeros(int(blob_len.item()), dtype=torch.uint8)
         else:
-            blob = torch.as_tensor(raw_blob, dtype=torch.uint8)
+            with warnings.catch_warnings():  # the example's read-only numpy view
+                warnings.simplefilter("ignore", UserWarning)
+                blob = torch.as_tensor(raw_blob, dtype=torch.uint8)
         dist.broadcast(blob, src=src)
         if info.rank != src:
             with io.BytesIO(blob.numpy()) as f:

@@ -125,3 +125,17 @@ def test_resume_after_world_size_change_3_2_1_matches_fixed_size_run(
         got = torch.from_numpy(c["params"][name])
         torch.testing.assert_close(got, torch.from_numpy(ref), rtol=1e-5, atol=1e-6)
     _assert_every_sample_once(c)
+
+
+def test_padded_epoch_ends_weight_only_real_samples(
+        reference: dict[str, Any], tmp_path: Any) -> None:
+    # At 3 ranks the 100 samples are dealt as 3 x 34 positions, 2 of them padding,
+    # in every epoch's last step (4 real samples in 2 positions per rank). The update
+    # must be the mean over the real samples, so the run ends where the 2-rank run
+    # (no padding: 100 samples deal evenly) ends.
+    res = spawn_multi_process(3, _train, str(tmp_path), None, 4)
+    assert res[0]["step"] == EPOCHS * 9
+    for name, ref in reference["params"].items():
+        torch.testing.assert_close(torch.from_numpy(res[0]["params"][name]),
+                                   torch.from_numpy(ref), rtol=1e-5, atol=1e-6)
+    _assert_every_sample_once(res[0])

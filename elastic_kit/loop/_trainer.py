@@ -52,6 +52,9 @@ class _Step:
 
     n_real: int
     micro: list[tuple[int, int]] = field(default_factory=list)
+    #: whether this rank's share of the step holds padding (only the epoch's last
+    #: steps can): only then is each sample's loss weighted through the padding mask
+    padded: bool = False
 
 
 class ElasticLoop:
@@ -261,11 +264,15 @@ class ElasticLoop:
         local = sampler.local_indices()
         mask = sampler.local_padding_mask()
         n_steps = math.ceil(remaining / plan.global_batch)
+        n_local = len(local)
+        pads = mask.nonzero()
+        first_pad = int(pads[0]) if len(pads) else n_local  # padding is a tail, if any
         steps: list[_Step] = []
         ranges: list[tuple[int, int]] = []
         for k in range(n_steps):
-            lo, hi = k * plan.per_rank, min((k + 1) * plan.per_rank, len(local))
-            step = _Step(n_real=min(plan.global_batch, remaining - k * plan.global_batch))
+            lo, hi = k * plan.per_rank, min((k + 1) * plan.per_rank, n_local)
+            step = _Step(n_real=min(plan.global_batch, remaining - k * plan.global_batch),
+                         padded=hi > first_pad)
             for a in range(lo, hi, plan.micro_batch):
                 step.micro.append((a, min(a + plan.micro_batch, hi)))
             ranges.extend(step.micro)
@@ -344,7 +351,7 @@ class ElasticLoop:
         non_blocking = cfg.pin_memory and device.type == "cuda"
         weight = self.info.world_size / step.n_real
         state.optimizer.zero_grad(set_to_none=True)
-        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        losses: list[torch.Tensor] = []
         outputs: list[Any] = []
         for j, (a, b) in enumerate(step.micro):
             _ids, batch = next(batches)
@@ -361,10 +368,19 @@ class ElasticLoop:
                     raise ValueError(
                         f"loss_fn must return one loss per sample (use reduction='none'): "
                         f"expected shape ({b - a},), got {tuple(per_sample.shape)}")
-                w = (~mask[a:b]).to(device=device, dtype=per_sample.dtype) * weight
-                loss = (per_sample * w).sum()
+                if step.padded:
+                    w = (~mask[a:b]).to(device=device, dtype=per_sample.dtype) * weight
+                    loss = (per_sample * w).sum()
+                else:  # no padding: one weight for all (fewer small ops per step)
+                    loss = per_sample.sum() * weight
                 (scaler.scale(loss) if scaler is not None else loss).backward()
-            loss_sum += loss.detach().to(torch.float64)
+            losses.append(loss.detach())
+        if len(losses) == 1:
+            loss_sum = losses[0].to(torch.float64)
+        elif losses:
+            loss_sum = torch.stack(losses).to(torch.float64).sum()
+        else:  # pragma: no cover - every rank has a micro-batch in every step
+            loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         return loss_sum, outputs
 
     def optimizer_step(self) -> float | None:
