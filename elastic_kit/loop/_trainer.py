@@ -269,14 +269,20 @@ class ElasticLoop:
         first_pad = int(pads[0]) if len(pads) else n_local  # padding is a tail, if any
         steps: list[_Step] = []
         ranges: list[tuple[int, int]] = []
+        # plain integer arithmetic: an epoch of 1e6 samples has ~3e4 steps, and this
+        # runs at every epoch start and every resume
+        per_rank, micro, g = plan.per_rank, plan.micro_batch, plan.global_batch
         for k in range(n_steps):
-            lo, hi = k * plan.per_rank, min((k + 1) * plan.per_rank, n_local)
-            step = _Step(n_real=min(plan.global_batch, remaining - k * plan.global_batch),
-                         padded=hi > first_pad)
-            for a in range(lo, hi, plan.micro_batch):
-                step.micro.append((a, min(a + plan.micro_batch, hi)))
-            ranges.extend(step.micro)
-            steps.append(step)
+            lo = k * per_rank
+            hi = lo + per_rank if lo + per_rank < n_local else n_local
+            rest = remaining - k * g
+            if lo < hi <= lo + micro:
+                parts = [(lo, hi)]
+            else:
+                parts = [(a, a + micro if a + micro < hi else hi) for a in range(lo, hi, micro)]
+            steps.append(_Step(n_real=g if rest > g else rest, micro=parts,
+                               padded=hi > first_pad))
+            ranges.extend(parts)
         self._batches.set(epoch, local, ranges)
         return steps, mask
 
