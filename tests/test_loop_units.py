@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import time
 
 import numpy as np
 import pytest
@@ -264,3 +265,29 @@ def test_progress_is_visible_without_configuring_logging() -> None:
     assert any(ln.startswith("[elastic_kit] step 3 epoch 0 loss") for ln in lines), lines
     assert any("epoch 0 done: 3 steps, 24 samples" in ln for ln in lines), lines
     assert any("sample audit: epoch 0: all 24 samples exactly once" in ln for ln in lines)
+
+
+def test_progress_bar_reads_the_loss_at_most_twice_a_second() -> None:
+    # Reading a CUDA loss waits for the device: a bar that read it every step would
+    # sync rank 0 with its GPU at every step.
+    from elastic_kit.loop._progress import POSTFIX_EVERY_S, ProgressReporter
+
+    class Loss:
+        reads = 0
+
+        def __float__(self) -> float:
+            Loss.reads += 1
+            return 0.5
+
+    rep = ProgressReporter(enabled=True, log_every=0, total_samples=1000, total_steps=100,
+                           progress_bar=True)
+    assert rep._bar is not None  # tqdm is installed with the test extras
+    t0 = time.monotonic()
+    try:
+        for step in range(1, 101):
+            rep.update(step=step, epoch=0, samples=10, loss=Loss(), lr=None, world_size=1)
+    finally:
+        rep.close()
+    elapsed = time.monotonic() - t0
+    assert 1 <= Loss.reads <= 1 + elapsed / POSTFIX_EVERY_S
+    assert Loss.reads < 100

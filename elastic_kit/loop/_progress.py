@@ -39,6 +39,10 @@ def format_eta(seconds: float | None) -> str:
     return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s"
 
 
+#: Seconds between two reads of the loss for the progress bar's postfix.
+POSTFIX_EVERY_S = 0.5
+
+
 class ProgressReporter:
     """Samples/s, loss and ETA of the loop, printed by the main rank only.
 
@@ -60,6 +64,7 @@ class ProgressReporter:
         self.start = self.window_start
         self.samples_per_second = 0.0
         self._bar: Any = None
+        self._postfix_at = float("-inf")  # when the bar's loss was last read
         if progress_bar is None:
             progress_bar = sys.stderr.isatty()
         if enabled and progress_bar:
@@ -79,8 +84,8 @@ class ProgressReporter:
                world_size: int) -> None:
         """Account one optimizer step of ``samples`` real samples (all ranks).
 
-        ``loss`` (a float or 0-dim tensor) is read only when a bar or a log line
-        shows it.
+        ``loss`` (a float or 0-dim tensor) is read only when a log line shows it,
+        or for the bar at most every :data:`POSTFIX_EVERY_S` seconds.
         """
         self.done_samples += samples
         self.window_samples += samples
@@ -91,8 +96,12 @@ class ProgressReporter:
             return
         if self._bar is not None:
             self._bar.update(1)
-            self._bar.set_postfix(epoch=epoch, loss=f"{float(loss):.4f}",
-                                  sps=f"{self.samples_per_second:.1f}", refresh=False)
+            # Reading the loss waits for the device (a CUDA sync): at most every
+            # POSTFIX_EVERY_S, not every step.
+            if now - self._postfix_at >= POSTFIX_EVERY_S:
+                self._postfix_at = now
+                self._bar.set_postfix(epoch=epoch, loss=f"{float(loss):.4f}",
+                                      sps=f"{self.samples_per_second:.1f}", refresh=False)
         if self.log_every and step % self.log_every == 0:
             lr_txt = f" lr {lr:.4g}" if lr is not None else ""
             say(log, "step %d epoch %d loss %.4f%s %.1f samples/s (W=%d) eta %s",
