@@ -276,10 +276,7 @@ class ElasticLoop:
             lo = k * per_rank
             hi = lo + per_rank if lo + per_rank < n_local else n_local
             rest = remaining - k * g
-            if lo < hi <= lo + micro:
-                parts = [(lo, hi)]
-            else:
-                parts = [(a, a + micro if a + micro < hi else hi) for a in range(lo, hi, micro)]
+            parts = [(a, a + micro if a + micro < hi else hi) for a in range(lo, hi, micro)]
             steps.append(_Step(n_real=g if rest > g else rest, micro=parts,
                                padded=hi > first_pad))
             ranges.extend(parts)
@@ -381,12 +378,9 @@ class ElasticLoop:
                     loss = per_sample.sum() * weight
                 (scaler.scale(loss) if scaler is not None else loss).backward()
             losses.append(loss.detach())
-        if len(losses) == 1:
-            loss_sum = losses[0].to(torch.float64)
-        elif losses:
-            loss_sum = torch.stack(losses).to(torch.float64).sum()
-        else:  # pragma: no cover - every rank has a micro-batch in every step
-            loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        # every rank has at least one micro-batch in every step of the schedule
+        loss_sum = (losses[0] if len(losses) == 1 else torch.stack(losses)).to(
+            torch.float64).sum()
         return loss_sum, outputs
 
     def optimizer_step(self) -> float | None:
