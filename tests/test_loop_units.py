@@ -281,7 +281,7 @@ def test_progress_bar_reads_the_loss_at_most_twice_a_second() -> None:
 
     rep = ProgressReporter(enabled=True, log_every=0, total_samples=1000, total_steps=100,
                            progress_bar=True)
-    assert rep._bar is not None  # tqdm is installed with the test extras
+    assert rep._bar is not None  # tqdm: the examples extra, which scripts/test installs
     t0 = time.monotonic()
     try:
         for step in range(1, 101):
