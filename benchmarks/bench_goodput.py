@@ -20,8 +20,8 @@ Setups, run in the same script with the same trace:
 - ``durable``: elastic_kit as the README launches it (``--rdzv-conf`` of
   ``bench_recovery.RDZV_CONF``), a durable checkpoint every :data:`DURABLE_EVERY` steps;
 - ``snapshots``: the same with the library's default ``--snapshot-every auto`` (the
-  state in ``/dev/shm`` as often as costs at most 2% of the step time, here every
-  step; it survives the group restart);
+  state in ``/dev/shm`` as often as costs at most 1% of the training time; it
+  survives the group restart);
 - ``snapshots_every_step``: ``--snapshot-every 1``: a snapshot after every step,
   whatever it costs (the automatic interval trades redone steps for overhead: with
   this tiny model's ~5 ms steps it snapshots every few steps).

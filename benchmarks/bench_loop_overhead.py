@@ -18,8 +18,8 @@ most there) on 3x32x32 images, 32 images per rank per step, SGD with momentum,
 images, sample ``i`` is ``pool[i % 512]``, label ``i % 10``) of 1e6 samples, so no
 epoch ends and data loading costs the same small, constant amount on both sides.
 The workers carry torchrun's environment, so the elastic loop takes its default
-in-memory snapshots (``--snapshot-every auto``: as often as costs at most 2% of the
-step time) in both ``ek`` kinds; ``--snapshot-every 0`` measures without them.
+in-memory snapshots (``--snapshot-every auto``: as often as costs at most 1% of the
+training time) in both ``ek`` kinds; ``--snapshot-every 0`` measures without them.
 
 Method: interleaved blocks. The plain loop and elastic_kit live in the same processes,
 each with its own DDP model, optimizer and data pipeline. One ``ElasticLoop`` run is

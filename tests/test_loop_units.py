@@ -138,6 +138,59 @@ def test_max_steps_stops_mid_epoch() -> None:
     assert st.step == 3 and st.epoch == 0 and st.sampler.consumed == 24
 
 
+def _manual_mean_loss_run(ds: TensorDataset, epochs: int,
+                          batch: int) -> tuple[nn.Linear, list[float]]:
+    """What the loop must compute: per step, the mean loss over the step's samples in
+    the sampler's order, one optimizer step; also each epoch's mean step loss."""
+    from elastic_kit import ElasticDistributedSampler
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sampler = ElasticDistributedSampler(ds, num_replicas=1, rank=0, shuffle=True, seed=0)
+    epoch_losses = []
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        order = list(sampler)
+        losses = []
+        for k in range(0, len(order), batch):
+            x, y = ds[order[k:k + batch]]
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            losses.append(float(loss.detach()))
+        epoch_losses.append(sum(losses) / len(losses))
+    return model, epoch_losses
+
+
+@pytest.mark.parametrize("scale", [None, 2.0 ** 12])
+def test_loop_step_is_the_mean_loss_over_the_steps_samples(scale: float | None) -> None:
+    """Micro-batches of 3 accumulate into steps of 8 (the epoch's last step has 6
+    samples): the gradient is the mean over exactly the step's samples, with or
+    without a GradScaler (a power-of-two scale unscales exactly)."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(30, 4, generator=g)
+    ds = TensorDataset(x, (x[:, 1] > 0).long())
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scaler = None if scale is None else torch.amp.GradScaler("cpu", init_scale=scale)
+    state = TrainState(model, opt, scaler=scaler)
+    crit = nn.CrossEntropyLoss(reduction="none")
+    loop = ElasticLoop(state, ds, loss_fn=lambda m, b: crit(m(b[0]), b[1]),
+                       config=LoopConfig(epochs=2, global_batch_size=8, micro_batch_size=3,
+                                         log_every=0, progress_bar=False))
+    loop.run()
+    ref, ref_losses = _manual_mean_loss_run(ds, epochs=2, batch=8)
+    assert state.step == 8
+    torch.testing.assert_close(model.weight, ref.weight, rtol=0, atol=1e-6)
+    torch.testing.assert_close(model.bias, ref.bias, rtol=0, atol=1e-6)
+    assert [s.loss for s in loop.summaries] == pytest.approx(ref_losses, abs=1e-6)
+    if scaler is not None:
+        assert scaler.get_scale() == scale  # no step was skipped as an overflow
+
+
 def test_loss_fn_must_return_per_sample_losses() -> None:
     model = nn.Linear(2, 1)
     state = TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))

@@ -52,7 +52,7 @@ class LoopConfig:
             torchrun restarts the group instead of reporting success).
         handle_signals: install the SIGTERM handler (main thread only).
         snapshot_every: in-memory snapshots every this many steps (``"auto"``: an
-            interval within 2% of the step time; ``None``/0: off); see
+            interval within 1% of the training time; ``None``/0: off); see
             :class:`~elastic_kit.Checkpointer`.
     """
 

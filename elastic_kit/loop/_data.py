@@ -1,60 +1,62 @@
-"""How the loop feeds data: ``(epoch, index)`` keys in, ``(ids, batch)`` out.
+"""How the loop feeds data: the scheduled indices in, collated micro-batches out.
 
 The loop schedules the micro-batches of the rest of an epoch in the main process
-(:class:`ScheduleBatchSampler`); each key carries its epoch, so data-loader workers,
-persistent or not, never hold a stale epoch, and every batch comes back with the
-sample ids the audit needs.
+(:class:`ScheduleBatchSampler`). A :class:`~elastic_kit.SeededDataset` gets
+``(epoch, index)`` keys, so data-loader workers, persistent or not, never hold a
+stale epoch; any other dataset gets plain indices, exactly as under a ``DataLoader``
+with a batch sampler. The audit counts samples from the schedule itself, so nothing
+per sample travels with the batch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import Dataset, default_collate
+from torch.utils.data import Dataset
 
 from elastic_kit.loop._seeded import SeededDataset
 
-__all__ = ["KeyedDataset", "CollateWithIds", "ScheduleBatchSampler", "to_device"]
+__all__ = ["EpochKeyed", "ScheduleBatchSampler", "loader_dataset", "to_device"]
 
 
-class KeyedDataset(Dataset):
-    """``ds[(epoch, i)] -> (i, sample)``: the epoch travels with the index to workers."""
+class EpochKeyed(Dataset):
+    """``ds[(epoch, i)] -> dataset.get(epoch, i)`` for a :class:`SeededDataset`: the
+    epoch travels with the index to loader workers."""
 
-    def __init__(self, dataset: Any) -> None:
+    def __init__(self, dataset: SeededDataset) -> None:
         self.dataset = dataset
 
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def __getitem__(self, key: tuple[int, int]) -> tuple[int, Any]:
-        epoch, index = key
-        if isinstance(self.dataset, SeededDataset):
-            return index, self.dataset.get(epoch, index)
-        return index, self.dataset[index]
+    def __getitem__(self, key: tuple[int, int]) -> Any:
+        return self.dataset.get(*key)
 
 
-class CollateWithIds:
-    """Collate ``(id, sample)`` pairs into ``(int64 ids, collate_fn(samples))``."""
-
-    def __init__(self, collate_fn: Callable[[list[Any]], Any] | None) -> None:
-        self.collate_fn = collate_fn or default_collate
-
-    def __call__(self, items: list[tuple[int, Any]]) -> tuple[torch.Tensor, Any]:
-        ids = torch.tensor([i for i, _ in items], dtype=torch.int64)
-        return ids, self.collate_fn([s for _, s in items])
+def loader_dataset(dataset: Any) -> tuple[Any, bool]:
+    """The dataset the loop's ``DataLoader`` reads, and whether it takes epoch keys."""
+    if isinstance(dataset, SeededDataset):
+        return EpochKeyed(dataset), True
+    return dataset, False
 
 
 class ScheduleBatchSampler:
-    """Yields the micro-batches of keys the loop scheduled (runs in the main process).
+    """Yields the micro-batches the loop scheduled (runs in the main process).
 
     :meth:`set` gives it this rank's local indices of the rest of an epoch and the
-    ``(start, end)`` ranges of the micro-batches; the keys are made lazily, so an
-    ImageNet-sized epoch costs one index tensor, not a million tuples.
+    ``(start, end)`` ranges of the micro-batches; a micro-batch is made only when the
+    loader asks for it, so an ImageNet-sized epoch costs one index tensor, not a
+    million Python objects.
+
+    Args:
+        keyed: yield ``(epoch, index)`` keys (for :class:`EpochKeyed`) instead of
+            plain indices.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, keyed: bool = False) -> None:
+        self.keyed = keyed
         self.epoch = 0
         self.indices = torch.zeros(0, dtype=torch.int64)
         self.ranges: list[tuple[int, int]] = []
@@ -62,10 +64,14 @@ class ScheduleBatchSampler:
     def set(self, epoch: int, indices: torch.Tensor, ranges: list[tuple[int, int]]) -> None:
         self.epoch, self.indices, self.ranges = epoch, indices, ranges
 
-    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+    def __iter__(self) -> Iterator[list[Any]]:
         epoch, indices = self.epoch, self.indices
-        for a, b in self.ranges:
-            yield [(epoch, i) for i in indices[a:b].tolist()]
+        if self.keyed:
+            for a, b in self.ranges:
+                yield [(epoch, i) for i in indices[a:b].tolist()]
+        else:
+            for a, b in self.ranges:
+                yield indices[a:b].tolist()
 
     def __len__(self) -> int:
         return len(self.ranges)

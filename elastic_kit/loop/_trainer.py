@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader
 import elastic_kit.checkpointer as _checkpointer
 from elastic_kit.distributed import DistInfo, all_reduce_sum, init_distributed
 from elastic_kit.loop._config import EpochSummary, LoopConfig, StepInfo
-from elastic_kit.loop._data import CollateWithIds, KeyedDataset, ScheduleBatchSampler, to_device
+from elastic_kit.loop._data import ScheduleBatchSampler, loader_dataset, to_device
 from elastic_kit.loop._policy import BatchPlan
 from elastic_kit.loop._progress import ProgressReporter, say
 from elastic_kit.loop._state import TrainState
@@ -139,6 +139,8 @@ class ElasticLoop:
         self.samples_per_second = 0.0
         self._loader: DataLoader | None = None
         self._batches = ScheduleBatchSampler()
+        self._device: torch.device | None = None  # the model's, looked up once an epoch
+        self._weights: tuple[tuple[Any, ...], torch.Tensor] | None = None
         self._progress: ProgressReporter | None = None
         self._stop_requested = False
 
@@ -198,9 +200,9 @@ class ElasticLoop:
             kwargs["persistent_workers"] = cfg.persistent_workers
             if cfg.prefetch_factor is not None:
                 kwargs["prefetch_factor"] = cfg.prefetch_factor
-        return DataLoader(KeyedDataset(self.dataset), batch_sampler=self._batches,
-                          num_workers=cfg.num_workers, pin_memory=cfg.pin_memory,
-                          collate_fn=CollateWithIds(cfg.collate_fn), **kwargs)
+        dataset, self._batches.keyed = loader_dataset(self.dataset)
+        return DataLoader(dataset, batch_sampler=self._batches, num_workers=cfg.num_workers,
+                          pin_memory=cfg.pin_memory, collate_fn=cfg.collate_fn, **kwargs)
 
     def _remaining_samples(self) -> int:
         s, n = self.state.sampler, self.state.sampler.dataset_length
@@ -289,9 +291,10 @@ class ElasticLoop:
         assert info is not None and self._loader is not None
         steps, mask = self._schedule(epoch)
         state.model.train()
+        self._device = next(iter(state.model.parameters())).device
         t0 = time.monotonic()
         done = 0
-        loss_total: torch.Tensor | None = None  # this rank's, summed over the steps
+        loss_total: torch.Tensor | None = None  # this rank's, summed over the steps (fp64)
         samples = 0
         if steps:
             batches = iter(self._loader)
@@ -300,7 +303,10 @@ class ElasticLoop:
                     if self._max_steps_reached():
                         break
                     loss = self.train_step(epoch, step, batches, mask)
-                    loss_total = loss if loss_total is None else loss_total + loss
+                    if loss_total is None:
+                        loss_total = loss.to(torch.float64, copy=True)
+                    else:
+                        loss_total.add_(loss)
                     done += 1
                     samples += step.n_real
             finally:
@@ -350,15 +356,18 @@ class ElasticLoop:
         state, cfg = self.state, self.config
         assert self.info is not None
         model, scaler = state.model, state.scaler
-        device = next(iter(model.parameters())).device
+        device = self._device
+        if device is None:  # called outside train_epoch
+            device = next(iter(model.parameters())).device
         non_blocking = cfg.pin_memory and device.type == "cuda"
         weight = self.info.world_size / step.n_real
         state.optimizer.zero_grad(set_to_none=True)
         losses: list[torch.Tensor] = []
         outputs: list[Any] = []
         for j, (a, b) in enumerate(step.micro):
-            _ids, batch = next(batches)
-            batch = to_device(batch, device, non_blocking)
+            batch = next(batches)
+            if device.type != "cpu":  # a loader's batches are on the CPU already
+                batch = to_device(batch, device, non_blocking)
             last = j == len(step.micro) - 1
             sync = (model.no_sync() if not last and hasattr(model, "no_sync")
                     else contextlib.nullcontext())
@@ -373,15 +382,27 @@ class ElasticLoop:
                         f"expected shape ({b - a},), got {tuple(per_sample.shape)}")
                 if step.padded:
                     w = (~mask[a:b]).to(device=device, dtype=per_sample.dtype) * weight
-                    loss = (per_sample * w).sum()
-                else:  # no padding: one weight for all (fewer small ops per step)
-                    loss = per_sample.sum() * weight
-                (scaler.scale(loss) if scaler is not None else loss).backward()
-            losses.append(loss.detach())
+                else:  # no padding: one weight for all, reused from step to step
+                    w = self._uniform_weights(b - a, weight, per_sample)
+                # d(sum_i w_i * loss_i)/d loss_i = w_i: backward from the per-sample
+                # losses with the weights as their gradient is the weighted sum's
+                # backward without its two autograd nodes (a sum and a product cost
+                # a short step more than the whole loop's bookkeeping)
+                (scaler.scale(per_sample) if scaler is not None else per_sample).backward(w)
+            losses.append(torch.dot(per_sample.detach(), w))
         # every rank has at least one micro-batch in every step of the schedule
-        loss_sum = (losses[0] if len(losses) == 1 else torch.stack(losses)).to(
-            torch.float64).sum()
+        loss_sum = losses[0] if len(losses) == 1 else torch.stack(losses).sum()
         return loss_sum, outputs
+
+    def _uniform_weights(self, n: int, weight: float, like: torch.Tensor) -> torch.Tensor:
+        """``n`` copies of ``weight`` shaped like ``like``; the tensor of the previous
+        call when it fits (every step but the epoch's last has the same)."""
+        key = (n, weight, like.dtype, like.device)
+        cached = self._weights
+        if cached is None or cached[0] != key:
+            cached = self._weights = (key, torch.full((n,), weight, dtype=like.dtype,
+                                                      device=like.device))
+        return cached[1]
 
     def optimizer_step(self) -> float | None:
         """Unscale and clip once, step the optimizer (and scaler, and a per-step
@@ -409,7 +430,8 @@ class ElasticLoop:
 
     def _report(self, epoch: int, n_real: int, loss: torch.Tensor, grad_norm: float | None,
                 outputs: list[Any]) -> None:
-        assert self._progress is not None and self.info is not None
+        ckpt = self.checkpointer
+        assert self._progress is not None and self.info is not None and ckpt is not None
         lr = self.state.optimizer.param_groups[0].get("lr")
         lr = float(lr) if lr is not None else None
         self._progress.update(step=self.state.step, epoch=epoch, samples=n_real, loss=loss,
@@ -422,9 +444,11 @@ class ElasticLoop:
                 metrics["lr"] = lr
             if grad_norm is not None:
                 metrics["grad_norm"] = grad_norm
+            t0 = time.perf_counter()
             self.on_step_end(self.state, StepInfo(
                 self.state.step, epoch, loss.item, n_real, self.samples_per_second, lr,
                 self.info.world_size, outputs=outputs, metrics=metrics))
+            ckpt._exclude_time(time.perf_counter() - t0)
 
     def _end_epoch(self, summary: EpochSummary) -> None:
         cfg, state, info, ckpt = self.config, self.state, self.info, self.checkpointer
@@ -433,7 +457,9 @@ class ElasticLoop:
         if state.scheduler is not None and cfg.scheduler_interval == "epoch":
             state.scheduler.step()
         if self.on_epoch_end is not None:
+            t0 = time.perf_counter()
             self.on_epoch_end(state, summary)
+            ckpt._exclude_time(time.perf_counter() - t0)
         self.summaries.append(summary)
         if info.is_main:
             say(log, "epoch %d done: %d steps, %d samples in %.1fs (%.1f samples/s), "

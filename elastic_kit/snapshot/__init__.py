@@ -4,7 +4,9 @@ torchrun kills and restarts the whole worker group on every failure or membershi
 change; the next group resumes from the newest durable checkpoint and redoes the
 steps since. :class:`SnapshotTier` keeps the full training state every few steps in
 node-local shared memory (``/dev/shm``), which belongs to the host rather than to the
-worker processes, so a restarted group finds it and loses at most a step or two.
+worker processes, so a restarted group finds it and redoes only the steps since
+(every step is snapshotted while that costs under 1% of the training time; less
+often when steps are short or the state large).
 
 Layout, on every host::
 

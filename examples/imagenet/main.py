@@ -128,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="checkpoint every STEPS optimizer steps (and at every epoch end)")
     p.add_argument("--snapshot-every", default="auto", type=_snapshot_every, metavar="STEPS",
                    help="in-memory snapshots in /dev/shm every STEPS steps, which survive a "
-                        "worker-group restart ('auto': within 2%% of step time; 0: off)")
+                        "worker-group restart ('auto': within 1%% of training time; 0: off)")
     p.add_argument("--global-batch-size", default=256, type=int, metavar="N",
                    help="samples per optimizer step over all workers (fixed_global); must "
                         "divide by every world size the job runs at")

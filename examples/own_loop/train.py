@@ -75,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-every", type=int, default=100, metavar="STEPS")
     p.add_argument("--snapshot-every", default="auto", metavar="STEPS",
                    help="in-memory snapshots that survive a restart, every STEPS steps "
-                        "('auto': within 2%% of the step time; 0: off)")
+                        "('auto': within 1%% of the training time; 0: off)")
     p.add_argument("--audit", action=argparse.BooleanOptionalAction, default=False,
                    help="check at every epoch end that each sample was trained on once")
     p.add_argument("--seed", type=int, default=0, help="model init and shuffling")
