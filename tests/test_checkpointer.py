@@ -281,3 +281,30 @@ def test_short_steps_exchange_rarely_and_a_stop_on_one_rank_exits_all_at_one_ste
     assert code == 143
     assert 151 <= step <= 151 + 2 * 64  # within two exchange intervals of the request
     assert out[0]["exchanges"] == out[1]["exchanges"] < step // 4
+
+
+def test_step_time_leaves_out_the_time_spent_in_hooks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The step time the exchange and snapshot intervals are budgets of is training
+    time: a hook's time (validation in ``on_step_end``) handed to ``_exclude_time`` is
+    not counted, so a long hook does not make snapshots more frequent for a while."""
+    import types
+
+    import elastic_kit.checkpointer as ckpt_mod
+
+    clock = [100.0]
+    monkeypatch.setattr(ckpt_mod, "time", types.SimpleNamespace(
+        monotonic=lambda: clock[0], perf_counter=lambda: clock[0]))
+    model = nn.Linear(2, 2)
+    state = ek.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    ckpt = ek.Checkpointer(state, None, handle_signals=False, info=ek.DistInfo())
+    ckpt._local_flags()  # the first exchange: no step time yet
+    assert ckpt._step_s is None
+    state.step += 10
+    clock[0] += 1.0  # 10 steps in 1 s, of which 0.6 s in hooks
+    ckpt._exclude_time(0.6)
+    ckpt._local_flags()
+    assert ckpt._step_s == pytest.approx(0.04)
+    state.step += 10
+    clock[0] += 0.4  # the next window has no hooks: the excluded time was reset
+    ckpt._local_flags()
+    assert ckpt._step_s == pytest.approx(0.04)

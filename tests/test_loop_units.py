@@ -344,3 +344,32 @@ def test_progress_bar_reads_the_loss_at_most_twice_a_second() -> None:
     elapsed = time.monotonic() - t0
     assert 1 <= Loss.reads <= 1 + elapsed / POSTFIX_EVERY_S
     assert Loss.reads < 100
+
+
+def test_loop_keeps_its_hooks_out_of_the_step_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every ``on_step_end`` and ``on_epoch_end`` call's duration reaches the
+    checkpointer as time that is not training."""
+    from elastic_kit.checkpointer import Checkpointer
+
+    excluded: list[float] = []
+    real = Checkpointer._exclude_time
+
+    def spy(self: Checkpointer, seconds: float) -> None:
+        excluded.append(seconds)
+        real(self, seconds)
+
+    monkeypatch.setattr(Checkpointer, "_exclude_time", spy)
+    hooks: list[str] = []
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    state = TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    crit = nn.CrossEntropyLoss(reduction="none")
+    ds = TensorDataset(torch.randn(16, 4), torch.zeros(16, dtype=torch.long))
+    loop = ElasticLoop(state, ds, loss_fn=lambda m, b: crit(m(b[0]), b[1]),
+                       on_step_end=lambda s, i: hooks.append("step"),
+                       on_epoch_end=lambda s, e: hooks.append("epoch"),
+                       config=LoopConfig(epochs=2, global_batch_size=8, log_every=0,
+                                         progress_bar=False))
+    loop.run()
+    assert hooks == ["step", "step", "epoch"] * 2
+    assert len(excluded) == len(hooks) and all(s >= 0 for s in excluded)
