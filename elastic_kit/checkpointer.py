@@ -28,11 +28,12 @@ writer rank writes; the ranks then agree that the write succeeded.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import operator
 import os
 import time
-from typing import TYPE_CHECKING, Any, Iterable, Protocol
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Protocol
 
 import torch
 
@@ -44,8 +45,7 @@ from elastic_kit.errors import CheckpointError, SampleAuditError
 from elastic_kit.loop._audit import EpochAudit
 from elastic_kit.loop._progress import say
 from elastic_kit.loop._signals import TerminationFlag
-from elastic_kit.snapshot import SnapshotTier
-from elastic_kit.snapshot import _tier as _snapshot_tier
+from elastic_kit.snapshot import DEFAULT_BUDGET, SnapshotTier
 
 if TYPE_CHECKING:
     from elastic_kit.loop._state import TrainState
@@ -129,9 +129,9 @@ class Checkpointer:
         snapshot_every: in-memory snapshots (see :mod:`elastic_kit.snapshot`): the full
             state in node-local shared memory every this many steps, which survives
             a torchrun group restart, so a restart redoes only the steps since the
-            newest snapshot instead of everything since the last durable save. ``"auto"``: on under
-            torchrun, with the interval chosen to cost at most ``snapshot_budget`` of
-            the training time (the default); an int: every
+            newest snapshot instead of everything since the last durable save.
+            ``"auto"``: on under torchrun, with the interval chosen to cost at most
+            ``snapshot_budget`` of the training time (the default); an int: every
             that many steps; ``0`` or ``None``: off. Needs a store. Outside torchrun
             nothing restarts the workers, so ``"auto"`` is off there.
         snapshot_budget: the share of training time automatic snapshots may cost
@@ -162,7 +162,7 @@ class Checkpointer:
                  exit_code: int = 143, node_local: bool = False,
                  storage_options: dict[str, Any] | None = None,
                  snapshot_every: int | str | None = "auto",
-                 snapshot_budget: float = _snapshot_tier.DEFAULT_BUDGET,
+                 snapshot_budget: float = DEFAULT_BUDGET,
                  info: DistInfo | None = None) -> None:
         if not hasattr(state, "state_dict") or not hasattr(state, "load_state_dict"):
             raise TypeError(f"state={state!r} must be an ek.TrainState (state_dict/load_state_dict)")
@@ -526,6 +526,15 @@ class Checkpointer:
         step time the exchange and snapshot intervals are budgets of, so a long hook
         does not make snapshots more frequent for a while."""
         self._hooks_s += seconds
+
+    @contextlib.contextmanager
+    def _not_training(self) -> Iterator[None]:
+        """Time the block and keep it out of the step time (:meth:`_exclude_time`)."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._exclude_time(time.perf_counter() - t0)
 
     def _resolve_flags(self) -> list[float]:
         if self._flags is None:

@@ -444,11 +444,10 @@ class ElasticLoop:
                 metrics["lr"] = lr
             if grad_norm is not None:
                 metrics["grad_norm"] = grad_norm
-            t0 = time.perf_counter()
-            self.on_step_end(self.state, StepInfo(
-                self.state.step, epoch, loss.item, n_real, self.samples_per_second, lr,
-                self.info.world_size, outputs=outputs, metrics=metrics))
-            ckpt._exclude_time(time.perf_counter() - t0)
+            with ckpt._not_training():
+                self.on_step_end(self.state, StepInfo(
+                    self.state.step, epoch, loss.item, n_real, self.samples_per_second, lr,
+                    self.info.world_size, outputs=outputs, metrics=metrics))
 
     def _end_epoch(self, summary: EpochSummary) -> None:
         cfg, state, info, ckpt = self.config, self.state, self.info, self.checkpointer
@@ -457,9 +456,8 @@ class ElasticLoop:
         if state.scheduler is not None and cfg.scheduler_interval == "epoch":
             state.scheduler.step()
         if self.on_epoch_end is not None:
-            t0 = time.perf_counter()
-            self.on_epoch_end(state, summary)
-            ckpt._exclude_time(time.perf_counter() - t0)
+            with ckpt._not_training():
+                self.on_epoch_end(state, summary)
         self.summaries.append(summary)
         if info.is_main:
             say(log, "epoch %d done: %d steps, %d samples in %.1fs (%.1f samples/s), "

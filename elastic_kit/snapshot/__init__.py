@@ -36,6 +36,6 @@ audit, RNG, optimizer), so exact data accounting and bitwise resume hold; since 
 sampler's position is global, a snapshot taken at one world size restores at any other.
 """
 
-from elastic_kit.snapshot._tier import SnapshotTier, default_root, snapshot_dir
+from elastic_kit.snapshot._tier import DEFAULT_BUDGET, SnapshotTier, default_root, snapshot_dir
 
-__all__ = ["SnapshotTier", "default_root", "snapshot_dir"]
+__all__ = ["DEFAULT_BUDGET", "SnapshotTier", "default_root", "snapshot_dir"]
