@@ -34,13 +34,15 @@ TORCHRUN = {"bench_recovery.py", "bench_goodput.py"}
 # Headline ratio keys each known script must print, also under --smoke.
 HEADLINE: dict[str, tuple[str, ...]] = {
     "bench_checkpoint.py": (
-        "ratio_ours_vs_o_direct", "ratio_ours_vs_buffered_writeback", "ratio_ours_vs_raw",
+        "ratio_ours_vs_o_direct", "ratio_ours_vs_o_direct_beside_copy_hash",
+        "ratio_o_direct_beside_copy_hash_vs_o_direct", "ratio_ours_vs_buffered_writeback",
+        "ratio_ours_vs_raw",
         "ratio_ours_vs_torch_save", "ratio_ours_vs_torch_save_nocrc",
         "ratio_torch_save_crc_cost", "ratio_ours_vs_dcp",
         "ratio_nonblocking_blocked_vs_sync"),
     "bench_loop_overhead.py": (
         "ratio_ek_vs_plain", "ratio_ek_ckpt_vs_plain", "ratio_ek_ckpt_vs_plain_ckpt",
-        "ckpt_lost_s_per_save", "ckpt_blocked_s_per_save"),
+        "ckpt_lost_s_per_save", "ckpt_blocked_s_per_save", "ckpt_lost_fraction_of_cost_period"),
     "bench_recovery.py": (
         "ratio_total_baseline_vs_ours", "ratio_regain_baseline_vs_ours"),
     "bench_elastic_curve.py": (
@@ -112,6 +114,13 @@ def test_benchmark_smoke_prints_a_ratio_against_its_baseline(script: str, tmp_pa
             assert seconds is None or seconds > 0, method
         # the device ceiling is measured where the file system allows O_DIRECT
         assert (size["seconds"]["o_direct"] is None) == (not size["o_direct_supported"])
+        assert ((size["seconds"]["o_direct_beside_copy_hash"] is None)
+                == (not size["o_direct_supported"]))
+    if script == "bench_loop_overhead.py":
+        # without --cost-period the lost seconds are a share of one save period
+        assert res["cost_period_steps"] == res["ckpt_every_steps"]
+        assert res["ckpt_lost_fraction_of_cost_period"] == pytest.approx(
+            res["ckpt_lost_s_per_save"] / res["cost_period_s"], rel=0.02, abs=1e-3)
 
 
 def test_recovery_benchmark_uses_the_documented_rdzv_conf() -> None:
