@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -239,3 +240,18 @@ def test_automatic_interval_keeps_the_write_within_the_budget(tmp_path: Path, sh
     tier._taking_s = 0.03        # 30 ms on the training thread + a 20 ms write: 250 again
     tier._adapt(0.02)
     assert tier.proposed == 250
+
+
+def test_closing_the_tier_stops_its_store_thread(tmp_path: Path, shm: str) -> None:
+    """A closed tier leaves no thread behind: a process that makes many checkpointers
+    (a notebook, a sweep, a test suite) would otherwise keep one idle thread per tier."""
+    before = set(threading.enumerate())
+    tier = SnapshotTier(str(tmp_path / "run"), info=ek.DistInfo(run_id="t"), every=1, root=shm)
+    tier.save({"w": torch.arange(1000.0)}, step=1, metadata={})
+    started = [t for t in set(threading.enumerate()) - before if t.name.startswith("ek-ckpt")]
+    assert started, "the snapshot was not written on the store's worker thread"
+    tier.close(remove=False)
+    assert [t for t in started if t.is_alive()] == []
+    assert tier.newest_local() is not None  # closing without remove keeps the snapshot
+    tier.close(remove=True)
+    assert tier.newest_local() is None

@@ -339,7 +339,10 @@ class SnapshotTier:
         done writing)."""
         if self.store is not None:
             try:
-                self.store.wait()
+                # waits for the snapshot in flight, then stops the store's worker thread
+                # (a process that makes many checkpointers would otherwise keep one
+                # idle thread per tier)
+                self.store.close()
             except Exception as e:
                 log.warning("the last snapshot to %s failed: %r", self.node_dir, e)
         if self._sender is not None:
