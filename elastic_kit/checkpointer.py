@@ -719,7 +719,7 @@ class Checkpointer:
         if self.store is not None:
             self.store.wait_local()
         if self.snapshots is not None:
-            self.snapshots.close(remove=False)
+            self.snapshots.close(remove=False, flush=False)
 
     def _remove_hooks(self) -> None:
         if self._step_hook is not None:

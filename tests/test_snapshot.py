@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import threading
 from pathlib import Path
 from typing import Any
@@ -254,4 +255,49 @@ def test_closing_the_tier_stops_its_store_thread(tmp_path: Path, shm: str) -> No
     assert [t for t in started if t.is_alive()] == []
     assert tier.newest_local() is not None  # closing without remove keeps the snapshot
     tier.close(remove=True)
+    assert tier.newest_local() is None
+
+
+def test_a_failing_worker_does_not_wait_for_its_stream_to_a_silent_peer(
+        tmp_path: Path, shm: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lost node's host may stop answering without closing its sockets: a stream to
+    it then blocks until the socket times out. A worker whose group is failing (the
+    checkpointer's close on an exception) closes its snapshots without waiting for
+    that stream, whose exit would otherwise hold up the restart."""
+    from elastic_kit.snapshot import _tier
+    from elastic_kit.snapshot._replica import ReplicaSender
+
+    from elastic_kit.snapshot import _replica
+
+    # as on a real network, where no reset comes back: a wait would hang the test
+    monkeypatch.setattr(_tier, "FLUSH_TIMEOUT_S", 3600.0)
+    monkeypatch.setattr(_replica, "IO_TIMEOUT_S", 3600.0)
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(1)
+    accepted: list[socket.socket] = []
+    tier = SnapshotTier(str(tmp_path / "run"), info=ek.DistInfo(run_id="t"), every=1, root=shm)
+    model = nn.Linear(2, 2)
+    ckpt = ek.Checkpointer(ek.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1)),
+                           str(tmp_path / "durable"), handle_signals=False, snapshot_every=0)
+    ckpt.snapshots = tier
+    try:
+        tier.save({"w": torch.arange(1000.0)}, step=1, metadata={})
+        tier.store.wait()
+        sender = ReplicaSender(silent.getsockname(), source="node-a", run="t", token="x")
+        tier._sender = sender
+        sender.offer(1, tier.store.list()[-1].path)
+        conn, _ = silent.accept()   # the stream is open; the peer never answers
+        accepted.append(conn)
+        assert not sender.flush(timeout=0.2)  # the sender is blocked on the silent peer
+        closer = threading.Thread(target=ckpt._close_local)  # what an exception runs
+        closer.start()
+        closer.join(timeout=60)
+        assert not closer.is_alive(), "the failing worker waited for the silent peer"
+        assert tier.newest_local() == 1  # its snapshot stays for the restart
+    finally:
+        for c in accepted:
+            c.close()   # the blocked stream fails now and its thread ends
+        silent.close()
+        tier.close(remove=True)
     assert tier.newest_local() is None

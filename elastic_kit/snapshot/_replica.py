@@ -314,9 +314,12 @@ class ReplicaSender:
                                        timeout=timeout)
 
     def close(self, timeout: float = IO_TIMEOUT_S) -> None:
-        """Send what was offered last, then stop."""
+        """Send what was offered last (waiting at most ``timeout`` s), then stop.
+
+        ``timeout=0`` stops at once: a stream in flight is left to the daemon thread,
+        which ends with the process (its peer keeps its previous replica)."""
         self.flush(timeout)
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-        self._thread.join(timeout=1.0)
+        self._thread.join(timeout=min(timeout, 1.0))

@@ -332,11 +332,17 @@ class SnapshotTier:
         return loaded
 
     # ------------------------------------------------------------------ cleanup
-    def close(self, *, remove: bool) -> None:
-        """Join the in-flight snapshot and its stream to the peer (at most
-        ``FLUSH_TIMEOUT_S``); with ``remove``, also stop receiving replicas and delete
-        this run's snapshots on this host (local rank 0; call it once every rank is
-        done writing)."""
+    def close(self, *, remove: bool, flush: bool = True) -> None:
+        """Join the in-flight snapshot and, with ``flush``, its stream to the peer (at
+        most ``FLUSH_TIMEOUT_S``); with ``remove``, also stop receiving replicas and
+        delete this run's snapshots on this host (local rank 0; call it once every
+        rank is done writing).
+
+        ``flush=False`` is for a worker that is failing: the whole group restarts,
+        so the peer's receiver goes down with its worker and a stream cannot land,
+        while the peer may be the lost node itself, whose host no longer answers (a
+        stream to it blocks until its socket times out). Waiting would only delay
+        the worker's exit, and with it the restart."""
         if self.store is not None:
             try:
                 # waits for the snapshot in flight, then stops the store's worker thread
@@ -346,7 +352,7 @@ class SnapshotTier:
             except Exception as e:
                 log.warning("the last snapshot to %s failed: %r", self.node_dir, e)
         if self._sender is not None:
-            self._sender.close(timeout=FLUSH_TIMEOUT_S)
+            self._sender.close(timeout=FLUSH_TIMEOUT_S if flush else 0.0)
             self._sender = None
         if remove and self._receiver is not None:
             self._receiver.close()
