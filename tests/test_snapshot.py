@@ -264,10 +264,7 @@ def test_a_failing_worker_does_not_wait_for_its_stream_to_a_silent_peer(
     it then blocks until the socket times out. A worker whose group is failing (the
     checkpointer's close on an exception) closes its snapshots without waiting for
     that stream, whose exit would otherwise hold up the restart."""
-    from elastic_kit.snapshot import _tier
-    from elastic_kit.snapshot._replica import ReplicaSender
-
-    from elastic_kit.snapshot import _replica
+    from elastic_kit.snapshot import _replica, _tier
 
     # as on a real network, where no reset comes back: a wait would hang the test
     monkeypatch.setattr(_tier, "FLUSH_TIMEOUT_S", 3600.0)
@@ -284,7 +281,8 @@ def test_a_failing_worker_does_not_wait_for_its_stream_to_a_silent_peer(
     try:
         tier.save({"w": torch.arange(1000.0)}, step=1, metadata={})
         tier.store.wait()
-        sender = ReplicaSender(silent.getsockname(), source="node-a", run="t", token="x")
+        sender = _replica.ReplicaSender(silent.getsockname(), source="node-a", run="t",
+                                        token="x")
         tier._sender = sender
         sender.offer(1, tier.store.list()[-1].path)
         conn, _ = silent.accept()   # the stream is open; the peer never answers
