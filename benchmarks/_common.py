@@ -140,7 +140,7 @@ def pyplot() -> Any:
 # --- writing files the way the baselines need ----------------------------------------
 
 # The store's own writeback call, so the same-strategy baseline cannot drift from it.
-from elastic_kit.checkpoint._fs import start_writeback  # noqa: E402,F401
+from elastic_kit.store._fs import start_writeback  # noqa: E402,F401
 
 
 def aligned_buffer(nbytes: int, align: int = 1 << 12) -> Any:

@@ -75,8 +75,8 @@ def _naive_resave(fs: Any, root: str, state: dict[str, Any], step: int) -> None:
 
     import torch
 
-    from elastic_kit.checkpoint._manifest import Manifest, FileEntry
-    from elastic_kit.checkpoint._serialize import new_hasher
+    from elastic_kit.store._manifest import Manifest, FileEntry
+    from elastic_kit.store._serialize import new_hasher
 
     d = f"{root}/step-{step:012d}"
     if fs.exists(f"{d}/manifest.json"):
@@ -99,7 +99,7 @@ def _writer(url: str, opts: dict[str, Any] | None, kind: str, first: int, n: int
     import torch
 
     torch.set_num_threads(1)
-    from elastic_kit.checkpoint import CheckpointStore
+    from elastic_kit.store import CheckpointStore
 
     store = CheckpointStore(url, storage_options=opts, keep_last=None)
     version = first
@@ -118,7 +118,7 @@ def _writer(url: str, opts: dict[str, Any] | None, kind: str, first: int, n: int
 def _check(url: str, opts: dict[str, Any] | None, kind: str, committed: dict[int, int],
            n: int) -> tuple[int, int]:
     """(partial load?, committed steps lost) after a kill."""
-    from elastic_kit.checkpoint import CheckpointStore
+    from elastic_kit.store import CheckpointStore
 
     store = CheckpointStore(url, storage_options=opts, keep_last=None)
     partial = lost = 0
@@ -209,7 +209,7 @@ def _s3_target(endpoint: str) -> tuple[str, dict[str, Any]]:
 
 def _save_seconds(url: str, opts: dict[str, Any] | None, n: int) -> float:
     """One save's duration on this backend (the kills are spread over it)."""
-    from elastic_kit.checkpoint import CheckpointStore
+    from elastic_kit.store import CheckpointStore
 
     store = CheckpointStore(url + "-probe", storage_options=opts, keep_last=1)
     t = []

@@ -21,7 +21,7 @@ Test helpers (a local torchrun cluster, etcd, N gloo ranks) are in
 
 from __future__ import annotations
 
-__version__ = "0.2.0"
+from elastic_kit._version import __version__
 
 from elastic_kit import errors
 from elastic_kit.distributed import (
@@ -32,7 +32,7 @@ from elastic_kit.distributed import (
     unwrap_model,
     wrap_ddp,
 )
-from elastic_kit.checkpoint import (
+from elastic_kit.store import (
     CheckpointInfo,
     CheckpointStore,
     LoadedCheckpoint,

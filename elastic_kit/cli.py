@@ -86,7 +86,7 @@ def _fmt_time(t: float | None) -> str:
 
 
 def _open_store(args: argparse.Namespace) -> Any:
-    from elastic_kit.checkpoint import CheckpointStore
+    from elastic_kit.store import CheckpointStore
     from elastic_kit.distributed import DistInfo
 
     opts = None

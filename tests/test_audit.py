@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from elastic_kit.loop import EpochAudit, SampleAudit, expected_digest, sample_digest
-from elastic_kit.loop._audit import normalize
+from elastic_kit.state._audit import normalize
 
 N = 50
 

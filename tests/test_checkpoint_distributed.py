@@ -10,7 +10,7 @@ import os
 
 import torch
 
-from elastic_kit.checkpoint import CheckpointStore
+from elastic_kit.store import CheckpointStore
 from elastic_kit.distributed import DistInfo, init_distributed
 from elastic_kit.testing import spawn_multi_process
 

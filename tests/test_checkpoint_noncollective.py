@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from elastic_kit.checkpoint import CheckpointStore, load_checkpoint, save_checkpoint
+from elastic_kit.store import CheckpointStore, load_checkpoint, save_checkpoint
 from elastic_kit.distributed import init_distributed, wrap_ddp
 from elastic_kit.errors import CheckpointError
 from elastic_kit.testing import spawn_multi_process

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from elastic_kit.checkpoint import CheckpointStore, load_checkpoint, save_checkpoint
-from elastic_kit.checkpoint._manifest import MANIFEST_NAME, PAYLOAD_NAME, Manifest
-from elastic_kit.checkpoint._serialize import new_hasher
+from elastic_kit.store import CheckpointStore, load_checkpoint, save_checkpoint
+from elastic_kit.store._manifest import MANIFEST_NAME, PAYLOAD_NAME, Manifest
+from elastic_kit.store._serialize import new_hasher
 from elastic_kit.errors import CheckpointError, UnsafeCheckpointError
 
 
@@ -221,9 +221,9 @@ def test_local_saves_start_writeback_in_contiguous_ranges_and_still_verify(
     """Every WRITEBACK_EVERY bytes the writer asks the kernel to start writing the new
     range (then fsyncs at the end); the ranges tile the payload without gaps. This is
     the buffered path, used where O_DIRECT is refused (forced here)."""
-    from elastic_kit.checkpoint import _fs as fs_mod
-    from elastic_kit.checkpoint import _layout
-    from elastic_kit.checkpoint import _serialize as serialize
+    from elastic_kit.store import _fs as fs_mod
+    from elastic_kit.store import _layout
+    from elastic_kit.store import _serialize as serialize
 
     monkeypatch.setattr(_layout, "open_direct", lambda path, mode: None)
 
@@ -250,7 +250,7 @@ def test_local_saves_start_writeback_in_contiguous_ranges_and_still_verify(
 
 
 def test_start_writeback_works_on_this_linux_file(tmp_path):
-    from elastic_kit.checkpoint._fs import start_writeback
+    from elastic_kit.store._fs import start_writeback
 
     p = tmp_path / "f"
     with open(p, "wb") as f:

@@ -17,12 +17,12 @@ import fsspec
 import pytest
 import torch
 
-from elastic_kit.checkpoint import CheckpointStore
-from elastic_kit.checkpoint._layout import step_dir_name
-from elastic_kit.checkpoint._manifest import MANIFEST_NAME, PAYLOAD_NAME
+from elastic_kit.store import CheckpointStore
+from elastic_kit.store._layout import step_dir_name
+from elastic_kit.store._manifest import MANIFEST_NAME, PAYLOAD_NAME
 from s3_server import s3_bucket, s3_server  # noqa: F401  (session fixtures)
 
-LOG = "elastic_kit.checkpoint"
+LOG = "elastic_kit.store"
 
 
 def make_state(step: int, n: int = 1000) -> dict[str, Any]:
@@ -124,7 +124,7 @@ class StoreContract:
 
     def test_copy_later_tensors_are_copied_in_the_background_before_wait_staged(
             self, make, monkeypatch):
-        from elastic_kit.checkpoint import _store as store_mod
+        from elastic_kit.store import _store as store_mod
 
         gate = threading.Event()
         real_copy = store_mod.copy_deferred

@@ -236,7 +236,7 @@ def _count_exchanges(steps: int, step_s: float, stop_at: int | None) -> dict[str
     (async all-reduces) the checkpointer issues; rank 1 requests a stop at ``stop_at``."""
     import time
 
-    import elastic_kit.checkpointer as ckpt_mod
+    import elastic_kit.checkpointer._checkpointer as ckpt_mod
 
     torch.set_num_threads(1)
     ek.init_distributed()
@@ -289,7 +289,7 @@ def test_step_time_leaves_out_the_time_spent_in_hooks(monkeypatch: pytest.Monkey
     not counted, so a long hook does not make snapshots more frequent for a while."""
     import types
 
-    import elastic_kit.checkpointer as ckpt_mod
+    import elastic_kit.checkpointer._checkpointer as ckpt_mod
 
     clock = [100.0]
     monkeypatch.setattr(ckpt_mod, "time", types.SimpleNamespace(

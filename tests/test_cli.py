@@ -9,8 +9,8 @@ import sys
 import pytest
 import torch
 
-from elastic_kit.checkpoint import CheckpointStore
-from elastic_kit.checkpoint._manifest import PAYLOAD_NAME
+from elastic_kit.store import CheckpointStore
+from elastic_kit.store._manifest import PAYLOAD_NAME
 from elastic_kit.cli import EXIT_CORRUPT, EXIT_OK, EXIT_USAGE, main
 
 

@@ -1,4 +1,4 @@
-"""The O_DIRECT payload writer (``elastic_kit.checkpoint._direct``).
+"""The O_DIRECT payload writer (``elastic_kit.store._direct``).
 
 Every test asserts on what this machine's filesystems actually do: where ``O_DIRECT``
 is refused, the fallback path is what is checked (never a skip).
@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from elastic_kit import CheckpointStore
-from elastic_kit.checkpoint import _direct
-from elastic_kit.checkpoint._direct import ALIGN, DirectFile, open_direct
-from elastic_kit.checkpoint._manifest import MANIFEST_NAME
-from elastic_kit.checkpoint._serialize import hash_stream
+from elastic_kit.store import _direct
+from elastic_kit.store._direct import ALIGN, DirectFile, open_direct
+from elastic_kit.store._manifest import MANIFEST_NAME
+from elastic_kit.store._serialize import hash_stream
 
 BUF = 64 << 10  # small buffers: many hand-offs to the writer thread with little data
 
@@ -257,7 +257,7 @@ def test_a_writer_thread_error_reaches_the_caller(tmp_path, monkeypatch, at):
 
 
 def test_a_store_round_trip_is_bitwise_and_the_checksum_verifies(tmp_path, monkeypatch):
-    from elastic_kit.checkpoint import _layout
+    from elastic_kit.store import _layout
 
     opened: list[DirectFile | None] = []
 

@@ -27,7 +27,7 @@ def _dataset() -> TensorDataset:
 def _train(url: str, max_steps: int | None, checkpoint_every: int | None = 4) -> dict[str, Any]:
     """One life of a worker group; returns the final weights and the state's record."""
     import elastic_kit as ek
-    from elastic_kit.checkpoint import CheckpointStore
+    from elastic_kit.store import CheckpointStore
     from elastic_kit.loop import ElasticLoop, LoopConfig, TrainState
 
     torch.set_num_threads(1)

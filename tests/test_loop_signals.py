@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from elastic_kit.checkpoint import CheckpointStore
+from elastic_kit.store import CheckpointStore
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "minimal" / "train.py"

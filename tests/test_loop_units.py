@@ -204,7 +204,7 @@ def test_loss_fn_must_return_per_sample_losses() -> None:
 def test_linear_lr_policy_rescales_lr_on_resume_without_compounding(
         tmp_path: object, monkeypatch: pytest.MonkeyPatch) -> None:
     """Life 1 at (faked) W0=2, then two lives at W=1: lr = base / 2 both times."""
-    from elastic_kit.checkpoint import CheckpointStore
+    from elastic_kit.store import CheckpointStore
     from elastic_kit.distributed import DistInfo
     from elastic_kit.loop import _trainer as trainer
 
@@ -244,8 +244,8 @@ def test_nonblocking_checkpoints_hold_the_state_of_their_step_with_a_slow_copy(
     must still wait for it before optimizer.step, so each checkpoint holds its step."""
     import time
 
-    from elastic_kit.checkpoint import CheckpointStore
-    from elastic_kit.checkpoint import _store as store_mod
+    from elastic_kit.store import CheckpointStore
+    from elastic_kit.store import _store as store_mod
 
     real_copy = store_mod.copy_deferred
     deferred_counts: list[int] = []

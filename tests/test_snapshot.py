@@ -288,7 +288,7 @@ def test_a_failing_worker_does_not_wait_for_its_stream_to_a_silent_peer(
         conn, _ = silent.accept()   # the stream is open; the peer never answers
         accepted.append(conn)
         assert not sender.flush(timeout=0.2)  # the sender is blocked on the silent peer
-        closer = threading.Thread(target=ckpt._close_local)  # what an exception runs
+        closer = threading.Thread(target=ckpt.abandon)  # what an exception runs
         closer.start()
         closer.join(timeout=60)
         assert not closer.is_alive(), "the failing worker waited for the silent peer"

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from elastic_kit.checkpoint import CheckpointStore
+from elastic_kit.store import CheckpointStore
 from elastic_kit.snapshot._replica import ReplicaReceiver, ReplicaSender
 
 TOKEN = "t0ken"

@@ -24,15 +24,15 @@ import fsspec
 import pytest
 import torch
 
-from elastic_kit.checkpoint import CheckpointStore, save_checkpoint
-from elastic_kit.checkpoint._manifest import MANIFEST_NAME, PAYLOAD_NAME
-from elastic_kit.checkpoint._serialize import new_hasher
+from elastic_kit.store import CheckpointStore, save_checkpoint
+from elastic_kit.store._manifest import MANIFEST_NAME, PAYLOAD_NAME
+from elastic_kit.store._serialize import new_hasher
 from elastic_kit.cli import EXIT_CORRUPT, EXIT_USAGE, main
 from elastic_kit.errors import CheckpointConflictError, CheckpointError
 from elastic_kit.testing import FaultFileSystem
 from s3_server import s3_bucket, s3_server  # noqa: F401  (session fixtures)
 
-LOG = "elastic_kit.checkpoint"
+LOG = "elastic_kit.store"
 
 
 def _state(v: float, n: int = 20_000) -> dict[str, Any]:

@@ -147,7 +147,7 @@ def test_linear_lr_scaling_does_not_compound_across_restarts() -> None:
 
 
 def test_run_report_lists_segments_restores_and_finished_epoch_audits() -> None:
-    from elastic_kit.loop._audit import expected_digest
+    from elastic_kit.state._audit import expected_digest
 
     model = torch.nn.Linear(2, 1)
     state = TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))

@@ -63,11 +63,11 @@ reports.
 
 from __future__ import annotations
 
-from elastic_kit.loop._audit import EpochAudit, SampleAudit, expected_digest, sample_digest
+from elastic_kit.state import (
+    EpochAudit, SampleAudit, TerminationFlag, TrainState, expected_digest, sample_digest,
+)
 from elastic_kit.loop._policy import BatchPlan, BatchPolicy, FixedGlobalBatch, LinearLRScaling
 from elastic_kit.loop._seeded import SeededDataset, seeded_rng
-from elastic_kit.loop._signals import TerminationFlag
-from elastic_kit.loop._state import TrainState
 from elastic_kit.loop._config import EpochSummary, LoopConfig, StepInfo
 from elastic_kit.loop._trainer import ElasticLoop
 

@@ -23,8 +23,7 @@ from torch.optim import Optimizer
 
 from elastic_kit.errors import BatchPolicyError
 
-__all__ = ["BatchPlan", "BatchPolicy", "FixedGlobalBatch", "LinearLRScaling", "make_policy",
-           "rescale_lr"]
+__all__ = ["BatchPlan", "BatchPolicy", "FixedGlobalBatch", "LinearLRScaling", "make_policy"]
 
 
 @dataclass(frozen=True)
@@ -143,29 +142,3 @@ def make_policy(name: str, *, global_batch_size: int | None, micro_batch_size: i
         return LinearLRScaling(batch_size or micro_batch_size, micro_batch_size)
     raise BatchPolicyError(
         f"batch_policy={name!r} is not one of 'fixed_global', 'linear_lr'")
-
-
-def rescale_lr(optimizer: Optimizer, scheduler: Any, factor: float) -> None:
-    """Multiply every learning rate the optimizer and scheduler hold by ``factor``.
-
-    Scales ``lr`` and ``initial_lr`` of every param group and the scheduler's
-    ``base_lrs`` / ``_last_lr``, so both closed-form and recursive schedulers continue
-    from the scaled values. Callers pass the ratio of the new scale to the scale
-    already applied (see :meth:`TrainState.apply_lr_scale`), which makes it idempotent
-    across restarts.
-    """
-    if factor == 1.0:
-        return
-    for group in optimizer.param_groups:
-        for key in ("lr", "initial_lr"):
-            if key in group:
-                value = group[key]
-                if hasattr(value, "mul_"):  # tensor lr (capturable optimizers)
-                    value.mul_(factor)
-                else:
-                    group[key] = value * factor
-    if scheduler is not None:
-        for attr in ("base_lrs", "_last_lr"):
-            values = getattr(scheduler, attr, None)
-            if isinstance(values, list):
-                setattr(scheduler, attr, [v * factor for v in values])

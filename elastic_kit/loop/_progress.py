@@ -2,7 +2,7 @@
 
 A user who hands the loop to :class:`~elastic_kit.ElasticLoop` loses the prints of
 their own loop, so progress must be visible without configuring :mod:`logging`:
-:func:`say` goes through the ``elastic_kit`` logger when the application configured
+:func:`~elastic_kit._console.say` goes through the ``elastic_kit`` logger when the application configured
 logging (a handler anywhere up the logger tree) and to stderr otherwise.
 """
 
@@ -13,20 +13,11 @@ import sys
 import time
 from typing import Any
 
-__all__ = ["ProgressReporter", "format_eta", "say"]
+from elastic_kit._console import say
+
+__all__ = ["ProgressReporter", "format_eta"]
 
 log = logging.getLogger("elastic_kit.loop")
-
-
-def say(logger: logging.Logger, msg: str, *args: Any) -> None:
-    """Log ``msg % args`` at INFO, or print it to stderr when logging is unconfigured.
-
-    Called on rank 0 only, for what a training script would print itself.
-    """
-    if logger.hasHandlers():
-        logger.info(msg, *args)
-    else:
-        print(f"[elastic_kit] {msg % args if args else msg}", file=sys.stderr, flush=True)
 
 
 def format_eta(seconds: float | None) -> str:

@@ -32,8 +32,9 @@ from elastic_kit.distributed import DistInfo, all_reduce_sum, init_distributed
 from elastic_kit.loop._config import EpochSummary, LoopConfig, StepInfo
 from elastic_kit.loop._data import ScheduleBatchSampler, loader_dataset, to_device
 from elastic_kit.loop._policy import BatchPlan
-from elastic_kit.loop._progress import ProgressReporter, say
-from elastic_kit.loop._state import TrainState
+from elastic_kit._console import say
+from elastic_kit.loop._progress import ProgressReporter
+from elastic_kit.state import TrainState
 from elastic_kit.sampler import ElasticDistributedSampler
 
 __all__ = ["ElasticLoop"]
@@ -233,7 +234,7 @@ class ElasticLoop:
                     break  # stopped inside the epoch
                 self._end_epoch(summary)
             if self._max_steps_reached():
-                if cfg.checkpoint_at_exit and ckpt._last_saved_step != state.step:
+                if cfg.checkpoint_at_exit and ckpt.last_saved_step != state.step:
                     ckpt.save(blocking=True)
                 if info.is_main:
                     say(log, "max_steps=%d reached at step %d, epoch %d", cfg.max_steps,
@@ -250,7 +251,7 @@ class ElasticLoop:
                 # possibly on this rank alone: no collective here, or it would be
                 # matched against a peer's gradient all-reduce or block until the
                 # timeout, and hide the real error.
-                ckpt._close_local()
+                ckpt.abandon()
             self._loader = None
         return state
 
@@ -444,7 +445,7 @@ class ElasticLoop:
                 metrics["lr"] = lr
             if grad_norm is not None:
                 metrics["grad_norm"] = grad_norm
-            with ckpt._not_training():
+            with ckpt.paused():
                 self.on_step_end(self.state, StepInfo(
                     self.state.step, epoch, loss.item, n_real, self.samples_per_second, lr,
                     self.info.world_size, outputs=outputs, metrics=metrics))
@@ -456,7 +457,7 @@ class ElasticLoop:
         if state.scheduler is not None and cfg.scheduler_interval == "epoch":
             state.scheduler.step()
         if self.on_epoch_end is not None:
-            with ckpt._not_training():
+            with ckpt.paused():
                 self.on_epoch_end(state, summary)
         self.summaries.append(summary)
         if info.is_main:

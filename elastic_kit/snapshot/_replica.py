@@ -39,8 +39,9 @@ import threading
 import uuid
 from typing import Any
 
-from elastic_kit.checkpoint._layout import TMP_PREFIX, parse_step_dir, step_dir_name
-from elastic_kit.checkpoint._manifest import MANIFEST_NAME, Manifest, check_file_name
+from elastic_kit.store import (
+    MANIFEST_NAME, TMP_PREFIX, Manifest, check_file_name, parse_step_dir, step_dir_name,
+)
 
 __all__ = ["ADDR_ENV", "REPLICAS", "ReplicaReceiver", "ReplicaSender", "advertised_host"]
 

@@ -15,9 +15,9 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from elastic_kit.checkpoint import CheckpointStore, LoadedCheckpoint
-from elastic_kit.checkpoint._fs import resolve_url
-from elastic_kit.checkpoint._layout import Layout, step_dir_name
+from elastic_kit.store import (
+    CheckpointStore, Layout, LoadedCheckpoint, resolve_url, step_dir_name,
+)
 from elastic_kit.distributed import DistInfo, is_dist_ready
 from elastic_kit.errors import CheckpointError
 from elastic_kit.snapshot._replica import (

@@ -27,7 +27,7 @@ training, with the step it restored, and one when ``ElasticLoop.run`` exits, wit
 the step reached and the exit code: what the scenarios check instead of log
 wording), ``--save-final``, the summary JSON rank 0 writes at the end (the same keys
 as ``examples/imagenet/main.py``), and a test-only fault: ``--crash-in-save-at-step N --crash-marker PATH`` wraps
-:meth:`Manifest.to_json` (``elastic_kit.checkpoint._manifest``), which the real checkpoint
+:meth:`Manifest.to_json` (``elastic_kit.store._manifest``), which the real checkpoint
 writer calls after the payload is written and right before the manifest (the commit),
 so the writer process dies with ``os._exit(1)`` inside the store's write of step N
 (once: the marker file records that it happened).
@@ -55,7 +55,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import elastic_kit as ek
-from elastic_kit.checkpoint import CheckpointStore
+from elastic_kit.store import CheckpointStore
 from elastic_kit.loop import ElasticLoop, LoopConfig, StepInfo, TrainState
 
 from _hold import hold_point  # this script's directory is on sys.path
@@ -137,9 +137,9 @@ def install_crash_in_save(step: int, marker: str) -> None:
     import importlib
 
     try:  # the module defining Manifest (private since the checkpoint package split)
-        manifest_mod = importlib.import_module("elastic_kit.checkpoint._manifest")
+        manifest_mod = importlib.import_module("elastic_kit.store._manifest")
     except ImportError:
-        manifest_mod = importlib.import_module("elastic_kit.checkpoint.manifest")
+        manifest_mod = importlib.import_module("elastic_kit.store.manifest")
     original = manifest_mod.Manifest.to_json
 
     def to_json(self: Any) -> str:

@@ -118,7 +118,7 @@ def final_model_state(checkpoint_url: str) -> dict[str, Any]:
     For scripts without ``--save-final``: the example checkpoints at every epoch end,
     so the newest checkpoint of a finished run holds its final parameters.
     """
-    from elastic_kit.checkpoint import CheckpointStore
+    from elastic_kit.store import CheckpointStore
 
     with CheckpointStore(checkpoint_url) as store:
         loaded = store.load(map_location="cpu")

@@ -89,7 +89,7 @@ def test_crash_during_s3_checkpoint_write_resumes_from_previous(
     """
     import json
 
-    from elastic_kit.checkpoint import CheckpointStore
+    from elastic_kit.store import CheckpointStore
 
     url, options = s3_bucket
     run_url = f"{url}/run"

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from elastic_kit.checkpoint._store import CheckpointStore, LoadedCheckpoint
+from elastic_kit.store._store import CheckpointStore, LoadedCheckpoint
 
 __all__ = ["save_checkpoint", "load_checkpoint"]
 

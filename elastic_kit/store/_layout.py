@@ -5,7 +5,7 @@ Everything that touches a store's files is here, so the rules below hold in one 
 Names. A checkpoint is the directory ``step-`` + exactly 12 ASCII digits. Nothing else
 counts (not ``step-5``, not Unicode digits, not a trailing newline) and retention
 deletes exactly the directories it scanned. Inside, a manifest names plain files
-only (:func:`~elastic_kit.checkpoint._manifest.check_file_name`) and only regular
+only (:func:`~elastic_kit.store._manifest.check_file_name`) and only regular
 files are opened (a FIFO or ``/dev/zero`` would hang a reader).
 
 Commit. *A checkpoint exists only once its manifest is in place, and the manifest is
@@ -54,15 +54,15 @@ from typing import IO, Any, Callable, Iterator
 
 import fsspec
 
-from elastic_kit.checkpoint._direct import open_direct
-from elastic_kit.checkpoint._fs import (
+from elastic_kit.store._direct import open_direct
+from elastic_kit.store._fs import (
     discard_upload, entry_time, fsync_dir, is_local, join, open_regular_local, retrying,
     write_error,
 )
-from elastic_kit.checkpoint._manifest import (
+from elastic_kit.store._manifest import (
     MANIFEST_NAME, MAX_MANIFEST_BYTES, PAYLOAD_NAME, FileEntry, Manifest, check_file_name,
 )
-from elastic_kit.checkpoint._serialize import hash_stream, save_into
+from elastic_kit.store._serialize import hash_stream, save_into
 from elastic_kit.errors import CheckpointConflictError, CheckpointCorruptError, CheckpointError
 
 __all__ = ["STEP_DIGITS", "TMP_PREFIX", "step_dir_name", "parse_step_dir", "StepDir",

@@ -11,7 +11,7 @@ Three jobs, one concern (the payload's bytes):
   overlaps with the final fsync (xxhash, zlib, hashlib and file writes release the
   GIL). On a local file written through the page cache it also starts the disk's
   writeback every few MB (``_fs.start_writeback``), so the fsync at the end only
-  waits for the tail; a :class:`~elastic_kit.checkpoint._direct.DirectFile`
+  waits for the tail; a :class:`~elastic_kit.store._direct.DirectFile`
   (``O_DIRECT``, the usual local case) needs neither.
 - :func:`load_payload` reads with ``weights_only=True`` and turns the refusal of a
   pickled object into :class:`UnsafeCheckpointError`.
@@ -35,9 +35,9 @@ import numpy as np
 
 import torch
 
-from elastic_kit.checkpoint._direct import DirectFile
-from elastic_kit.checkpoint._fs import start_writeback, write_error
-from elastic_kit.checkpoint._manifest import FileEntry
+from elastic_kit.store._direct import DirectFile
+from elastic_kit.store._fs import start_writeback, write_error
+from elastic_kit.store._manifest import FileEntry
 from elastic_kit.errors import UnsafeCheckpointError
 
 __all__ = ["save_into", "WRITEBACK_EVERY", "prepare_state", "validate_state", "storage_keys",

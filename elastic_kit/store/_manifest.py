@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from elastic_kit._version import __version__
 from elastic_kit.errors import CheckpointCorruptError
 
 __all__ = ["MANIFEST_NAME", "PAYLOAD_NAME", "FORMAT", "CHECKSUMS", "MAX_MANIFEST_BYTES",
@@ -49,12 +50,7 @@ _HEX_RE = re.compile(r"[0-9a-f]+", re.ASCII)
 
 
 def _library_version() -> str:
-    try:
-        from elastic_kit import __version__
-
-        return str(__version__)
-    except Exception:  # pragma: no cover - only during a broken partial import
-        return "unknown"
+    return str(__version__)
 
 
 def check_file_name(name: Any) -> str:

@@ -20,11 +20,11 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+from torch.optim import Optimizer
 
 from elastic_kit.distributed import unwrap_model
 from elastic_kit.errors import CheckpointMismatchError
-from elastic_kit.loop._audit import SampleAudit
-from elastic_kit.loop._policy import rescale_lr
+from elastic_kit.state._audit import SampleAudit
 
 __all__ = ["TrainState", "capture_rng_state", "restore_rng_state"]
 
@@ -357,3 +357,29 @@ class TrainState:
             return
         rescale_lr(self.optimizer, self.scheduler, scale / self.lr_scale)
         self.lr_scale = float(scale)
+
+
+def rescale_lr(optimizer: Optimizer, scheduler: Any, factor: float) -> None:
+    """Multiply every learning rate the optimizer and scheduler hold by ``factor``.
+
+    Scales ``lr`` and ``initial_lr`` of every param group and the scheduler's
+    ``base_lrs`` / ``_last_lr``, so both closed-form and recursive schedulers continue
+    from the scaled values. Callers pass the ratio of the new scale to the scale
+    already applied (see :meth:`TrainState.apply_lr_scale`), which makes it idempotent
+    across restarts.
+    """
+    if factor == 1.0:
+        return
+    for group in optimizer.param_groups:
+        for key in ("lr", "initial_lr"):
+            if key in group:
+                value = group[key]
+                if hasattr(value, "mul_"):  # tensor lr (capturable optimizers)
+                    value.mul_(factor)
+                else:
+                    group[key] = value * factor
+    if scheduler is not None:
+        for attr in ("base_lrs", "_last_lr"):
+            values = getattr(scheduler, attr, None)
+            if isinstance(values, list):
+                setattr(scheduler, attr, [v * factor for v in values])

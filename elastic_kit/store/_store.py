@@ -38,11 +38,11 @@ from typing import Any, Callable, Iterable
 import fsspec
 import torch
 
-from elastic_kit.checkpoint._broadcast import agree_on_holder, broadcast_state, target_device
-from elastic_kit.checkpoint._fs import resolve_url
-from elastic_kit.checkpoint._layout import Found, Layout
-from elastic_kit.checkpoint._manifest import CHECKSUMS, Manifest
-from elastic_kit.checkpoint._serialize import (
+from elastic_kit.store._broadcast import agree_on_holder, broadcast_state, target_device
+from elastic_kit.store._fs import resolve_url
+from elastic_kit.store._layout import Found, Layout
+from elastic_kit.store._manifest import CHECKSUMS, Manifest
+from elastic_kit.store._serialize import (
     copy_deferred, iter_tensors, load_payload, new_hasher, prepare_state, storage_keys,
     validate_state,
 )

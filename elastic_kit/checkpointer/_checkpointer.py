@@ -37,18 +37,17 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator, Protocol
 
 import torch
 
-from elastic_kit.checkpoint import CheckpointStore, LoadedCheckpoint
+from elastic_kit.store import CheckpointStore, LoadedCheckpoint
 from elastic_kit.distributed import (
     DistInfo, all_reduce_max, all_reduce_sum_async, get_dist_info, is_dist_ready,
 )
 from elastic_kit.errors import CheckpointError, SampleAuditError
-from elastic_kit.loop._audit import EpochAudit
-from elastic_kit.loop._progress import say
-from elastic_kit.loop._signals import TerminationFlag
+from elastic_kit._console import say
+from elastic_kit.state import EpochAudit, TerminationFlag
 from elastic_kit.snapshot import DEFAULT_BUDGET, SnapshotTier
 
 if TYPE_CHECKING:
-    from elastic_kit.loop._state import TrainState
+    from elastic_kit.state import TrainState
 
 __all__ = ["Checkpointer", "StoreLike"]
 
@@ -528,8 +527,16 @@ class Checkpointer:
         self._hooks_s += seconds
 
     @contextlib.contextmanager
-    def _not_training(self) -> Iterator[None]:
-        """Time the block and keep it out of the step time (:meth:`_exclude_time`)."""
+    def paused(self) -> Iterator[None]:
+        """A block of work that is not training (validation, logging, a hook).
+
+        Its time is kept out of the step-time estimate that sets the automatic
+        snapshot interval, so a long validation does not make snapshots more frequent.
+        Example::
+
+            with ckpt.paused():
+                acc = validate(model, val_loader)
+        """
         t0 = time.perf_counter()
         try:
             yield
@@ -706,12 +713,18 @@ class Checkpointer:
         if exc_type is None:
             self.close()
         else:
-            self._close_local()
+            self.abandon()
 
-    def _close_local(self) -> None:
+    @property
+    def last_saved_step(self) -> int | None:
+        """The step of the newest checkpoint committed or restored here, or None."""
+        return self._last_saved_step
+
+    def abandon(self) -> None:
         """Close on this rank alone, while an exception propagates (possibly on this
         rank only): no collective, or it would block on its peers or match one of
-        their collectives. A pending save's failure is logged, not raised."""
+        their collectives. A pending save's failure is logged, not raised. What
+        ``with Checkpointer(...)`` runs when its block raises."""
         if self._closed:
             return
         self._closed = True

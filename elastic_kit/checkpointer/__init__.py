@@ -1,0 +1,13 @@
+"""When to save in a training loop: :class:`Checkpointer`.
+
+A script that keeps its own loop calls ``restore()``, ``step(n)``, ``end_epoch()`` and
+``close()``; :class:`~elastic_kit.ElasticLoop` is built on the same object. The
+storage it saves into is :mod:`elastic_kit.store`; the in-memory tier is
+:mod:`elastic_kit.snapshot`.
+"""
+
+from __future__ import annotations
+
+from elastic_kit.checkpointer._checkpointer import Checkpointer, StoreLike
+
+__all__ = ["Checkpointer", "StoreLike"]

@@ -1,0 +1,26 @@
+"""What must survive a restart, and what every layer above needs about it.
+
+:class:`TrainState` (model, optimizer, scheduler, scaler, sampler position, epoch,
+step, RNG states, extras), the per-epoch sample audit (:class:`SampleAudit`,
+:class:`EpochAudit`) and SIGTERM handling (:class:`TerminationFlag`). This package sits
+below the checkpointer and the loop and imports neither.
+"""
+
+from __future__ import annotations
+
+from elastic_kit.state._audit import (
+    EpochAudit, SampleAudit, expected_digest, normalize, sample_digest,
+)
+from elastic_kit.state._signals import TerminationFlag
+from elastic_kit.state._train_state import TrainState, rescale_lr
+
+__all__ = [
+    "TrainState",
+    "rescale_lr",
+    "EpochAudit",
+    "SampleAudit",
+    "sample_digest",
+    "expected_digest",
+    "normalize",
+    "TerminationFlag",
+]

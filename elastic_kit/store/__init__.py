@@ -1,0 +1,43 @@
+"""Crash-safe checkpoints on any fsspec URL.
+
+Layout of a store::
+
+    <url>/step-000000000100/state.pt        torch.save payload (CPU tensors)
+    <url>/step-000000000100/manifest.json   written last: the commit
+    <url>/.tmp-step-...                     a save in progress (local disks only)
+
+The public names are :class:`CheckpointStore`, :class:`CheckpointInfo`,
+:class:`LoadedCheckpoint`, :func:`save_checkpoint` and :func:`load_checkpoint`. The
+layout's names and rules (:class:`Layout`, :func:`step_dir_name`, :class:`Manifest`,
+...) are exported too, for the in-memory tier, which keeps snapshots in the same
+format; they are not part of ``elastic_kit``'s top-level API.
+Internals: ``_store`` (the store), ``_api`` (function forms), ``_layout`` (the
+on-storage layout: names, scan, verify, commit, prune), ``_manifest`` (validation),
+``_serialize`` (weights-only state, hashing writer), ``_broadcast`` (tensor-by-tensor
+state broadcast), ``_fs`` (URLs, timeouts, retries, fsync).
+"""
+
+from __future__ import annotations
+
+from elastic_kit.store._api import load_checkpoint, save_checkpoint
+from elastic_kit.store._fs import resolve_url
+from elastic_kit.store._layout import TMP_PREFIX, Layout, parse_step_dir, step_dir_name
+from elastic_kit.store._manifest import MANIFEST_NAME, Manifest, check_file_name
+from elastic_kit.store._store import CheckpointInfo, CheckpointStore, LoadedCheckpoint
+
+__all__ = [
+    "CheckpointStore",
+    "CheckpointInfo",
+    "LoadedCheckpoint",
+    "save_checkpoint",
+    "load_checkpoint",
+    # the layout, for the in-memory tier
+    "Layout",
+    "Manifest",
+    "MANIFEST_NAME",
+    "TMP_PREFIX",
+    "check_file_name",
+    "parse_step_dir",
+    "resolve_url",
+    "step_dir_name",
+]
