@@ -119,10 +119,60 @@ def is_dist_ready() -> bool:
 
 
 def _device_for(local_rank: int, backend: str) -> torch.device:
-    if backend == "nccl" or (backend == "" and torch.cuda.is_available()):
-        if torch.cuda.is_available():
-            return torch.device("cuda", local_rank % max(torch.cuda.device_count(), 1))
+    """The device a worker computes on: its own GPU under NCCL; without a process group
+    the GPU :func:`_choose_backend` would give it; the CPU otherwise."""
+    if backend == "":
+        backend = _choose_backend(
+            None, local_world_size=_env_int("LOCAL_WORLD_SIZE", 1),
+            device_count=_cuda_device_count(),
+        )[0]
+    if backend == "nccl" and torch.cuda.is_available():
+        return torch.device("cuda", local_rank % max(torch.cuda.device_count(), 1))
     return torch.device("cpu")
+
+
+def _cuda_device_count() -> int:
+    """CUDA devices this process can use (0 without CUDA)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _choose_backend(
+    requested: str | None, *, local_world_size: int, device_count: int
+) -> tuple[str, str]:
+    """``(backend, why)``: the process-group backend for a worker, and the reason.
+
+    NCCL needs a GPU of its own for every rank: two ranks on one device fail at their
+    first collective with NCCL's "invalid usage". So without a requested backend, NCCL
+    is chosen only when every local rank of this node (``LOCAL_WORLD_SIZE``) gets its
+    own device, and gloo on the CPU otherwise: a GPU workstation still runs a job, or a
+    test, with more ranks than GPUs.
+
+    Args:
+        requested: ``"nccl"``, ``"gloo"``, another backend name, or None to choose.
+        local_world_size: workers on this node.
+        device_count: CUDA devices visible to this worker (0 without CUDA).
+
+    Raises:
+        ValueError: ``requested="nccl"`` with fewer devices than local ranks.
+    """
+    if requested == "nccl" and local_world_size > device_count:
+        ranks = f"local ranks 0-{local_world_size - 1}" if local_world_size > 1 else "local rank 0"
+        raise ValueError(
+            f"backend='nccl' needs one CUDA device per local rank, but {ranks} "
+            f"(LOCAL_WORLD_SIZE={local_world_size}) would share {device_count} visible "
+            f"CUDA device(s); use backend='gloo' or None, or run at most {device_count} "
+            f"rank(s) per node")
+    if requested is not None:
+        return requested, f"backend={requested!r} was requested"
+    if device_count == 0:
+        return "gloo", "CUDA is not available"
+    if local_world_size > device_count:
+        return "gloo", (
+            f"LOCAL_WORLD_SIZE={local_world_size} ranks on this node but only "
+            f"{device_count} CUDA device(s): NCCL needs one device per rank, so the ranks "
+            f"use gloo on the CPU")
+    return "nccl", (f"{device_count} CUDA device(s) for LOCAL_WORLD_SIZE={local_world_size} "
+                    f"ranks: one device per rank")
 
 
 def get_dist_info() -> DistInfo:
@@ -157,8 +207,9 @@ def init_distributed(
     """Join the worker group that torchrun set up, or run alone.
 
     Args:
-        backend: ``"nccl"``, ``"gloo"`` or ``None`` for nccl when CUDA is available
-            and gloo otherwise.
+        backend: ``"nccl"``, ``"gloo"`` or ``None`` to choose: nccl when every local
+            rank (``LOCAL_WORLD_SIZE``) can have a CUDA device of its own, gloo on the
+            CPU otherwise, with a log line saying why (see :func:`_choose_backend`).
         timeout: collective timeout. Keep it short: it is how long survivors wait on
             a dead peer before failing and letting torchrun restart the group.
 
@@ -168,6 +219,15 @@ def init_distributed(
         A process group it creates is destroyed at exit (an ``atexit`` handler), before
         interpreter shutdown, when the script has not done so itself; the handler then
         waits, at most :data:`EXIT_SETTLE_S`, for the backend's threads to go idle.
+
+    Raises:
+        ValueError: an unknown backend, or ``backend="nccl"`` without a CUDA device
+            for every local rank (rather than NCCL's "invalid usage" at the first
+            collective).
+
+    .. warning:: ``LOCAL_WORLD_SIZE`` counts the ranks of one torchrun agent. Several
+        agents on one host (a test cluster) must each see their own devices
+        (``CUDA_VISIBLE_DEVICES``), or none.
 
     Example::
 
@@ -183,10 +243,17 @@ def init_distributed(
     world = _env_int("WORLD_SIZE", 1)
     if world < 1:
         raise ValueError(f"WORLD_SIZE={world} must be >= 1")
-    if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl" and not torch.cuda.is_available():
         raise ValueError("backend='nccl' needs CUDA, and torch.cuda.is_available() is False")
+    requested = backend
+    backend, why = _choose_backend(
+        requested, local_world_size=_env_int("LOCAL_WORLD_SIZE", 1),
+        device_count=_cuda_device_count(),
+    )
+    if requested is None and backend == "gloo" and torch.cuda.is_available():
+        log.info("process-group backend gloo, not nccl: %s", why)
+    else:
+        log.debug("process-group backend %s: %s", backend, why)
     local_rank = _env_int("LOCAL_RANK", 0)
     if backend == "nccl":
         torch.cuda.set_device(_device_for(local_rank, backend))
