@@ -101,6 +101,13 @@ class LocalCluster:
             with ``torch._dynamo`` imported into the agent first), followed by any
             ``--preload`` options in ``launcher_args``.
         launcher_args: options of the launcher itself, before torchrun's.
+        cuda: whether the workers see the machine's GPUs. False (the default) sets
+            ``CUDA_VISIBLE_DEVICES=""`` for every agent: the "nodes" of one machine
+            cannot each have their own GPUs (``init_distributed`` counts only one
+            agent's ranks, so every agent would put NCCL ranks on the same device),
+            and the job runs with gloo on the CPU, the same on a GPU workstation as on
+            a laptop. With True, give each agent its own devices through
+            ``add_agent(env={"CUDA_VISIBLE_DEVICES": ...})``.
     """
 
     def __init__(
@@ -121,6 +128,7 @@ class LocalCluster:
         torchrun_args: Sequence[str] = (),
         launcher: str = "torch.distributed.run",
         launcher_args: Sequence[str] = (),
+        cuda: bool = False,
     ) -> None:
         if not script_and_args:
             raise ValueError("script_and_args is empty: give the training script to run")
@@ -148,6 +156,7 @@ class LocalCluster:
         self.torchrun_args = list(torchrun_args)
         self.launcher = launcher
         self.launcher_args = list(launcher_args)
+        self.cuda = cuda
         self.agents: list[Agent] = []
         self.marker = f"{self.rdzv_id}-{uuid.uuid4().hex[:8]}"
         self._closed = False
@@ -177,6 +186,8 @@ class LocalCluster:
         env = dict(os.environ)
         env.update(self.env)
         env.update(extra or {})
+        if not self.cuda:
+            env["CUDA_VISIBLE_DEVICES"] = ""
         # Without it, scale-up hangs on these torch versions (the joining round waits
         # forever for role_info keys); see TORCHRUN_NOTES.md.
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"

@@ -2,7 +2,9 @@
 
 :func:`spawn_multi_process` runs a function on N gloo ranks on the CPU, each in its
 own process with a private free port, and returns what each rank returned. Tests
-then assert on those values in the parent, where pytest's reporting works.
+then assert on those values in the parent, where pytest's reporting works. The ranks
+do not see the machine's GPUs unless asked (``cuda=True``), so a test written for the
+CPU runs the same on a GPU workstation.
 
 Example::
 
@@ -63,9 +65,13 @@ def torchrun_env(rank: int, world_size: int, port: int, *, local_world_size: int
     }
 
 
-def _worker(rank: int, world_size: int, port: int, local_world_size: int | None,
+def _worker(rank: int, world_size: int, port: int, local_world_size: int | None, cuda: bool,
             fn: Callable[..., Any], args: tuple[Any, ...], queue: Any) -> None:
     os.environ.update(torchrun_env(rank, world_size, port, local_world_size=local_world_size))
+    if not cuda:
+        # Before anything asks CUDA for its devices (nothing has: the forkserver only
+        # imported torch), so torch.cuda.is_available() is False in this rank.
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
     ok = False
     try:
         result = fn(*args)
@@ -149,6 +155,7 @@ def spawn_multi_process(
     *args: Any,
     local_world_size: int | None = None,
     timeout: float = 120.0,
+    cuda: bool = False,
 ) -> list[T]:
     """Run ``fn(*args)`` on ``world_size`` CPU processes that form a gloo group.
 
@@ -156,6 +163,12 @@ def spawn_multi_process(
     :func:`torchrun_env`) but no process group: ``fn`` calls
     :func:`elastic_kit.init_distributed` itself, as a real script does. ``fn`` must
     be picklable (a module-level function) and return something picklable.
+
+    By default the ranks see no CUDA device (``CUDA_VISIBLE_DEVICES=""``): the group is
+    gloo on the CPU on any machine, and tests give the same results on a GPU
+    workstation as on a laptop. With ``cuda=True`` the ranks see the machine's GPUs and
+    :func:`elastic_kit.init_distributed` picks NCCL when every rank of a node
+    (``local_world_size``) has a GPU of its own, gloo on the CPU otherwise.
 
     Returns:
         The list of return values, indexed by rank.
@@ -172,7 +185,8 @@ def spawn_multi_process(
     queue = ctx.SimpleQueue()
     port = free_port()
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, local_world_size, fn, args, queue),
+        ctx.Process(target=_worker,
+                    args=(r, world_size, port, local_world_size, cuda, fn, args, queue),
                     daemon=False)
         for r in range(world_size)
     ]
