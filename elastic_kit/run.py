@@ -17,11 +17,23 @@ with ``--start-method=fork --run-path`` (workers forked from the agent):
 
 With torchrun's default start method (new worker processes) the agent's imports are
 not inherited; the launcher then only spares the agent the failure-log import.
+
+Forked workers can use CUDA only if the agent never asked the CUDA runtime anything
+before forking them: torchrun's launch config probes ``torch.accelerator.is_available()``
+(to decide on its default NUMA binding), which calls ``cudaGetDeviceCount``; torch then
+marks every process forked afterwards as a bad fork ("Cannot re-initialize CUDA in
+forked subprocess"), and the driver could not be used there anyway. This launcher sets
+``PYTORCH_NVML_BASED_CUDA_CHECK=1`` (unless already set): torch's documented switch
+that answers availability and device counts from NVML, which leaves the process
+fork-safe. The workers inherit it; where NVML cannot count the devices (no GPU, or MIG
+device names), torch falls back to the CUDA runtime, and CUDA in forked workers stays
+unavailable.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
@@ -29,6 +41,9 @@ __all__ = ["main", "split_preload"]
 
 #: Imported into the agent whatever ``--preload`` says.
 DEFAULT_PRELOAD = ("torch._dynamo",)
+
+#: torch's switch for CUDA checks through NVML, which do not poison forks.
+FORK_SAFE_CUDA_CHECK = ("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 
 
 def split_preload(argv: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -59,6 +74,7 @@ def split_preload(argv: Sequence[str]) -> tuple[list[str], list[str]]:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Import the preloads, then run torchrun's ``main`` with the remaining arguments."""
+    os.environ.setdefault(*FORK_SAFE_CUDA_CHECK)
     try:
         modules, rest = split_preload(sys.argv[1:] if argv is None else argv)
     except ValueError as e:
