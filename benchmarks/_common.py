@@ -6,7 +6,7 @@ Every ``benchmarks/bench_*.py``:
   ``.venv/bin/python benchmarks/bench_checkpoint.py``;
 - measures its baseline in the same run, interleaved with the candidate;
 - accepts ``--quick`` (a reduced run, < 2 minutes) and ``--smoke`` (a tiny run in
-  seconds, numbers meaningless, the same JSON keys: ``tests/test_benchmarks_smoke.py``
+  seconds, numbers meaningless, the same JSON keys: ``tests/tooling/test_benchmarks_smoke.py``
   runs every ``bench_*.py`` with it);
 - prints as its LAST line one JSON object with the figures, ``baseline`` (what the
   candidate is compared with) and at least one ``ratio_*`` key (candidate against

@@ -18,7 +18,7 @@ How: in-process gloo groups on the CPU (``elastic_kit.testing.spawn_multi_proces
 not torchrun: a phase is one worker-group life; it restores the newest checkpoint of
 a shared ``CheckpointStore``, trains until ``max_steps`` (the end of the phase), and
 checkpoints on exit, exactly what a torchrun restart at a new world size does (the
-torchrun path itself is covered by tests/integration and bench_recovery.py).
+torchrun path itself is covered by tests/torchrun/scenarios and bench_recovery.py).
 
 Model and data: a 3-layer CNN without batch norm (like the example's ``tinycnn``) on
 a synthetic 10-class problem (noisy copies of 10 random 3x16x16 prototypes),

@@ -79,7 +79,7 @@ import _common
 EXAMPLE = _common.ROOT / "examples" / "imagenet" / "main.py"
 
 # The README's, the example README's and the k8s manifests' --rdzv-conf
-# (tests/test_k8s_manifests.py checks that they are the same).
+# (tests/tooling/test_k8s_manifests.py checks that they are the same).
 RDZV_CONF = "join_timeout=300,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"
 CHECKPOINT_EVERY = 5
 EPOCH_STEPS = 25  # 4 classes x 150 images / global batch 24

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from elastic_kit.state._audit import EpochAudit
+from elastic_kit.state import EpochAudit
 from elastic_kit.loop._policy import BatchPolicy, make_policy
 
 __all__ = ["LoopConfig", "StepInfo", "EpochSummary"]

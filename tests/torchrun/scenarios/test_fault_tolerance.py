@@ -21,8 +21,8 @@ from typing import Any, Callable
 
 import pytest
 
-from tests.integration.conftest import EPOCHS, Reference
-from tests.integration.harness import Hold, Job, assert_audit_ok, world_size_sequence
+from tests.torchrun.scenarios.conftest import EPOCHS, Reference
+from tests.torchrun.scenarios.harness import Hold, Job, assert_audit_ok, world_size_sequence
 from tests.s3_server import s3_bucket, s3_server  # noqa: F401  (pytest fixtures)
 
 pytestmark = pytest.mark.integration

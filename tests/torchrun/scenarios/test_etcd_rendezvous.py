@@ -15,8 +15,8 @@ from typing import Callable
 import pytest
 
 from elastic_kit.testing import EtcdServer
-from tests.integration.conftest import EPOCHS, Reference
-from tests.integration.harness import (
+from tests.torchrun.scenarios.conftest import EPOCHS, Reference
+from tests.torchrun.scenarios.harness import (
     Hold, Job, assert_audit_ok, assert_params_match, segments_after_last, world_size_sequence,
 )
 

@@ -30,7 +30,7 @@ from elastic_kit.store._serialize import new_hasher
 from elastic_kit.cli import EXIT_CORRUPT, EXIT_USAGE, main
 from elastic_kit.errors import CheckpointConflictError, CheckpointError
 from elastic_kit.testing import FaultFileSystem
-from s3_server import s3_bucket, s3_server  # noqa: F401  (session fixtures)
+from tests.s3_server import s3_bucket, s3_server  # noqa: F401  (session fixtures)
 
 LOG = "elastic_kit.store"
 

@@ -1,26 +1,24 @@
-"""CheckpointStore behaviour, one shared contract run against every storage backend.
+"""The CheckpointStore contract: one test class run against every storage backend.
 
-The contract class :class:`StoreContract` (fsspec ``abstract`` tests style) holds the
-tests; each ``Test<Backend>`` subclass only says where the store lives: a plain path,
-``file://``, ``memory://`` (unique root per test: the memory filesystem is global)
-and ``s3://`` on a real moto server started once for the session.
+:class:`StoreContract` (fsspec ``abstract`` tests style) holds the tests; each
+``Test<Backend>`` subclass, in the tier that fits its backend, only says where the
+store lives (fixture ``target``): local paths and ``memory://`` in
+``tests/unit/test_checkpoint_store.py``, ``s3://`` on a real moto server in
+``tests/multiprocess/test_store_s3.py``.
 """
 
 from __future__ import annotations
 
 import logging
-import uuid
 import threading
 from typing import Any, Callable
 
-import fsspec
 import pytest
 import torch
 
 from elastic_kit.store import CheckpointStore
 from elastic_kit.store._layout import step_dir_name
 from elastic_kit.store._manifest import MANIFEST_NAME, PAYLOAD_NAME
-from s3_server import s3_bucket, s3_server  # noqa: F401  (session fixtures)
 
 LOG = "elastic_kit.store"
 
@@ -206,44 +204,3 @@ class StoreContract:
         store.wait()  # retention and cleaning run beside training after a blocking save
         steps = [d for d in store.fs.ls(store.root, detail=False) if "step-" in d]
         assert not any(step_dir_name(2) in d for d in steps), steps
-
-
-class TestPlainPath(StoreContract):
-    @pytest.fixture
-    def target(self, tmp_path):
-        return str(tmp_path / "ckpt"), None
-
-
-class TestFileURL(StoreContract):
-    @pytest.fixture
-    def target(self, tmp_path):
-        return f"file://{tmp_path}/ckpt", None
-
-
-class TestMemory(StoreContract):
-    @pytest.fixture
-    def target(self):
-        root = f"memory://ek-test-{uuid.uuid4().hex}"
-        yield root, None
-        fs = fsspec.filesystem("memory")
-        if fs.exists(root):
-            fs.rm(root, recursive=True)
-
-
-@pytest.mark.s3
-class TestS3(StoreContract):
-    @pytest.fixture
-    def target(self, s3_bucket):  # noqa: F811
-        url, opts = s3_bucket
-        return f"{url}/run", opts
-
-
-def test_a_missing_checksum_dependency_fails_when_the_store_is_built(
-        tmp_path, monkeypatch) -> None:
-    """Not at the first save, an epoch later."""
-    import sys
-
-    monkeypatch.setitem(sys.modules, "xxhash", None)  # makes `import xxhash` fail
-    with pytest.raises(ImportError, match="needs the xxhash package"):
-        CheckpointStore(str(tmp_path))
-    CheckpointStore(str(tmp_path), checksum="sha256")  # the others need nothing extra

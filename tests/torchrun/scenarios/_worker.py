@@ -35,7 +35,7 @@ so the writer process dies with ``os._exit(1)`` inside the store's write of step
 Launch::
 
     torchrun --nnodes=1:3 --rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:29500 \\
-        tests/integration/_worker.py --checkpoint-dir /tmp/ck --summary-json /tmp/s.json
+        tests/torchrun/scenarios/_worker.py --checkpoint-dir /tmp/ck --summary-json /tmp/s.json
 """
 
 from __future__ import annotations

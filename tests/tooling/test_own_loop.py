@@ -23,7 +23,7 @@ import pytest
 
 from elastic_kit.testing import wait_for
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TRAIN = ROOT / "examples" / "own_loop" / "train.py"
 SIZE, BATCH, EPOCHS = 96, 16, 2
 STEPS_PER_EPOCH = SIZE // BATCH  # 6

@@ -5,7 +5,7 @@ a run part-way with ``--max-steps`` (a clean stop), continues it on the same
 checkpoint store, SIGKILLs a worker of the continuation (torchrun restarts the
 group), and must end with bitwise the same weights as the uninterrupted run.
 
-The runs that get a worker killed go through ``tests/integration/_hold.py``: both
+The runs that get a worker killed go through ``tests/torchrun/scenarios/_hold.py``: both
 ranks wait at the end of step 5 until the test, having seen checkpoint 4 committed,
 has killed the worker, so the kill always lands mid-run however loaded the machine.
 """
@@ -28,9 +28,9 @@ from elastic_kit.testing import LocalCluster, wait_for  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MAIN = ROOT / "examples" / "imagenet" / "main.py"
-HOLD = ROOT / "tests" / "integration" / "_hold.py"
+HOLD = ROOT / "tests" / "torchrun" / "scenarios" / "_hold.py"
 HOLD_AT_STEP = 5  # after the checkpoint of step 4 (--checkpoint-every 2), before the end
 CLASSES, PER_CLASS, VAL_PER_CLASS = 4, 16, 5
 DATASET_SIZE = CLASSES * PER_CLASS  # 64

@@ -16,15 +16,15 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-# The scenarios import ``tests.integration.harness`` and ``tests.s3_server``: make the
+# The scenarios import ``tests.torchrun.scenarios.harness`` and ``tests.s3_server``: make the
 # repository root importable also under a bare ``pytest`` (which, unlike
 # ``python -m pytest``, does not put the working directory on sys.path).
-_REPO = str(Path(__file__).resolve().parents[2])
+_REPO = str(Path(__file__).resolve().parents[3])
 if _REPO not in sys.path:
     sys.path.insert(0, _REPO)
 
 from elastic_kit.testing import EtcdServer  # noqa: E402
-from tests.integration.harness import (  # noqa: E402
+from tests.torchrun.scenarios.harness import (  # noqa: E402
     Job, TrainingScript, make_job, run_fault_free, worker_script,
 )
 

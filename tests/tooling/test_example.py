@@ -18,7 +18,7 @@ import torchvision  # noqa: E402,F401  (a test dependency: a missing one must fa
 
 from elastic_kit.testing import spawn_multi_process  # noqa: E402
 
-MAIN = Path(__file__).resolve().parents[1] / "examples" / "imagenet" / "main.py"
+MAIN = Path(__file__).resolve().parents[2] / "examples" / "imagenet" / "main.py"
 
 
 def load_main() -> ModuleType:

@@ -3,19 +3,18 @@
 from __future__ import annotations
 
 import os
-import random
 import signal
 import time
 
-import numpy as np
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, TensorDataset
+from torch.utils.data import TensorDataset
 
 from elastic_kit.errors import BatchPolicyError
 from elastic_kit.loop import (ElasticLoop, FixedGlobalBatch, LinearLRScaling, LoopConfig,
-                              SeededDataset, TerminationFlag, TrainState)
+                              TerminationFlag, TrainState)
+from tests.loop_data import AugmentedData, run_w1
 
 
 def test_global_batch_not_divisible_by_world_size_names_the_valid_sizes() -> None:
@@ -47,43 +46,6 @@ def test_loop_config_errors_name_the_field() -> None:
         LoopConfig(global_batch_size=8, batch_policy="adaptive")
 
 
-class _Noisy(Dataset):
-    """Returns random numbers from every global RNG: an "augmentation"."""
-
-    def __len__(self) -> int:
-        return 16
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        return torch.tensor([float(i), random.random(), float(np.random.rand()),
-                             float(torch.rand(()))])
-
-
-def _collect(ds: SeededDataset, keys: list, workers: int) -> torch.Tensor:
-    loader = DataLoader(ds, batch_size=3, sampler=keys, num_workers=workers)
-    return torch.cat(list(loader))
-
-
-def test_seeded_augmentation_is_independent_of_worker_count() -> None:
-    ds = SeededDataset(_Noisy(), seed=7)
-    keys = [(e, i) for e in (0, 1) for i in range(16)]
-    a = _collect(ds, keys, 0)
-    b = _collect(ds, keys, 2)
-    c = _collect(ds, list(reversed(keys)), 1).flip(0)
-    assert torch.equal(a, b) and torch.equal(a, c)
-    assert not torch.equal(a[:16, 1:], a[16:, 1:])  # epochs differ
-    assert len(set(a[:16, 1].tolist())) == 16  # samples differ
-    # the caller's RNG streams are untouched
-    random.seed(1)
-    torch.manual_seed(1)
-    expect = (random.random(), torch.rand(()))
-    random.seed(1)
-    torch.manual_seed(1)
-    ds[(0, 3)]
-    assert (random.random(), torch.rand(())) == expect
-    ds.set_epoch(1)
-    assert torch.equal(ds[3], a[16 + 3])
-    assert SeededDataset(_Noisy(), seed=7, return_index=True)[(0, 3)][0] == 3
-
 
 def test_termination_flag_is_set_by_sigterm_and_restores_handler() -> None:
     before = signal.getsignal(signal.SIGTERM)
@@ -94,47 +56,9 @@ def test_termination_flag_is_set_by_sigterm_and_restores_handler() -> None:
     assert signal.getsignal(signal.SIGTERM) is before
 
 
-class _Augmented(Dataset):
-    def __init__(self) -> None:
-        g = torch.Generator().manual_seed(0)
-        self.x = torch.randn(30, 4, generator=g)
-        self.y = (self.x[:, 0] > 0).long()
-
-    def __len__(self) -> int:
-        return 30
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.x[i] + 0.1 * torch.randn(4), self.y[i]
-
-
-def _run_w1(workers: int, **cfg: object) -> tuple[TrainState, ElasticLoop]:
-    torch.manual_seed(0)
-    model = nn.Linear(4, 2)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    crit = nn.CrossEntropyLoss(reduction="none")
-    state = TrainState(model, opt)
-    options = dict(epochs=2, global_batch_size=8, micro_batch_size=3, log_every=0,
-                   progress_bar=False, num_workers=workers)
-    options.update(cfg)
-    loop = ElasticLoop(state, SeededDataset(_Augmented(), seed=1),
-                       loss_fn=lambda m, b: crit(m(b[0]), b[1]), config=LoopConfig(**options))
-    loop.run()
-    return state, loop
-
-
-def test_loop_without_store_or_torchrun_trains_and_audits_with_workers() -> None:
-    a, loop = _run_w1(0)
-    b, _ = _run_w1(2)
-    assert torch.equal(a.model.weight, b.model.weight)  # same augmentation in workers
-    assert a.step == 2 * 4 and a.epoch == 2  # 30 samples / 8: 4 steps, the last partial
-    assert [s.samples for s in loop.summaries] == [30, 30]
-    assert all(x.ok for x in a.audit.epochs.values())
-    assert a.history == [{"world_size": 1, "step": 0, "restart": 0, "restored_step": None,
-                          "restored_from": None}]
-
 
 def test_max_steps_stops_mid_epoch() -> None:
-    st, _ = _run_w1(0, max_steps=3)
+    st, _ = run_w1(0, max_steps=3)
     assert st.step == 3 and st.epoch == 0 and st.sampler.consumed == 24
 
 
@@ -220,7 +144,7 @@ def test_linear_lr_policy_rescales_lr_on_resume_without_compounding(
         opt = torch.optim.SGD(model.parameters(), lr=0.4)
         crit = nn.CrossEntropyLoss(reduction="none")
         state = TrainState(model, opt)
-        loop = ElasticLoop(state, _Augmented(), loss_fn=lambda m, b: crit(m(b[0]), b[1]),
+        loop = ElasticLoop(state, AugmentedData(), loss_fn=lambda m, b: crit(m(b[0]), b[1]),
                            store=CheckpointStore(str(tmp_path)),
                            config=LoopConfig(batch_policy="linear_lr", micro_batch_size=4,
                                              max_steps=max_steps, epochs=5, audit="off",
@@ -268,7 +192,7 @@ def test_nonblocking_checkpoints_hold_the_state_of_their_step_with_a_slow_copy(
         seen[st.step]["momentum"] = opt.state[model.weight]["momentum_buffer"].clone()
 
     store = CheckpointStore(str(tmp_path), keep_last=None)
-    loop = ElasticLoop(state, _Augmented(), loss_fn=lambda m, b: crit(m(b[0]), b[1]),
+    loop = ElasticLoop(state, AugmentedData(), loss_fn=lambda m, b: crit(m(b[0]), b[1]),
                        store=store, on_step_end=on_step_end,
                        config=LoopConfig(epochs=2, global_batch_size=8, micro_batch_size=8,
                                          checkpoint_every_steps=1, blocking=False,
@@ -286,38 +210,6 @@ def test_nonblocking_checkpoints_hold_the_state_of_their_step_with_a_slow_copy(
             assert torch.equal(ck["model"][k], seen[info.step][k]), (info.step, k)
         mom = ck["optimizer"]["state"][0]["momentum_buffer"]
         assert torch.equal(mom, seen[info.step]["momentum"]), info.step
-
-
-_QUIET_SCRIPT = """
-import torch
-from torch import nn
-from torch.utils.data import TensorDataset
-import elastic_kit as ek
-
-torch.manual_seed(0)
-ds = TensorDataset(torch.randn(24, 3), torch.randint(0, 2, (24,)))
-model = nn.Linear(3, 2)
-crit = nn.CrossEntropyLoss(reduction="none")
-loop = ek.ElasticLoop(ek.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1)), ds,
-                      loss_fn=lambda m, b: crit(m(b[0]), b[1]),
-                      config=ek.LoopConfig(epochs=1, global_batch_size=8, micro_batch_size=8,
-                                           log_every=1, progress_bar=False))
-loop.run()
-"""
-
-
-def test_progress_is_visible_without_configuring_logging() -> None:
-    """A script that hands its loop over still sees progress (its own prints are gone)."""
-    import subprocess
-    import sys
-
-    done = subprocess.run([sys.executable, "-c", _QUIET_SCRIPT], capture_output=True,
-                          text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-3000:]
-    lines = [ln for ln in done.stderr.splitlines() if ln.startswith("[elastic_kit]")]
-    assert any(ln.startswith("[elastic_kit] step 3 epoch 0 loss") for ln in lines), lines
-    assert any("epoch 0 done: 3 steps, 24 samples" in ln for ln in lines), lines
-    assert any("sample audit: epoch 0: all 24 samples exactly once" in ln for ln in lines)
 
 
 def test_progress_bar_reads_the_loss_at_most_twice_a_second() -> None:

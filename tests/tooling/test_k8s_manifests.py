@@ -25,12 +25,12 @@ from elastic_kit.run import split_preload
 
 from test_example import load_main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "imagenet"
 SCRIPT = "examples/imagenet/main.py"
 
 # The fast-restart rendezvous settings every multi-node command documents, and the
-# ones benchmarks/bench_recovery.py measures (tests/test_benchmarks_smoke.py checks
+# ones benchmarks/bench_recovery.py measures (tests/tooling/test_benchmarks_smoke.py checks
 # the benchmark uses the README's string).
 FAST_RDZV = {"join_timeout": "300", "last_call_timeout": "1", "keep_alive_interval": "1",
              "keep_alive_max_attempt": "3"}

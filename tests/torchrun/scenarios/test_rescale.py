@@ -22,8 +22,8 @@ from typing import Callable
 
 import pytest
 
-from tests.integration.conftest import EPOCHS, Reference
-from tests.integration.harness import (
+from tests.torchrun.scenarios.conftest import EPOCHS, Reference
+from tests.torchrun.scenarios.harness import (
     Job, assert_audit_ok, assert_params_match, world_size_sequence,
 )
 

@@ -20,7 +20,7 @@ from elastic_kit.testing import LocalCluster, wait_for
 
 pytestmark = pytest.mark.integration
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TRAIN = ROOT / "examples" / "own_loop" / "train.py"
 SIZE, BATCH, EPOCHS = 480, 8, 3
 EVENT_TIMEOUT, RUN_TIMEOUT = 90.0, 150.0

@@ -21,7 +21,7 @@ from elastic_kit.testing import EtcdServer, LocalCluster, wait_for
 
 pytestmark = pytest.mark.integration
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TRAIN = ROOT / "examples" / "own_loop" / "train.py"
 SIZE, BATCH, EPOCHS = 320, 8, 2
 RUN_TIMEOUT = 180.0

@@ -22,8 +22,8 @@ from typing import Callable, Iterator
 
 import pytest
 
-from tests.integration.conftest import Reference
-from tests.integration.harness import (
+from tests.torchrun.scenarios.conftest import Reference
+from tests.torchrun.scenarios.harness import (
     EXAMPLE, Hold, Job, TrainingScript, assert_audit_ok, example_script, final_model_state,
     run_fault_free, segments_after_last,
 )

@@ -36,7 +36,7 @@ import pytest
 
 pytestmark = pytest.mark.integration
 
-_REPO = Path(__file__).resolve().parents[2]
+_REPO = Path(__file__).resolve().parents[3]
 
 _CHILD = textwrap.dedent("""
     import sys, time

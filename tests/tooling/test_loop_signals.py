@@ -16,7 +16,7 @@ import torch
 
 from elastic_kit.store import CheckpointStore
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "minimal" / "train.py"
 EPOCHS = 2  # 96 samples / global batch 12: 8 steps per epoch, 16 in all
 

@@ -12,7 +12,7 @@ import pytest
 
 pytest_plugins = ["pytester"]
 
-CONFTEST = (Path(__file__).resolve().parent / "conftest.py").read_text()
+CONFTEST = (Path(__file__).resolve().parents[1] / "conftest.py").read_text()
 # the inner sessions need no third-party plugin (hypothesis' takes seconds to import)
 ARGS = ("-p", "no:hypothesispytest", "-p", "no:timeout", "-p", "no:cacheprovider")
 

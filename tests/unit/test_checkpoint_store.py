@@ -1,0 +1,48 @@
+"""CheckpointStore behaviour on local paths and ``memory://``: the shared contract
+(:mod:`tests.store_contract`), one subclass per backend, and store construction.
+
+``memory://`` gets a unique root per test: the memory filesystem is global.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import fsspec
+import pytest
+
+from elastic_kit.store import CheckpointStore
+from tests.store_contract import StoreContract
+
+
+class TestPlainPath(StoreContract):
+    @pytest.fixture
+    def target(self, tmp_path):
+        return str(tmp_path / "ckpt"), None
+
+
+class TestFileURL(StoreContract):
+    @pytest.fixture
+    def target(self, tmp_path):
+        return f"file://{tmp_path}/ckpt", None
+
+
+class TestMemory(StoreContract):
+    @pytest.fixture
+    def target(self):
+        root = f"memory://ek-test-{uuid.uuid4().hex}"
+        yield root, None
+        fs = fsspec.filesystem("memory")
+        if fs.exists(root):
+            fs.rm(root, recursive=True)
+
+
+def test_a_missing_checksum_dependency_fails_when_the_store_is_built(
+        tmp_path, monkeypatch) -> None:
+    """Not at the first save, an epoch later."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "xxhash", None)  # makes `import xxhash` fail
+    with pytest.raises(ImportError, match="needs the xxhash package"):
+        CheckpointStore(str(tmp_path))
+    CheckpointStore(str(tmp_path), checksum="sha256")  # the others need nothing extra
