@@ -123,7 +123,7 @@ def _loop_run(cfg: dict[str, Any]) -> dict[str, Any]:
 
 def test_init_distributed_picks_nccl_and_one_device_per_local_rank() -> None:
     n = _ranks()
-    out = spawn_multi_process(n, _init_and_devices, None, timeout=300)
+    out = spawn_multi_process(n, _init_and_devices, None, timeout=300, cuda=True)
     assert [r["backend"] for r in out] == ["nccl"] * n
     assert [r["device"] for r in out] == [f"cuda:{r}" for r in range(n)]
     assert [r["current"] for r in out] == list(range(n))
@@ -132,7 +132,7 @@ def test_init_distributed_picks_nccl_and_one_device_per_local_rank() -> None:
 
 def test_wrap_ddp_places_the_model_on_the_workers_device() -> None:
     n = _ranks()
-    out = spawn_multi_process(n, _wrap_ddp_placement, None, timeout=300)
+    out = spawn_multi_process(n, _wrap_ddp_placement, None, timeout=300, cuda=True)
     for r in out:
         assert r["type"] == "DistributedDataParallel"
         assert r["device_ids"] == [r["rank"]] and r["output_device"] == r["rank"]
@@ -211,7 +211,7 @@ def test_node_local_broadcast_over_nccl(tmp_path: Path, map_location: Any) -> No
         s0.save(state, step=5)
     url = str(tmp_path / "node-{node_rank}")
     out = spawn_multi_process(2, _node_local_load, {"url": url, "map_location": map_location},
-                              local_world_size=1, timeout=300)
+                              local_world_size=1, timeout=300, cuda=True)
     for r in out:
         assert r["backend"] == "nccl" and r["step"] == 5 and r["epoch"] == 3
         assert r["devices"] == [map_location]  # each rank's own GPU is its cuda:0
@@ -225,15 +225,15 @@ def test_elastic_loop_on_gpu_resumes_after_sigterm_with_the_same_weights(
         tmp_path: Path) -> None:
     n = _ranks()
     full = spawn_multi_process(n, _loop_run, {"url": str(tmp_path / "full"), "kill_at": None,
-                                              "max_steps": 6}, timeout=300)
+                                              "max_steps": 6}, timeout=300, cuda=True)
     cut = str(tmp_path / "cut")
     first = spawn_multi_process(n, _loop_run, {"url": cut, "kill_at": 3, "max_steps": 6},
-                                timeout=300)
+                                timeout=300, cuda=True)
     assert [r["exit"] for r in first] == [143] * n  # saved, then exited for a restart
     stopped = first[0]["step"]  # the ranks agree on the stop at a step boundary
     assert [r["step"] for r in first] == [stopped] * n and 3 <= stopped < 6
     second = spawn_multi_process(n, _loop_run, {"url": cut, "kill_at": None, "max_steps": 6},
-                                 timeout=300)
+                                 timeout=300, cuda=True)
     for r in second:
         assert r["restored"] == stopped and r["step"] == 6 and r["exit"] is None
         assert r["devices"] == [f"cuda:{r['rank']}"]
