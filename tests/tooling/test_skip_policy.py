@@ -114,3 +114,32 @@ def test_xfail_and_failures_keep_their_own_status(suite: pytest.Pytester) -> Non
     result.assert_outcomes(failed=1, skipped=1, xfailed=1)
     out = result.stdout.str()
     assert "test_expected_to_fail" not in out.split("skips not on the allow-list")[1]
+
+
+def test_named_absent_packages_allow_only_their_own_skips(suite: pytest.Pytester,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    suite.makepyfile(test_e="""
+        import pytest
+
+        def test_needs_s3fs():
+            pytest.importorskip("no_such_s3fs_stand_in")
+
+        def test_needs_a_submodule():
+            pytest.importorskip("no_such_moto_stand_in.server")
+
+        def test_needs_the_binary():
+            pytest.skip("no_such_etcd_stand_in is not installed (apt-get install etcd-server)")
+
+        def test_needs_another_package():
+            pytest.importorskip("no_such_other_package")
+    """)
+    monkeypatch.setenv("ELASTIC_KIT_ABSENT_PACKAGES",
+                       "no_such_s3fs_stand_in, no_such_moto_stand_in,no_such_etcd_stand_in")
+    result = suite.runpytest(*ARGS)
+    result.assert_outcomes(skipped=4)
+    assert result.ret == pytest.ExitCode.TESTS_FAILED  # the unnamed package still fails it
+    listed = result.stdout.str().split("skips not on the allow-list")[1]
+    assert "test_needs_another_package" in listed
+    for allowed in ("test_needs_s3fs", "test_needs_a_submodule", "test_needs_the_binary"):
+        assert allowed not in listed
+    result.stdout.fnmatch_lines(["1 unexpected skip(s) fail this run*"])
