@@ -33,7 +33,10 @@ Variants, interleaved (each repeat runs every variant with the same random momen
   example script still saves on SIGTERM, which only helps the baseline).
 
 Everything else (monitor interval 0.1 s, torchrun's default, the script, data, seeds)
-is the same. A thread tails every agent's log every 20 ms and timestamps each line;
+is the same. The workers train on the CPU with gloo on any machine: the "nodes" share
+one host, and ``LocalCluster`` hides its GPUs from them (NCCL would need a GPU per
+rank); the forked variant's workers could use CUDA too (``elastic_kit.run`` keeps its
+agent from poisoning forks). A thread tails every agent's log every 20 ms and timestamps each line;
 the phases of each event come from those lines:
 
 - ``detect``: event -> the first "Worker group FAILED" / "Detected N new nodes"
