@@ -5,8 +5,9 @@ torchrun's launch config calls ``torch.accelerator.is_available()``; by default 
 ``cudaGetDeviceCount``, after which torch marks every forked child as a bad fork
 ("Cannot re-initialize CUDA in forked subprocess" at the child's first CUDA call).
 torch records that mark on any machine, GPU or not, so it is checked here on the CPU:
-the agent runs with NVML made to report two devices (what a GPU machine's NVML does;
-this machine has no NVML), and each worker reports ``torch.cuda._is_in_bad_fork()``.
+the agent runs with NVML made to report eight devices (what a GPU machine's NVML does;
+this machine has no NVML; eight, not the two workers, so that torchrun applies no NUMA
+binding), and each worker reports ``torch.cuda._is_in_bad_fork()``.
 The real CUDA run is in ``tests/gpu/test_gpu_examples.py``.
 """
 
@@ -20,11 +21,11 @@ from pathlib import Path
 
 import pytest
 
-# The agent: NVML "sees" two GPUs, then the launcher under test runs.
+# The agent: NVML "sees" eight GPUs, then the launcher under test runs.
 AGENT = """
 import sys
 import torch
-torch.cuda._device_count_nvml = lambda: 2
+torch.cuda._device_count_nvml = lambda: 8
 launcher = sys.argv[1]
 if launcher == "elastic_kit.run":
     from elastic_kit.run import main
