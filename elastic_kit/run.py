@@ -19,10 +19,11 @@ With torchrun's default start method (new worker processes) the agent's imports 
 not inherited; the launcher then only spares the agent the failure-log import.
 
 Forked workers can use CUDA only if the agent never asked the CUDA runtime anything
-before forking them: torchrun's launch config probes ``torch.accelerator.is_available()``
-(to decide on its default NUMA binding), which calls ``cudaGetDeviceCount``; torch then
-marks every process forked afterwards as a bad fork ("Cannot re-initialize CUDA in
-forked subprocess"), and the driver could not be used there anyway. This launcher sets
+before forking them: torchrun's launch config probes ``torch.cuda.is_available()``
+(to decide on its default NUMA binding; through ``torch.accelerator`` on torch 2.14),
+which calls ``cudaGetDeviceCount``; torch then marks every process forked afterwards
+as a bad fork ("Cannot re-initialize CUDA in forked subprocess"), and the driver could
+not be used there anyway. This launcher sets
 ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` (unless already set): torch's documented switch
 that answers availability and device counts from NVML, which leaves the process
 fork-safe. The workers inherit it; where NVML cannot count the devices (no GPU, or MIG

@@ -1,7 +1,7 @@
 """Workers forked by ``python -m elastic_kit.run --start-method=fork --run-path`` can
 initialise CUDA: the agent never asks the CUDA runtime anything before forking them.
 
-torchrun's launch config calls ``torch.accelerator.is_available()``; by default that is
+torchrun's launch config calls ``torch.cuda.is_available()``; by default that is
 ``cudaGetDeviceCount``, after which torch marks every forked child as a bad fork
 ("Cannot re-initialize CUDA in forked subprocess" at the child's first CUDA call).
 torch records that mark on any machine, GPU or not, so it is checked here on the CPU:
