@@ -5,6 +5,7 @@ Layout of a store::
     <url>/step-000000000100/state.pt        torch.save payload (CPU tensors)
     <url>/step-000000000100/manifest.json   written last: the commit
     <url>/.tmp-step-...                     a save in progress (local disks only)
+    <url>/run-identity                      the run this store holds (see run_identity)
 
 The public names are :class:`CheckpointStore`, :class:`CheckpointInfo`,
 :class:`LoadedCheckpoint`, :func:`save_checkpoint` and :func:`load_checkpoint`. The
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 from elastic_kit.store._api import load_checkpoint, save_checkpoint
 from elastic_kit.store._fs import resolve_url
+from elastic_kit.store._identity import IDENTITY_NAME
 from elastic_kit.store._layout import TMP_PREFIX, Layout, parse_step_dir, step_dir_name
 from elastic_kit.store._manifest import MANIFEST_NAME, Manifest, check_file_name
 from elastic_kit.store._store import CheckpointInfo, CheckpointStore, LoadedCheckpoint
@@ -33,6 +35,7 @@ __all__ = [
     "load_checkpoint",
     # the layout, for the in-memory tier
     "Layout",
+    "IDENTITY_NAME",
     "Manifest",
     "MANIFEST_NAME",
     "TMP_PREFIX",

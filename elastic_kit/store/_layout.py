@@ -143,13 +143,17 @@ class Layout:
         read_attempts, backoff_s: retries of a failed read before it is raised.
         read_budget_s: no retry starts after this many seconds of trying.
         stale_after_s: age after which another writer's leftovers may be removed.
+        private: local directories are created 0700 and files 0600 (the snapshot
+            tier's stores in shared memory, which other users of the host must not
+            read).
     """
 
     def __init__(self, fs: fsspec.AbstractFileSystem, root: str, *, url: str,
                  writer_id: str | None = None, read_attempts: int = 4,
                  backoff_s: float = 0.2, stale_after_s: float = 600.0,
-                 read_budget_s: float | None = None) -> None:
+                 read_budget_s: float | None = None, private: bool = False) -> None:
         self.fs = fs
+        self.private = private
         self.root = root
         self.url = url
         self.local = is_local(fs)
@@ -159,6 +163,7 @@ class Layout:
         self.stale_after_s = stale_after_s
         self.read_budget_s = read_budget_s
         self._root_ok = False  # remote root seen to be a directory once
+        self._warned_older = False  # a save older than the newest committed was logged
 
     # ------------------------------------------------------------------ helpers
     def _read(self, fn: Callable[[], Any], what: str,
@@ -453,21 +458,28 @@ class Layout:
     def _tmp_name(self, what: str) -> str:
         return f"{TMP_PREFIX}{what}-{self.writer_id[:16]}-{uuid.uuid4().hex[:8]}"
 
+    def _restrict(self, *paths: str) -> None:
+        """Private stores: the files are this user's alone (before they are committed)."""
+        if self.private:
+            for p in paths:
+                os.chmod(p, 0o600)
+
     def _commit_local_new(self, d: StepDir, state: Any, checksum: str,
                           metadata: dict[str, Any], world_size: int) -> tuple[str, Manifest]:
-        os.makedirs(self.root, exist_ok=True)
+        os.makedirs(self.root, mode=0o700 if self.private else 0o777, exist_ok=True)
         tmp_name = self._tmp_name(_basename(d.path))
         tmp = join(self.root, tmp_name)
         with _LIVE_LOCK:
             _LIVE_TMP.add(tmp_name)
         try:
-            os.mkdir(tmp)
+            os.mkdir(tmp, 0o700 if self.private else 0o777)
             payload = join(tmp, PAYLOAD_NAME)
             with _open_payload(payload, "wb") as f:
                 entry = save_into(f, payload, state, checksum, fsync=True)
             manifest = self._manifest_for(d.step, PAYLOAD_NAME, entry, checksum, metadata,
                                           world_size)
             self._write_local_manifest(tmp, manifest)
+            self._restrict(payload, join(tmp, MANIFEST_NAME))
             fsync_dir(tmp)
             trash = None
             if os.path.lexists(d.path):  # an uncommitted leftover of the same step
@@ -510,6 +522,7 @@ class Layout:
                 f.write(manifest.to_json())
                 f.flush()
                 os.fsync(f.fileno())
+            self._restrict(payload, tmp_manifest)
             fsync_dir(d.path)
             os.replace(tmp_manifest, join(d.path, MANIFEST_NAME))  # the atomic switch
             fsync_dir(d.path)
@@ -583,7 +596,12 @@ class Layout:
                started: float) -> list[int]:
         """Delete committed checkpoints beyond the newest ``keep_last``; returns the steps.
 
-        Never deleted: ``just_written``; anything newer than ``newest_verified`` (the
+        ``keep_last`` counts from the newest committed step, not from the one just
+        written: a save of an older step (a loop that restarted from scratch after a
+        load failed) is committed beside the newer ones, which stay.
+
+        Never deleted: ``just_written``; anything newer than ``just_written`` (a save
+        never deletes a newer step); anything newer than ``newest_verified`` (the
         newest step this store wrote or fully verified: a newer one that a read error
         hid is still the real newest); anything another store committed since
         ``started`` (then :class:`CheckpointConflictError` reports the second writer).
@@ -598,11 +616,20 @@ class Layout:
                 f"by store {m.writer[:16]} at {m.time:.0f}, after this store "
                 f"({self.writer_id[:16]}) started at {started:.0f}; give each job its own "
                 f"URL (nothing was deleted)")
-        candidates = sorted((d for d, _ in committed
-                             if d.step != just_written and d.step <= newest_verified),
-                            key=lambda d: d.step, reverse=True)
+        counted = sorted((d for d, _ in committed
+                          if d.step <= max(newest_verified, just_written)),
+                         key=lambda d: d.step, reverse=True)
+        kept = {d.step for d in counted[:keep_last]} | {just_written}
+        newer = [d.step for d, _ in committed if d.step > just_written]
+        if newer and not self._warned_older:
+            self._warned_older = True  # once per store: a restarted loop saves many
+            log.warning("checkpoint step %d was saved beside the newer step %d in %s, which "
+                        "stays (retention counts keep_last=%d from the newest step)",
+                        just_written, max(newer), self.url, keep_last)
         deleted = []
-        for d in candidates[keep_last - 1:]:
+        for d in counted:
+            if d.step in kept or d.step > just_written:
+                continue
             log.info("retention (keep_last=%d): deleting checkpoint step %d", keep_last, d.step)
             self.delete(d)
             deleted.append(d.step)

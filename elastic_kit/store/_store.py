@@ -40,6 +40,7 @@ import torch
 
 from elastic_kit.store._broadcast import agree_on_holder, broadcast_state, target_device
 from elastic_kit.store._fs import resolve_url
+from elastic_kit.store._identity import ensure_identity, read_identity
 from elastic_kit.store._layout import Found, Layout
 from elastic_kit.store._manifest import CHECKSUMS, Manifest
 from elastic_kit.store._serialize import (
@@ -153,6 +154,10 @@ class CheckpointStore:
             only once nothing in it changed for this long.
         filesystem: an fsspec filesystem to use instead of the one ``url``'s protocol
             names (a wrapper, a pre-configured client); ``url`` is then the path in it.
+        private: on a local disk, create directories 0700 and files 0600 (other
+            users of the host cannot read the state; the snapshot tier's stores).
+        copy_missing: with ``node_local=True``, a node that lacked the loaded step
+            commits a copy of it (False: it only reads, e.g. a peer's replica).
 
     Example::
 
@@ -190,7 +195,8 @@ class CheckpointStore:
                  reuse_staging: bool = True, io_timeout: float = 10.0,
                  read_attempts: int = 3, load_timeout: float = 60.0,
                  stale_after_s: float = 600.0,
-                 filesystem: fsspec.AbstractFileSystem | None = None) -> None:
+                 filesystem: fsspec.AbstractFileSystem | None = None,
+                 private: bool = False, copy_missing: bool = True) -> None:
         if keep_last is not None and (type(keep_last) is not int or keep_last < 1):
             raise ValueError(f"keep_last={keep_last!r} must be an int >= 1 or None (keep all)")
         if checksum not in CHECKSUMS:
@@ -221,7 +227,7 @@ class CheckpointStore:
         self.load_timeout = float(load_timeout)
         self._layout = Layout(self.fs, self.root, url=self.url, writer_id=_PROCESS_TOKEN,
                               read_attempts=read_attempts, stale_after_s=float(stale_after_s),
-                              read_budget_s=3 * float(io_timeout))
+                              read_budget_s=3 * float(io_timeout), private=bool(private))
         self._started = time.time()
         self._executor: ThreadPoolExecutor | None = None
         self._pending: Future[None] | None = None  # the in-flight write (writers only)
@@ -232,9 +238,7 @@ class CheckpointStore:
         self._staging: dict[str, torch.Tensor] = {}
         self._staged: threading.Event | None = None  # set when deferred copies are done
         self.last_save_s: float = 0.0  # duration of the last write (writers only)
-        # node_local: a node that lacked the loaded step commits a copy (the snapshot
-        # tier turns it off when it loads from a peer's replica directory)
-        self._copy_missing = True
+        self.copy_missing = bool(copy_missing)
 
     # ------------------------------------------------------------------ roles
     @property
@@ -292,7 +296,8 @@ class CheckpointStore:
 
     # ------------------------------------------------------------------ saving
     def save(self, state_dict: dict[str, Any], *, step: int, metadata: dict[str, Any] | None = None,
-             blocking: bool = True, copy_later: Iterable[torch.Tensor] = ()) -> None:
+             blocking: bool = True, copy_later: Iterable[torch.Tensor] = (),
+             on_commit: Callable[[int, str], None] | None = None) -> None:
         """Save ``state_dict`` as checkpoint ``step``. Not collective.
 
         The writer ranks write; every other rank validates the arguments and returns
@@ -318,6 +323,11 @@ class CheckpointStore:
                 ``optimizer.step()``) and calls :meth:`wait_staged` right before it,
                 so the copy overlaps the next forward and backward pass. Ignored
                 when blocking.
+            on_commit: called as ``on_commit(step, path)`` on the store's background
+                worker once the checkpoint is committed (not when the write failed),
+                before the retention that follows; for work that must see the
+                committed files (the snapshot tier streams them to a peer). An error
+                it raises is logged, never raised by the save.
 
         Raises:
             TypeError: ``state_dict`` holds something weights-only loading cannot read
@@ -351,6 +361,8 @@ class CheckpointStore:
         if blocking:
             prepared = prepare_state(state_dict, copy=False)
             self._submit(self._write, prepared, step, metadata, world_size).result()
+            if on_commit is not None:
+                self._submit(self._committed, on_commit, step)
             self._submit(self._retain, step)
             return
         used: dict[str, torch.Tensor] = {}
@@ -369,18 +381,28 @@ class CheckpointStore:
         self._staged = event
         self._pending_step = step
         self._pending = self._submit(self._stage_write_retain, deferred, after, event, staged,
-                                     step, metadata, world_size)
+                                     step, metadata, world_size, on_commit)
 
     def _stage_write_retain(self, deferred: list[tuple[torch.Tensor, torch.Tensor]], after: Any,
                             staged: threading.Event | None, state: Any, step: int,
-                            metadata: dict[str, Any], world_size: int) -> None:
+                            metadata: dict[str, Any], world_size: int,
+                            on_commit: Callable[[int, str], None] | None = None) -> None:
         if staged is not None:
             try:
                 copy_deferred(deferred, after)
             finally:
                 staged.set()  # also on failure: the error surfaces at the next store call
         self._write(state, step, metadata, world_size)
+        if on_commit is not None:
+            self._committed(on_commit, step)
         self._retain(step)
+
+    def _committed(self, on_commit: Callable[[int, str], None], step: int) -> None:
+        try:
+            on_commit(step, self._layout.dir_of(step).path)
+        except Exception as e:  # the checkpoint is committed: the callback cannot fail it
+            log.warning("the on_commit callback of checkpoint step %d in %s failed: %r",
+                        step, self.url, e)
 
     def wait_staged(self) -> None:
         """Return once the in-flight save no longer reads the caller's tensors.
@@ -441,6 +463,26 @@ class CheckpointStore:
                 self._executor = None
 
     # ------------------------------------------------------------------ housekeeping
+    def run_identity(self, *, create: bool = True) -> str | None:
+        """The random identity of the run this store holds (32 hex digits).
+
+        Created when absent (``create``; create-if-absent, so writers racing on an
+        empty store agree on one) and kept for as long as the store exists: the
+        in-memory snapshot tier trusts a snapshot only when it carries the identity
+        the store holds now, so a deleted or replaced store starts fresh. Not
+        collective (the :class:`~elastic_kit.Checkpointer` reads it on rank 0 and
+        broadcasts it). With ``create=False``, None when the store has none.
+
+        Raises:
+            CheckpointCorruptError: the identity file holds something else.
+            CheckpointError: the store cannot be read (after retries).
+            OSError: it could not be created.
+        """
+        self._drain()
+        if create:
+            return ensure_identity(self._layout)
+        return read_identity(self._layout)
+
     def list(self) -> list[CheckpointInfo]:
         """Committed checkpoints in this store (this node's, when node-local), oldest first.
 
@@ -622,7 +664,7 @@ class CheckpointStore:
         path = header["path"]
         if self.node_local:
             path = self._layout.dir_of(step).path
-            if self.is_writer and found_step < step and self._copy_missing:
+            if self.is_writer and found_step < step and self.copy_missing:
                 self._copy_locally(state, step, header)
         return LoadedCheckpoint(step=step, state=state, metadata=header["metadata"], path=path,
                                 epoch=header["epoch"], world_size=header["world_size"])
