@@ -44,7 +44,7 @@ from elastic_kit.distributed import (
 from elastic_kit.errors import CheckpointError, SampleAuditError
 from elastic_kit._console import say
 from elastic_kit.state import EpochAudit, TerminationFlag
-from elastic_kit.snapshot import DEFAULT_BUDGET, SnapshotTier
+from elastic_kit.snapshot import DEFAULT_BUDGET, SnapshotTier, agree_run_identity
 
 if TYPE_CHECKING:
     from elastic_kit.state import TrainState
@@ -266,16 +266,17 @@ class Checkpointer:
         if sampler is not None and loaded is not None:
             state.epoch = sampler.epoch
         if info.is_main:
+            ignored = self.snapshots.ignored_note() if self.snapshots is not None else ""
             if loaded is not None:
                 done = f", {sampler.consumed}/{sampler.dataset_length} samples of it done" if (
                     sampler is not None) else ""
                 say(log, "restored checkpoint step %d (from %s): epoch %d%s; world size %s "
-                    "-> %d (restart %d)", state.step, _TIER_NAMES[self.restored_from],
+                    "-> %d (restart %d)%s", state.step, _TIER_NAMES[self.restored_from],
                     state.epoch, done, loaded.metadata.get("world_size", "?"),
-                    info.world_size, info.restart_count)
+                    info.world_size, info.restart_count, ignored)
             else:
                 say(log, "no checkpoint to restore: starting at step %d, epoch %d, world "
-                         "size %d", state.step, state.epoch, info.world_size)
+                         "size %d%s", state.step, state.epoch, info.world_size, ignored)
         if self.handle_signals:
             self._stop.install()
         if self.store is not None and self.overlap_staging and self._step_hook is None \
@@ -292,8 +293,12 @@ class Checkpointer:
             if not info.under_torchrun:  # nothing restarts the workers: nothing to outlive
                 return None
             every = None
+        # a snapshot is trusted only with the identity the store holds now (collective)
+        identity = agree_run_identity(self.store, info)
+        if identity is None:
+            return None
         tier = SnapshotTier(str(self.store.url), info=info, every=every,  # type: ignore[arg-type]
-                            budget=self.snapshot_budget)
+                            budget=self.snapshot_budget, identity=identity)
         # Every rank must take the same restore path (its loads are collective), so
         # snapshots are on only when every node can keep them.
         if all_reduce_max(int(not tier.enabled)):

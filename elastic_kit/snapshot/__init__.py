@@ -8,17 +8,22 @@ worker processes, so a restarted group finds it and redoes only the steps since
 (every step is snapshotted while that costs under 1% of the training time; less
 often when steps are short or the state large).
 
-Layout, on every host::
+Layout, on every host (per user: directories 0700, files 0600)::
 
-    /dev/shm/elastic_kit/<run id>-<store key>/<host>-<agent pid>/step-<n>/{state.pt,manifest.json}
-    /dev/shm/elastic_kit/<run id>-<store key>/<host>-<agent pid>/replicas/<peer node>/step-<n>/...
+    /dev/shm/elastic_kit-<uid>/<run id>-<store key>/<host>-<agent pid>/step-<n>/{state.pt,manifest.json}
+    /dev/shm/elastic_kit-<uid>/<run id>-<store key>/<host>-<agent pid>/replicas/<peer node>/step-<n>/...
 
 It is a node-local :class:`~elastic_kit.CheckpointStore` with ``keep_last=1``: the
 manifest (size and xxh3 checksum of the payload) written last, the older snapshot
 deleted only after the newer one committed, so a kill at any moment leaves the
 previous snapshot valid. The directory is named by the torchrun run id and a hash of
-the durable store's URL (a snapshot of another run or another store is never seen),
-and by the agent, which survives the worker restarts it drives.
+the durable store's URL, and by the agent, which survives the worker restarts it
+drives. Names repeat (a reused job id, a container's agent pid, a store deleted to
+start over), so every snapshot also records the run identity the durable store holds
+(:meth:`~elastic_kit.CheckpointStore.run_identity`), and one carrying another identity
+is never loaded and is removed at the next launch: a deleted or replaced store starts
+fresh. Without a durable store there are no snapshots. Every directory of the tree is
+checked to be the user's alone (:mod:`elastic_kit.snapshot._private`).
 
 Each node's writer also streams every snapshot it commits into the next node's memory
 (ring order over the nodes, a TCP side channel, see
@@ -36,6 +41,9 @@ audit, RNG, optimizer), so exact data accounting and bitwise resume hold; since 
 sampler's position is global, a snapshot taken at one world size restores at any other.
 """
 
-from elastic_kit.snapshot._tier import DEFAULT_BUDGET, SnapshotTier, default_root, snapshot_dir
+from elastic_kit.snapshot._tier import (
+    DEFAULT_BUDGET, SnapshotTier, agree_run_identity, default_root, snapshot_dir,
+)
 
-__all__ = ["DEFAULT_BUDGET", "SnapshotTier", "default_root", "snapshot_dir"]
+__all__ = ["DEFAULT_BUDGET", "SnapshotTier", "agree_run_identity", "default_root",
+           "snapshot_dir"]

@@ -7,20 +7,23 @@ it dies with the node. So each node's writer sends every snapshot it commits to 
 next writer in ring order (global rank order of the nodes' local rank 0), over a TCP
 side channel that carries no collective and never blocks training:
 
-- :class:`ReplicaReceiver` (a daemon thread on each writer) accepts one stream at a
-  time and commits it as ``<node dir>/replicas/<source node>/step-<n>/``: the files go
-  into a ``.tmp-`` directory, the manifest last, and the directory is renamed into
-  place, so a stream cut at any moment leaves the previous replica valid. Once a
-  replica is committed every older one (of any source) is removed: a node holds one
-  replica, plus the one being received.
+- :class:`ReplicaReceiver` (a daemon thread on each writer) serves every connection
+  at once with deadlines (no stranger can hold it, see the class) and commits each
+  stream as ``<node dir>/replicas/<source node>/step-<n>/`` in the node's private
+  tree (0700 directories, 0600 files): the files go into a ``.tmp-`` directory, the
+  manifest last, and the directory is renamed into place, so a stream cut at any
+  moment leaves the previous replica valid and no leftover. Once a replica is
+  committed every older one (of any source) is removed: a node holds one replica,
+  plus the one being received.
 - :class:`ReplicaSender` (a daemon thread on each writer) is offered each committed
   snapshot directory; it streams the newest one offered (an older one still waiting
   is skipped): a header line (run, token, source node, step, file names and sizes),
   which the receiver accepts (``go``) or refuses with a reason, then the files with
   ``sendfile``, manifest last, and waits for the receiver's ``ok``.
 
-A stream carries a token rank 0 draws when the group forms and the run's directory
-name, so the receiver ignores streams of another run or an older group. The bytes
+A stream carries a token rank 0 draws when the group forms and the run's name with
+the durable store's run identity, so the receiver refuses streams of another run, of
+another run of the same store, or of an older group. The bytes
 are not trusted: a replica is loaded like any snapshot, after its manifest's
 checksum verified.
 """
@@ -36,12 +39,12 @@ import selectors
 import shutil
 import socket
 import threading
+import time
 import uuid
 from typing import Any
 
-from elastic_kit.store import (
-    MANIFEST_NAME, TMP_PREFIX, Manifest, check_file_name, parse_step_dir, step_dir_name,
-)
+from elastic_kit.snapshot._private import is_private_entry, private_dir
+from elastic_kit.store import MANIFEST_NAME, TMP_PREFIX, Manifest, check_file_name, step_dir_name
 
 __all__ = ["ADDR_ENV", "REPLICAS", "ReplicaReceiver", "ReplicaSender", "advertised_host"]
 
@@ -55,10 +58,27 @@ REPLICAS = "replicas"
 _MAX_HEADER = 64 << 10
 _MAX_FILES = 64
 _CHUNK = 4 << 20
-_NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,128}", re.ASCII)
-#: Seconds a connection may stay silent before it is dropped (either side).
-IO_TIMEOUT_S = 60.0
-_CONNECT_TIMEOUT_S = 5.0
+_BACKLOG = 64
+_NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}", re.ASCII)
+#: The largest file a stream may carry (a bigger size is refused in the header).
+MAX_FILE_BYTES = 1 << 40
+#: Seconds a new connection has to deliver its header (receiver).
+HEADER_TIMEOUT_S = 3.0
+#: Seconds an accepted stream may go without delivering a byte (receiver).
+PROGRESS_TIMEOUT_S = 5.0
+#: Connections still owing their header that the receiver keeps (the oldest is
+#: dropped for a new one).
+MAX_PENDING = 32
+#: Refused connections the receiver handles per second, and in a burst; beyond that it
+#: stops accepting until the budget refills.
+REFUSED_RATE = 200.0
+REFUSED_BURST = 50
+#: Seconds :meth:`ReplicaReceiver.close` waits for its thread.
+CLOSE_WAIT_S = 1.0
+#: Seconds a connection may stay silent before the sender drops it.
+IO_TIMEOUT_S = 30.0
+#: Seconds the sender keeps trying to open a stream the receiver answers.
+CONNECT_DEADLINE_S = 5.0
 
 
 def advertised_host() -> str:
@@ -103,118 +123,318 @@ def _recv_line(conn: socket.socket, limit: int) -> bytes:
     return bytes(out[:-1])
 
 
+class _Refused(Exception):
+    """A stream the receiver refuses; the message is the reply's reason."""
+
+
+def check_header(header: Any, *, run: str, token: str) -> tuple[str, int, list[str], list[int]]:
+    """``(source, step, names, sizes)`` of a stream's header, every field validated
+    before anything is made on disk.
+
+    Raises:
+        _Refused: naming the field, its value and what was expected.
+    """
+    if not isinstance(header, dict) or not hmac.compare_digest(
+            str(header.get("token", "")).encode(), token.encode()):
+        raise _Refused("wrong token (another group's stream)")
+    if header.get("run") != run:
+        raise _Refused(f"run {str(header.get('run'))[:200]!r} is not {run!r}")
+    source, step, files = header.get("source"), header.get("step"), header.get("files")
+    if not isinstance(source, str) or not _NAME_RE.fullmatch(source):
+        raise _Refused(f"bad source node name {str(source)[:200]!r}: expected 1-128 of "
+                       f"[A-Za-z0-9_.-], not starting with a dot")
+    if type(step) is not int or not 0 <= step < 10**12:
+        raise _Refused(f"bad step {str(step)[:40]!r}: expected an int in [0, 10**12)")
+    if not isinstance(files, list) or not 0 < len(files) <= _MAX_FILES or not all(
+            isinstance(f, list) and len(f) == 2 for f in files) or files[-1][0] != MANIFEST_NAME:
+        raise _Refused(f"bad file list {str(files)[:200]}: expected 1-{_MAX_FILES} "
+                       f"[name, size] pairs, {MANIFEST_NAME} last")
+    try:
+        names = [check_file_name(f[0]) for f in files[:-1]] + [MANIFEST_NAME]
+    except (TypeError, ValueError) as e:
+        raise _Refused(f"bad file name: {e}") from None
+    sizes = [f[1] for f in files]
+    if len(set(names)) != len(names):
+        raise _Refused(f"bad file list {str(files)[:200]}: a name repeats")
+    for name, size in zip(names, sizes):
+        if type(size) is not int or not 0 <= size <= MAX_FILE_BYTES:
+            raise _Refused(f"bad size {str(size)[:40]} of {name}: expected an int in "
+                           f"[0, {MAX_FILE_BYTES}]")
+    return source, step, names, sizes
+
+
+class _Stream:
+    """One connection: its header being read, then its files being received."""
+
+    def __init__(self, sock: socket.socket, deadline: float) -> None:
+        self.sock = sock
+        self.deadline = deadline
+        self.buf = bytearray()
+        self.receiving = False  # the header was accepted
+        self.source, self.step = "", -1
+        self.names: list[str] = []
+        self.sizes: list[int] = []
+        self.index = 0
+        self.left = 0
+        self.fd: int | None = None
+        self.tmp: str | None = None
+
+
 class ReplicaReceiver:
     """Accepts peers' snapshot streams into ``<node_dir>/replicas/`` (a daemon thread).
 
+    One thread serves every connection at once (non-blocking sockets, a selector), so
+    an idle or slow client never holds up another: a connection must deliver its
+    header within :data:`HEADER_TIMEOUT_S` and, once accepted, make progress every
+    :data:`PROGRESS_TIMEOUT_S`, or it is dropped; at most :data:`MAX_PENDING`
+    connections may be waiting for their header (the oldest is dropped for a new
+    one). A refused connection (wrong token, malformed header, a stream cut short)
+    costs a bounded amount of work and draws from a budget of :data:`REFUSED_RATE` per
+    second: when it is spent the receiver stops accepting until it refills, so a
+    flood of them costs the training process a bounded share of its time (the
+    kernel's listen queue holds the rest). Nothing is made on disk before the header
+    validated; a failed stream's temporary directory is removed.
+
     Args:
         node_dir: this node's snapshot directory.
-        run: the run's directory name; streams naming another run are refused.
+        run: the run's name (with the durable store's run identity); streams naming
+            another run are refused.
         token: the group's token; streams carrying another token are refused.
         host: the address to listen on (port: any free one, see :attr:`port`).
     """
 
     def __init__(self, node_dir: str, *, run: str, token: str, host: str) -> None:
+        self.node_dir = node_dir
         self.dir = os.path.join(node_dir, REPLICAS)
         self.run, self.token = run, token
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, 0))
-        self._sock.listen(4)
+        self._sock.listen(_BACKLOG)
+        self._sock.setblocking(False)
         self.host, self.port = host, int(self._sock.getsockname()[1])
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
         self._stop = threading.Event()
         self._warned = False
+        self._budget = float(REFUSED_BURST)
+        self._budget_t = time.monotonic()
+        self._streams: list[_Stream] = []
         #: the last steps committed, as ``(source, step)`` (for logs and tests)
         self.received: list[tuple[str, int]] = []
+        #: connections refused or dropped so far (for logs and tests)
+        self.refused = 0
         self._thread = threading.Thread(target=self._serve, name="ek-replica-recv", daemon=True)
         self._thread.start()
 
+    # ------------------------------------------------------------------ the loop
     def _serve(self) -> None:
-        with selectors.DefaultSelector() as sel:
-            sel.register(self._sock, selectors.EVENT_READ)
-            while not self._stop.is_set():
-                if not sel.select(timeout=0.2):
-                    continue
-                try:
-                    conn, _ = self._sock.accept()
-                except OSError:
-                    continue
-                with conn:
-                    conn.settimeout(IO_TIMEOUT_S)
-                    try:
-                        reply = self._receive(conn)
-                    except Exception as e:  # a peer's failure never fails training
-                        (log.debug if self._warned else log.warning)(
-                            "receiving a snapshot replica into %s failed: %r", self.dir, e)
-                        self._warned = True
-                        reply = f"error: {e!r}"
-                    try:
-                        conn.sendall(reply.encode()[:1000] + b"\n")
-                    except OSError:
-                        pass
-
-    def _receive(self, conn: socket.socket) -> str:
-        header = json.loads(_recv_line(conn, _MAX_HEADER))
-        if not isinstance(header, dict) or not hmac.compare_digest(
-                str(header.get("token", "")), self.token):
-            return "error: wrong token (another group's stream)"
-        if header.get("run") != self.run:
-            return f"error: run {header.get('run')!r} is not {self.run!r}"
-        source, step, files = header.get("source"), header.get("step"), header.get("files")
-        if not isinstance(source, str) or not _NAME_RE.fullmatch(source) or source in (".", ".."):
-            raise ValueError(f"bad source node name {source!r}")
-        if type(step) is not int or parse_step_dir(step_dir_name(step)) != step:
-            raise ValueError(f"bad step {step!r}")
-        if not isinstance(files, list) or not 0 < len(files) <= _MAX_FILES:
-            raise ValueError(f"bad file list {files!r}")
-        if not all(isinstance(f, list) and len(f) == 2 for f in files) \
-                or files[-1][0] != MANIFEST_NAME:
-            raise ValueError(f"bad file list {files!r}")
-        names = [check_file_name(f[0]) for f in files[:-1]] + [MANIFEST_NAME]
-        sizes = [f[1] for f in files]
-        if len(set(names)) != len(names) or any(type(s) is not int or s < 0 for s in sizes):
-            raise ValueError(f"bad file list {files!r}")
-        root = os.path.join(self.dir, source)
-        os.makedirs(root, exist_ok=True)
-        free = shutil.disk_usage(root).free
-        if free < sum(sizes):
-            return (f"error: {root} has {free / 1e6:.0f} MB free, the replica needs "
-                    f"{sum(sizes) / 1e6:.0f} MB")
-        tmp = os.path.join(root, f"{TMP_PREFIX}{step_dir_name(step)}-{uuid.uuid4().hex[:8]}")
-        os.mkdir(tmp)
-        conn.sendall(b"go\n")  # the header is accepted: the sender streams the files
+        sel = selectors.DefaultSelector()
+        sel.register(self._wake_r, selectors.EVENT_READ, "wake")
+        listening = False
         try:
-            buf = bytearray(_CHUNK)
-            view = memoryview(buf)
-            for name, size in zip(names, sizes):
-                with open(os.path.join(tmp, name), "wb") as f:
-                    left = size
-                    while left:
-                        k = conn.recv_into(view[:min(left, _CHUNK)])
-                        if k == 0:
-                            raise ConnectionError(f"stream ended with {left} bytes of {name} "
-                                                  "missing")
-                        f.write(view[:k])
-                        left -= k
-            target = os.path.join(root, step_dir_name(step))
-            if os.path.isdir(target):
-                shutil.rmtree(target)  # the same step again (a re-sent stream)
-            os.rename(tmp, target)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        self._drop_older(source, step)
-        _note(self.received, (source, step))
-        log.debug("replica of node %s step %d committed in %s", source, step, root)
-        return "ok"
+            while not self._stop.is_set():
+                now = time.monotonic()
+                self._budget = min(float(REFUSED_BURST),
+                                   self._budget + (now - self._budget_t) * REFUSED_RATE)
+                self._budget_t = now
+                if (self._budget >= 1.0) != listening:
+                    listening = not listening
+                    if listening:
+                        sel.register(self._sock, selectors.EVENT_READ, "listen")
+                    else:
+                        sel.unregister(self._sock)
+                wait = min([s.deadline for s in self._streams], default=now + 0.5) - now
+                if not listening:
+                    wait = min(wait, (1.0 - self._budget) / REFUSED_RATE)
+                for key, _ in sel.select(timeout=max(0.0, min(wait, 0.5))):
+                    if key.data == "wake":
+                        try:
+                            self._wake_r.recv(64)
+                        except OSError:
+                            pass
+                    elif key.data == "listen":
+                        self._accept(sel)
+                    elif key.data in self._streams:
+                        self._readable(sel, key.data)
+                now = time.monotonic()
+                for st in [s for s in self._streams if s.deadline <= now]:
+                    self._fail(sel, st, "timed out: " + (
+                        f"no progress for {PROGRESS_TIMEOUT_S:g} s" if st.receiving else
+                        f"no header within {HEADER_TIMEOUT_S:g} s"))
+        finally:
+            for st in list(self._streams):
+                self._fail(sel, st, "the receiver is closing", reply=False)
+            sel.close()
+
+    def _accept(self, sel: selectors.BaseSelector) -> None:
+        try:
+            conn, _ = self._sock.accept()
+        except OSError:
+            return
+        conn.setblocking(False)
+        waiting = [s for s in self._streams if not s.receiving]
+        if len(waiting) >= MAX_PENDING:
+            self._fail(sel, waiting[0], "dropped for a newer connection")
+        st = _Stream(conn, time.monotonic() + HEADER_TIMEOUT_S)
+        self._streams.append(st)
+        sel.register(conn, selectors.EVENT_READ, st)
+
+    def _readable(self, sel: selectors.BaseSelector, st: _Stream) -> None:
+        try:
+            if st.receiving:
+                self._receive_some(sel, st)
+                return
+            chunk = st.sock.recv(_MAX_HEADER + 1 - len(st.buf))
+            if not chunk:
+                raise _Refused("stream ended inside its header")
+            st.buf += chunk
+            end = st.buf.find(b"\n")
+            if end < 0:
+                if len(st.buf) > _MAX_HEADER:
+                    raise _Refused(f"header longer than {_MAX_HEADER} bytes")
+                return
+            try:
+                header = json.loads(bytes(st.buf[:end]))
+            except ValueError:
+                raise _Refused("the header is not JSON") from None
+            rest = bytes(st.buf[end + 1:])
+            st.buf = bytearray()
+            self._start(st, header)
+            if rest:
+                self._consume(sel, st, rest)
+        except BlockingIOError:
+            return
+        except _Refused as e:
+            self._fail(sel, st, str(e))
+        except Exception as e:  # a peer's failure never fails training
+            self._fail(sel, st, repr(e))
+
+    def _start(self, st: _Stream, header: Any) -> None:
+        """Validate the header; then (only then) make the temporary directory."""
+        st.source, st.step, st.names, st.sizes = check_header(header, run=self.run,
+                                                               token=self.token)
+        where = self.node_dir if os.path.isdir(self.node_dir) else os.path.dirname(
+            self.node_dir)
+        free = shutil.disk_usage(where).free
+        if free < sum(st.sizes):
+            raise _Refused(f"{where} has {free / 1e6:.0f} MB free, the replica needs "
+                           f"{sum(st.sizes) / 1e6:.0f} MB")
+        os.makedirs(self.node_dir, mode=0o700, exist_ok=True)
+        root = private_dir(self.node_dir, [REPLICAS, st.source], check_base=True)
+        st.tmp = os.path.join(root, f"{TMP_PREFIX}{step_dir_name(st.step)}-"
+                                    f"{uuid.uuid4().hex[:8]}")
+        os.mkdir(st.tmp, 0o700)
+        st.receiving = True
+        st.deadline = time.monotonic() + PROGRESS_TIMEOUT_S
+        st.sock.sendall(b"go\n")  # the header is accepted: the sender streams the files
+        st.index, st.left = -1, 0
+        self._next_file(st)
+
+    def _next_file(self, st: _Stream) -> None:
+        """Close the finished file and open the next non-empty one (empty ones are
+        created as they are)."""
+        while st.left == 0:
+            if st.fd is not None:
+                os.close(st.fd)
+                st.fd = None
+            st.index += 1
+            if st.index >= len(st.names):
+                return
+            assert st.tmp is not None
+            st.fd = os.open(os.path.join(st.tmp, st.names[st.index]),
+                            os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            st.left = st.sizes[st.index]
+
+    def _receive_some(self, sel: selectors.BaseSelector, st: _Stream) -> None:
+        data = st.sock.recv(min(st.left, _CHUNK)) if st.left else st.sock.recv(1)
+        if not data:
+            name = st.names[st.index] if st.index < len(st.names) else "?"
+            raise _Refused(f"stream ended with {st.left} bytes of {name} missing")
+        self._consume(sel, st, data)
+
+    def _consume(self, sel: selectors.BaseSelector, st: _Stream, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            if st.index >= len(st.names):
+                raise _Refused("the stream is longer than its header says")
+            take = view[:st.left]
+            assert st.fd is not None
+            while take:
+                k = os.write(st.fd, take)
+                take = take[k:]
+            n = min(len(view), st.left)
+            view = view[n:]
+            st.left -= n
+            self._next_file(st)
+        st.deadline = time.monotonic() + PROGRESS_TIMEOUT_S
+        if st.index >= len(st.names):
+            self._commit(sel, st)
+
+    def _commit(self, sel: selectors.BaseSelector, st: _Stream) -> None:
+        assert st.tmp is not None
+        with open(os.path.join(st.tmp, MANIFEST_NAME), "rb") as f:
+            raw = f.read()
+        try:
+            m = Manifest.from_json(raw.decode("utf-8"), where="the streamed manifest")
+        except Exception as e:
+            raise _Refused(f"the streamed manifest does not validate: {e}") from None
+        got = dict(zip(st.names[:-1], st.sizes[:-1]))
+        if m.step != st.step or {n: e.size for n, e in m.files.items()} != got:
+            raise _Refused(f"the streamed manifest (step {m.step}, files "
+                           f"{sorted(m.files)}) does not describe the stream (step "
+                           f"{st.step}, files {sorted(got)})")
+        target = os.path.join(os.path.dirname(st.tmp), step_dir_name(st.step))
+        if os.path.lexists(target):
+            shutil.rmtree(target)  # the same step again (a re-sent stream)
+        os.rename(st.tmp, target)
+        st.tmp = None
+        self._drop_older(st.source, st.step)
+        _note(self.received, (st.source, st.step))
+        log.debug("replica of node %s step %d committed in %s", st.source, st.step, target)
+        self._close(sel, st, b"ok\n")
+
+    def _close(self, sel: selectors.BaseSelector, st: _Stream, reply: bytes | None) -> None:
+        if st in self._streams:
+            self._streams.remove(st)
+        try:
+            sel.unregister(st.sock)
+        except (KeyError, ValueError):
+            pass
+        # what a failed stream left is gone before the sender hears of it
+        if st.fd is not None:
+            os.close(st.fd)
+            st.fd = None
+        if st.tmp is not None:
+            shutil.rmtree(st.tmp, ignore_errors=True)
+            st.tmp = None
+        if reply is not None:
+            try:
+                st.sock.send(reply)
+            except OSError:
+                pass
+        st.sock.close()
+
+    def _fail(self, sel: selectors.BaseSelector, st: _Stream, why: str, *,
+              reply: bool = True) -> None:
+        self.refused += 1
+        self._budget -= 1.0
+        if st.receiving:  # a stream of this group that failed: worth a line in the log
+            (log.debug if self._warned else log.warning)(
+                "receiving a snapshot replica into %s failed: %s", self.dir, why)
+            self._warned = True
+        else:
+            log.debug("refused a replica connection: %s", why)
+        self._close(sel, st, f"error: {why}".encode()[:1000] + b"\n" if reply else None)
 
     def _drop_older(self, source: str, step: int) -> None:
-        """Keep one replica: the one just committed."""
+        """Keep one replica: the one just committed (and streams still arriving)."""
+        live = {os.path.basename(s.tmp) for s in self._streams if s.tmp is not None}
         for src in os.listdir(self.dir):
             root = os.path.join(self.dir, src)
-            for name in os.listdir(root) if os.path.isdir(root) else ():
-                # one stream at a time: any other directory is older or a cut stream's
-                if not (src == source and name == step_dir_name(step)):
+            for name in os.listdir(root) if is_private_entry(root) else ():
+                if not (src == source and name == step_dir_name(step)) and name not in live:
                     shutil.rmtree(os.path.join(root, name), ignore_errors=True)
             if src != source:
                 try:
@@ -223,10 +443,18 @@ class ReplicaReceiver:
                     pass
 
     def close(self) -> None:
-        """Stop accepting streams (a stream being received is finished first)."""
+        """Stop receiving, within about :data:`CLOSE_WAIT_S` whatever the clients do (a
+        stream being received is dropped; its temporary directory is removed)."""
         self._stop.set()
-        self._thread.join(timeout=IO_TIMEOUT_S)
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass
+        self._thread.join(timeout=CLOSE_WAIT_S)
         self._sock.close()
+        self._wake_w.close()
+        if not self._thread.is_alive():
+            self._wake_r.close()
 
 
 class ReplicaSender:
@@ -289,12 +517,11 @@ class ReplicaSender:
                 "files": [[n, s] for n, s in zip(names, sizes)] + [[MANIFEST_NAME,
                                                                      len(manifest_bytes)]],
             }
-            with socket.create_connection(self.peer, timeout=_CONNECT_TIMEOUT_S) as conn:
-                conn.settimeout(IO_TIMEOUT_S)
-                conn.sendall(json.dumps(header).encode() + b"\n")
-                reply = _recv_line(conn, 2000).decode(errors="replace")
+            conn, reply = self._open(json.dumps(header).encode() + b"\n")
+            with conn:
                 if reply != "go":
                     raise RuntimeError(f"the peer refused the replica: {reply}")
+                conn.settimeout(IO_TIMEOUT_S)
                 for f, size in zip(files, sizes):
                     if conn.sendfile(f, 0, size) != size:
                         raise ConnectionError(f"sent less than the {size} bytes of {f.name}")
@@ -307,6 +534,32 @@ class ReplicaSender:
             raise RuntimeError(f"the peer refused the replica: {reply}")
         _note(self.sent, step)
         log.debug("snapshot step %d replicated to %s:%d", step, *self.peer)
+
+    def _open(self, header: bytes) -> tuple[socket.socket, str]:
+        """A connection whose header the receiver answered, and the answer.
+
+        Tried again, on a fresh connection, until :data:`CONNECT_DEADLINE_S`: a
+        receiver busy with a flood of strangers stops accepting for a moment, and a
+        connection that waits in its full listen queue (or whose handshake the kernel
+        dropped) would otherwise wait out TCP's one-second retransmission."""
+        deadline = time.monotonic() + CONNECT_DEADLINE_S
+        wait = 0.25  # for the answer: grows per try, for a receiver that is just slow
+        while True:
+            left = deadline - time.monotonic()
+            conn = None
+            try:
+                conn = socket.create_connection(self.peer, timeout=max(0.05, min(left, wait)))
+                conn.sendall(header)
+                return conn, _recv_line(conn, 2000).decode(errors="replace")
+            except (OSError, ValueError) as e:
+                if conn is not None:
+                    conn.close()
+                if time.monotonic() + 0.02 >= deadline:
+                    raise ConnectionError(f"no answer from the peer at {self.peer[0]}:"
+                                          f"{self.peer[1]} within {CONNECT_DEADLINE_S:g} s: "
+                                          f"{e!r}") from e
+                wait = min(2 * wait, 2.0)
+                time.sleep(0.02)
 
     def flush(self, timeout: float = IO_TIMEOUT_S) -> bool:
         """Wait until the snapshot offered last is sent (or failed); False on timeout."""

@@ -15,16 +15,17 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from elastic_kit.store import (
-    CheckpointStore, Layout, LoadedCheckpoint, resolve_url, step_dir_name,
-)
-from elastic_kit.distributed import DistInfo, is_dist_ready
+from elastic_kit.store import CheckpointStore, Layout, LoadedCheckpoint, resolve_url
+from elastic_kit.distributed import DistInfo, broadcast_object, is_dist_ready
 from elastic_kit.errors import CheckpointError
+from elastic_kit.snapshot._private import (
+    UnsafeTreeError, check_root, is_private_entry, private_dir, user_dir_name,
+)
 from elastic_kit.snapshot._replica import (
     REPLICAS, ReplicaReceiver, ReplicaSender, advertised_host,
 )
 
-__all__ = ["SnapshotTier", "default_root", "snapshot_dir"]
+__all__ = ["SnapshotTier", "agree_run_identity", "default_root", "snapshot_dir"]
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,36 @@ _MAX_AUTO_EVERY = 10_000
 DEFAULT_BUDGET = 0.01
 #: Seconds :meth:`SnapshotTier.close` waits for the last snapshot's stream to a peer.
 FLUSH_TIMEOUT_S = 10.0
+#: The metadata key, in every snapshot's manifest, naming the durable store's run
+#: identity it belongs to (removed from what :meth:`SnapshotTier.load` returns).
+IDENTITY_KEY = "elastic_kit_run_identity"
+
+
+def agree_run_identity(store: Any, info: DistInfo) -> str | None:
+    """The run identity ``store`` holds (created on an empty store), read on rank 0 and
+    broadcast, so every rank agrees on it. Collective when a process group exists.
+
+    None (snapshots must stay off, with a warning on rank 0) when the store cannot
+    give one: a store object without ``run_identity()``, or one that cannot be read
+    or written. Without a durable store there is no identity and no snapshots: a
+    snapshot could not be told from an older run's.
+    """
+    identity, why = None, ""
+    if info.rank == 0:
+        get = getattr(store, "run_identity", None)
+        if get is None:
+            why = f"the store {type(store).__name__} has no run_identity()"
+        else:
+            try:
+                identity = get()
+            except Exception as e:
+                why = f"cannot read or create the run identity of {store.url}: {e!r}"
+        if identity is None:
+            log.warning("in-memory snapshots are off (%s): restarts resume from the durable "
+                        "checkpoint store", why)
+    if is_dist_ready() and info.world_size > 1:
+        identity = broadcast_object(identity, src=0)
+    return identity
 
 
 def default_root() -> str:
@@ -54,15 +85,17 @@ def default_root() -> str:
 
 
 def snapshot_dir(root: str, run_id: str, key: str) -> str:
-    """The run's snapshot directory on this host: ``<root>/elastic_kit/<run>-<hash>``.
+    """The run's snapshot directory on this host:
+    ``<root>/elastic_kit-<uid>/<run>-<hash>``.
 
-    ``key`` (the durable store's URL) is hashed in, so two jobs that share a run id
-    (``local`` for every run outside torchrun) but not a store never see each other's
-    snapshots.
+    Per user (see :mod:`elastic_kit.snapshot._private`). ``key`` (the durable store's
+    URL) is hashed in, so two jobs that share a run id (``local`` for every run
+    outside torchrun) but not a store never see each other's snapshots; two runs that
+    share both are told apart by the store's run identity in every snapshot.
     """
-    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", run_id)[:64] or "run"
+    safe = re.sub(r"[^A-Za-z0-9_-]", "_", run_id)[:64] or "run"
     digest = hashlib.blake2b(f"{run_id}\0{key}".encode(), digest_size=8).hexdigest()
-    return os.path.join(root, "elastic_kit", f"{safe}-{digest}")
+    return os.path.join(root, user_dir_name(), f"{safe}-{digest}")
 
 
 def _state_bytes(state: Any) -> int:
@@ -92,6 +125,16 @@ class SnapshotTier:
         replicate: stream each committed snapshot to the next node's memory (see
             :mod:`elastic_kit.snapshot._replica`; from :meth:`connect`, with two nodes
             or more).
+        identity: the durable store's run identity (:func:`agree_run_identity`),
+            recorded in every snapshot and replica; a snapshot carrying another (an
+            older run of a store deleted or replaced since) is never loaded, and this
+            node's are removed when the tier starts. None only for a tier used on its
+            own, without a durable store: it then trusts only snapshots without one.
+
+    The snapshot tree is private to the user (``<root>/elastic_kit-<uid>/``, 0700
+    directories, 0600 files); every directory on the way is checked (owner, mode, no
+    symlink) and a tree that fails the check switches snapshots off with a warning
+    naming the path and the reason.
 
     Only local rank 0 of each node writes (a non-blocking save: the tensors are copied
     on a background thread, which the optimizer-step pre-hook waits for).
@@ -108,7 +151,7 @@ class SnapshotTier:
 
     def __init__(self, key: str, *, info: DistInfo, every: int | None = None,
                  budget: float = DEFAULT_BUDGET, root: str | None = None,
-                 replicate: bool = True) -> None:
+                 replicate: bool = True, identity: str | None = None) -> None:
         if every is not None and (type(every) is not int or every < 1):
             raise ValueError(f"snapshot every={every!r} must be None (automatic) or an int >= 1")
         if not 0 < budget < 1:
@@ -118,9 +161,14 @@ class SnapshotTier:
         self.budget = budget
         self.root = root or default_root()
         self.run_dir = snapshot_dir(self.root, info.run_id, key)
+        self.identity = identity
         # The agent is the workers' parent and outlives the group restarts it drives.
         node = os.environ.get(NODE_ENV) or f"{socket.gethostname()}-{os.getppid()}"
-        self.node_dir = os.path.join(self.run_dir, re.sub(r"[^A-Za-z0-9_.-]", "_", node))
+        node = re.sub(r"[^A-Za-z0-9_-]", "_", node[:128]) or "node"
+        self.node_dir = os.path.join(self.run_dir, node)
+        #: why snapshots found on this node were not used (for the restore line)
+        self.ignored: list[str] = []
+        self._trusted = False  # the tree passed the check: this user's alone
         self.enabled = True
         self.store: CheckpointStore | None = None
         #: the current K, the same on every rank (automatic mode: rank 0's proposal,
@@ -140,7 +188,20 @@ class SnapshotTier:
         if not os.path.isdir(self.root):
             self._disable(f"{self.root} does not exist")
             return
-        self.store = CheckpointStore(self.node_dir, keep_last=1, node_local=True, info=info)
+        try:
+            check_root(self.root)
+            private_dir(self.root, [user_dir_name(), os.path.basename(self.run_dir), node])
+            self._trusted = True
+        except UnsafeTreeError as e:
+            self._disable(f"the snapshot tree is not private: {e}")
+            return
+        except OSError as e:
+            self._disable(f"cannot make the snapshot directory {self.node_dir}: {e!r}")
+            return
+        self.store = CheckpointStore(self.node_dir, keep_last=1, node_local=True, info=info,
+                                     private=True)
+        if info.local_rank == 0:
+            self._remove_unusable()
 
     def _disable(self, why: str) -> None:
         if self.enabled and self.info.local_rank == 0:
@@ -201,13 +262,12 @@ class SnapshotTier:
         try:
             self.store.wait()  # the previous snapshot; its duration sets the interval
             self._adapt(self.store.last_save_s)
+            if self.identity is not None:
+                metadata = {**metadata, IDENTITY_KEY: self.identity}
+            # the stream to the peer starts on the store's worker once the write committed
             self.store.save(state_dict, step=step, metadata=metadata, blocking=False,
-                            copy_later=copy_later)
-            if self._sender is not None:
-                # runs on the store's worker after the write committed (or failed: the
-                # sender then finds no manifest and skips the step)
-                self.store._submit(self._sender.offer, step,
-                                   os.path.join(self.node_dir, step_dir_name(step)))
+                            copy_later=copy_later,
+                            on_commit=None if self._sender is None else self._sender.offer)
             self._taking_s = time.perf_counter() - t0
         except Exception as e:  # snapshots are an optimisation: never fail training
             self._disable(f"writing snapshot step {step} to {self.node_dir} failed: {e!r}")
@@ -232,7 +292,7 @@ class SnapshotTier:
 
         if self._receiver is None and self.writes:
             try:
-                self._receiver = ReplicaReceiver(self.node_dir, run=os.path.basename(self.run_dir),
+                self._receiver = ReplicaReceiver(self.node_dir, run=self._run_label(),
                                                  token="", host=advertised_host())
             except OSError as e:
                 log.warning("snapshots are not replicated to this node (%s): cannot listen "
@@ -259,19 +319,75 @@ class SnapshotTier:
         log.info("snapshots of %s are replicated to node %s at %s:%d", mine[1], succ[1],
                  *succ[2])
 
-    # ------------------------------------------------------------------ reading
+    def _run_label(self) -> str:
+        """The run's name on the replica channel: the directory and the identity."""
+        name = os.path.basename(self.run_dir)
+        return name if self.identity is None else f"{name}@{self.identity}"
+
+    def _why_unusable(self, metadata: dict[str, Any]) -> str | None:
+        found = metadata.get(IDENTITY_KEY)
+        if found == self.identity:
+            return None
+        if found is None:
+            return "it records no run identity"
+        return (f"it belongs to another run of this store (identity {str(found)[:12]}, the "
+                f"store now holds {str(self.identity)[:12]})")
+
+    def _roots(self, node_dir: str) -> list[tuple[str, bool]]:
+        """``(root, own)``: a node's own snapshot directory and its replicas' (only
+        real directories of this user's that others cannot write)."""
+        roots = [(node_dir, True)]
+        replicas = os.path.join(node_dir, REPLICAS)
+        if is_private_entry(replicas):
+            roots += [(os.path.join(replicas, n), False) for n in sorted(os.listdir(replicas))
+                      if is_private_entry(os.path.join(replicas, n))]
+        return roots
+
     def _candidates(self) -> list[tuple[int, str, bool]]:
-        """``(step, root, own)`` of every committed snapshot on this node, newest first
-        (own before a replica of the same step); manifests read, payloads not."""
-        roots = [(self.node_dir, True)]
-        replicas = os.path.join(self.node_dir, REPLICAS)
-        if os.path.isdir(replicas):
-            roots += [(os.path.join(replicas, n), False) for n in sorted(os.listdir(replicas))]
+        """``(step, root, own)`` of every committed snapshot on this node that carries
+        this run's identity, newest first (own before a replica of the same step);
+        manifests read, payloads not."""
         out = []
-        for root, own in roots:
-            layout = _layout(root)
-            out += [(d.step, root, own) for d, _ in layout.committed()]
+        for root, own in self._roots(self.node_dir):
+            for d, m in _layout(root).committed():
+                why = self._why_unusable(m.metadata)
+                if why is None and is_private_entry(d.path):
+                    out.append((d.step, root, own))
+                elif why is not None:
+                    self._note_ignored(d.path, d.step, why)
         return sorted(out, key=lambda c: (-c[0], not c[2]))
+
+    def _note_ignored(self, path: str, step: int, why: str) -> None:
+        note = f"snapshot step {step} in {path} ignored: {why}"
+        if note not in self.ignored:
+            self.ignored.append(note)
+            log.warning("%s", note)
+
+    def _remove_unusable(self) -> None:
+        """Remove this run's snapshots on this host that carry another run identity
+        (every node directory of the run: an older launch's agents had other pids).
+        Only inside this user's private tree; a snapshot of this identity, which
+        another agent of the run on this host may be using, stays."""
+        if self.identity is None:
+            return
+        try:
+            nodes = [os.path.join(self.run_dir, n) for n in sorted(os.listdir(self.run_dir))]
+            for node_dir in [n for n in nodes if is_private_entry(n)]:
+                for root, _ in self._roots(node_dir):
+                    for d, m in list(_layout(root).committed()):
+                        why = self._why_unusable(m.metadata)
+                        if why is not None and is_private_entry(d.path):
+                            self._note_ignored(d.path, d.step, why + "; removed")
+                            shutil.rmtree(d.path, ignore_errors=True)
+        except OSError as e:
+            log.warning("cannot clean the old snapshots in %s: %r", self.run_dir, e)
+
+    def ignored_note(self) -> str:
+        """The restore line's account of snapshots not used (empty when none)."""
+        if not self.ignored:
+            return ""
+        more = f" (and {len(self.ignored) - 1} more)" if len(self.ignored) > 1 else ""
+        return f"; {self.ignored[0]}{more}"
 
     def newest_local(self) -> int | None:
         """The newest snapshot step this node holds, its own or a peer's replica (local
@@ -320,13 +436,22 @@ class SnapshotTier:
             root, step = self._choose_root()
         store = self.store
         if root != self.node_dir:
-            store = CheckpointStore(root, keep_last=None, node_local=True, info=self.info)
-            store._copy_missing = False  # a node keeps only its own snapshots and one replica
+            # a node keeps only its own snapshots and one replica: no copy of a peer's
+            store = CheckpointStore(root, keep_last=None, node_local=True, info=self.info,
+                                    copy_missing=False)
         try:
             loaded = store.load(map_location=map_location)
         finally:
             if store is not self.store:
                 store.close()
+        if loaded is not None:
+            # every rank holds the same broadcast metadata: all take this branch alike
+            why = self._why_unusable(loaded.metadata)
+            if why is not None:
+                self._note_ignored(loaded.path, loaded.step, why)
+                loaded = None
+            else:
+                loaded.metadata.pop(IDENTITY_KEY, None)
         self.loaded_own = (loaded is not None and root == self.node_dir
                            and step == loaded.step)
         return loaded
@@ -357,7 +482,8 @@ class SnapshotTier:
         if remove and self._receiver is not None:
             self._receiver.close()
             self._receiver = None
-        if remove and self.info.local_rank == 0:
+        if remove and self.info.local_rank == 0 and self._trusted:
+            # never a tree that failed the check: it may be another user's
             shutil.rmtree(self.run_dir, ignore_errors=True)
             try:  # the parent too, when this was the last run on the host
                 os.rmdir(os.path.dirname(self.run_dir))

@@ -135,7 +135,7 @@ def test_etcd_worker_kill_then_loss_of_rank_0_node_each_cost_at_most_one_step(
                  what=f"{kill_after} steps after the restart", abort_if=cluster.all_exited)
         survivor = agents[1 - agents.index(main)]
         # the survivor's memory holds a replica the main node streamed there
-        replica = f"elastic_kit/*/*-{survivor.pid}/replicas/*-{main.pid}/step-*"
+        replica = f"elastic_kit-*/*/*-{survivor.pid}/replicas/*-{main.pid}/step-*"
         wait_for(lambda: any(shm.glob(replica)), 60, interval=0.01,
                  what="a replica of the main node's snapshot on the survivor",
                  abort_if=cluster.all_exited)
