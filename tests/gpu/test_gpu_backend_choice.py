@@ -1,7 +1,8 @@
 """On a real GPU machine: more local ranks than GPUs run with gloo on the CPU (not NCCL's
 "invalid usage"), a forced NCCL there is a clear error, and the testing helpers keep
 their ranks off the GPUs unless asked. The same rules are checked on the CPU with a
-pretend device count in ``tests/test_backend_choice.py``.
+pretend device count in ``tests/unit/test_backend_choice.py`` and
+``tests/multiprocess/test_backend_fallback.py``.
 """
 
 from __future__ import annotations

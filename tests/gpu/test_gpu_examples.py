@@ -8,7 +8,7 @@ One rank on one GPU (NCCL), so these run on any CUDA machine. Each worker runs t
 checkpoint before that step committed and killed the worker: a GPU trains these small
 runs in seconds, and the kill must land inside the run. Skipped without CUDA (an
 allowed reason); the fork precondition itself is checked on the CPU in
-``test_run_fork_cuda.py``.
+``tests/torchrun/test_run_fork_cuda.py``.
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """Backend choice: NCCL only when every local rank can have a GPU of its own, gloo on the
 CPU otherwise (with a log line saying why), and a clear error for a forced NCCL that
-cannot work. Checked on the CPU by making torch report CUDA devices that are not there;
-the real NCCL runs are in ``tests/gpu``.
+cannot work. Checked on the CPU by making torch report CUDA devices that are not there
+(with a real process group: ``tests/multiprocess/test_backend_fallback.py``); the real
+NCCL runs are in ``tests/gpu``.
 """
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import pytest
@@ -14,7 +14,6 @@ import torch
 
 import elastic_kit as ek
 from elastic_kit.distributed import _choose_backend
-from elastic_kit.testing import spawn_multi_process
 
 
 @pytest.mark.parametrize("local_world_size,devices,expected", [
@@ -80,60 +79,6 @@ def test_without_a_process_group_the_device_follows_the_same_rule(
     assert ek.get_dist_info().device == torch.device("cuda", 0)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
     assert ek.get_dist_info().device == torch.device("cpu")
-
-
-# --- a real process group on the CPU, with one pretend GPU for two local ranks -------
-
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
-def _init_with_one_pretend_gpu(_: Any) -> dict[str, Any]:
-    torch.cuda.is_available = lambda: True  # this rank process only
-    torch.cuda.device_count = lambda: 1
-    records = _Records()
-    logger = logging.getLogger("elastic_kit.distributed")
-    logger.addHandler(records)
-    logger.setLevel(logging.INFO)
-    info = ek.init_distributed()
-    t = torch.tensor([float(info.rank + 1)], device=info.device)
-    torch.distributed.all_reduce(t)
-    return {"backend": info.backend, "device": str(info.device), "sum": float(t.item()),
-            "why": [line for line in records.lines if "not nccl" in line]}
-
-
-def test_two_local_ranks_on_one_gpu_fall_back_to_gloo_on_the_cpu_and_say_why() -> None:
-    out = spawn_multi_process(2, _init_with_one_pretend_gpu, None)
-    expected_why = ("process-group backend gloo, not nccl: LOCAL_WORLD_SIZE=2 ranks on this "
-                    "node but only 1 CUDA device(s): NCCL needs one device per rank, so the "
-                    "ranks use gloo on the CPU")
-    assert out == [{"backend": "gloo", "device": "cpu", "sum": 3.0, "why": [expected_why]}] * 2
-
-
-# --- the testing helpers keep their ranks on the CPU unless asked ----------------------
-
-def _cuda_view(_: Any) -> dict[str, Any]:
-    import os
-
-    return {"visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
-            "available": torch.cuda.is_available(),
-            "bad_fork": torch.cuda._is_in_bad_fork()}
-
-
-def test_spawn_multi_process_hides_gpus_unless_cuda_is_true() -> None:
-    hidden = spawn_multi_process(2, _cuda_view, None)
-    assert hidden == [{"visible": "", "available": False, "bad_fork": False}] * 2
-    shown = spawn_multi_process(1, _cuda_view, None, cuda=True)
-    import os
-
-    # the ranks see what this process sees, and may initialise CUDA (no bad fork)
-    assert shown == [{"visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
-                      "available": torch.cuda.is_available(), "bad_fork": False}]
 
 
 def test_local_cluster_hides_gpus_from_its_agents_unless_cuda_is_true(tmp_path: Any) -> None:
