@@ -93,7 +93,14 @@ def kill_mid_run(tmp_path: Path, script_args: list[str], ckpt: Path, summary: Pa
     assert codes == [0], logs[-20000:]
     assert held_step == HOLD_AT
     assert "Cannot re-initialize CUDA" not in logs
-    return json.loads(summary.read_text()), logs, cmdlines
+    s = json.loads(summary.read_text())
+    # for scripts/gpu-check's log (pytest -rP): what the run went through
+    print(f"killed at step {held_step}; summary: steps {s['steps']}, epochs {s['epochs']}, "
+          f"restarts {s['restarts']}, restored {s['restored_steps']}")
+    print("\n".join(line for line in logs.splitlines()
+                    if re.search(r"world size 1|validation at step|Epoch: \[\d\] done|"
+                                 r"Worker group FAILED|SIGKILL|restor", line)))
+    return s, logs, cmdlines
 
 
 def assert_resumed_after_the_epoch_end(s: dict[str, Any]) -> None:
