@@ -99,7 +99,10 @@ class StoreContract:
         store = make(keep_last=1)
         store.save(make_state(20, n=10), step=20)
         store.save(make_state(3, n=10), step=3)  # an older step, e.g. after a rollback
-        assert [i.step for i in store.list()] == [3]
+        # kept, and so is the newer one: retention counts from the newest step, and
+        # no save deletes a step newer than its own
+        assert [i.step for i in store.list()] == [3, 20]
+        assert store.load().step == 20
 
     def test_resaving_a_step_replaces_it(self, make):
         store = make()
