@@ -14,6 +14,7 @@ no process group is initialized.
 from __future__ import annotations
 
 import atexit
+import ctypes
 import logging
 import os
 import threading
@@ -38,6 +39,7 @@ __all__ = [
     "all_reduce_max",
     "all_reduce_sum",
     "all_reduce_sum_async",
+    "settle_collectives",
     "broadcast_object",
     "broadcast_tensors",
     "DEFAULT_TIMEOUT",
@@ -305,7 +307,9 @@ def _register_exit_teardown() -> None:
 
 
 def _teardown_at_exit() -> None:
-    """Destroy the process group (if the script has not), then let threads settle."""
+    """Let the library's collectives finish, destroy the process group (if the script
+    has not), then let threads settle."""
+    settle_collectives(EXIT_SETTLE_S)
     try:
         destroy_distributed()
     except Exception as e:  # the process is exiting anyway: keep its own exit status
@@ -426,7 +430,9 @@ def all_reduce_max(value: int) -> int:
     if not is_dist_ready():
         return int(value)
     t = torch.tensor([int(value)], dtype=torch.int64, device=_collective_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    work = dist.all_reduce(t, op=dist.ReduceOp.MAX, async_op=True)
+    hold_collective_tensor(t)  # gloo's thread may drop its work item after we return
+    work.wait()
     return int(t.item())
 
 
@@ -449,6 +455,7 @@ def all_reduce_sum_async(tensor: torch.Tensor) -> Callable[[], torch.Tensor]:
         return lambda: done
     t = tensor.detach().to(_collective_device()).clone()
     work = dist.all_reduce(t, op=dist.ReduceOp.SUM, async_op=True)
+    hold_collective_tensor(t)  # never freed on gloo's thread, waited for or not
 
     def result() -> torch.Tensor:
         work.wait()
@@ -488,3 +495,69 @@ def broadcast_tensors(tensors: Sequence[torch.Tensor], src: int = 0) -> None:
             dist.broadcast(staged, src=src)
             if dist.get_rank() != src:
                 t.copy_(staged)
+
+
+# ------------------------------------------------ collective tensors and shutdown
+# A Python-made tensor handed to a collective is also referenced by the backend's work
+# item. Since torch 2.9 the C++ refcount going from 2 to 1 calls
+# TensorImpl::decref_pyobject, which takes the GIL. gloo's worker thread drops its
+# work item a moment after the caller saw the result (or, for a collective nobody
+# waited for, whenever it ends); if that moment falls into interpreter shutdown,
+# taking the GIL ends the thread inside the work item's noexcept destructor and the
+# worker dies with SIGABRT ("terminate called without an active exception") after a
+# successful run. So every tensor the library hands to a collective is held with a
+# view of it (the view's _base is one more C++ reference: the backend's release is
+# then 3 -> 2, which never needs the GIL) until its use count shows that nothing but
+# the hold references it; it is then released on a Python thread.
+
+_HOLD_POLL_S = 0.002
+_held_lock = threading.Lock()
+#: ``(tensor, a view of it)`` per collective the backend may still reference
+_held: list[tuple[torch.Tensor, torch.Tensor]] = []
+#: holds the backend kept past :func:`settle_collectives`' deadline: kept until exit
+_pinned: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+
+def _prune_held() -> int:
+    """Release the holds nothing else references any more; how many remain."""
+    with _held_lock:
+        # 2: the tensor's own Python object and the view's base
+        _held[:] = [h for h in _held if h[0]._use_count() > 2]
+        return len(_held)
+
+
+def hold_collective_tensor(tensor: torch.Tensor) -> None:
+    """Keep ``tensor`` from being freed on the backend's thread: call it right after
+    handing it to a collective, while the caller still holds the work item."""
+    _prune_held()
+    with _held_lock:
+        _held.append((tensor, tensor.view(tensor.shape)))
+
+
+def settle_collectives(timeout: float) -> bool:
+    """Wait, at most ``timeout`` seconds, until the backend references none of the
+    collective tensors the library handed it; True when it let go of all.
+
+    Sleeps between checks, so the backend's threads can take the GIL. A collective a
+    lost peer never joined is not waited for beyond ``timeout``: its tensors are
+    pinned instead (referenced until the process ends, past the clearing of module
+    globals at shutdown), so whenever the backend drops it, no GIL is needed.
+    """
+    deadline = time.monotonic() + timeout
+    while _prune_held():
+        if time.monotonic() >= deadline:
+            with _held_lock:
+                stuck, _held[:] = list(_held), []
+            _pinned.extend(stuck)
+            for _, view in stuck:
+                ctypes.pythonapi.Py_IncRef(ctypes.py_object(view))
+            log.debug("%d collectives still referenced by the backend after %.1f s: "
+                      "pinned until exit", len(stuck), timeout)
+            return False
+        time.sleep(_HOLD_POLL_S)
+    return True
+
+
+# Also for a process group the script created itself (no teardown registered): the
+# last collectives settle (or are pinned) before interpreter shutdown.
+atexit.register(settle_collectives, EXIT_SETTLE_S)
