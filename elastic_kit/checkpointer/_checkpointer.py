@@ -40,6 +40,7 @@ import torch
 from elastic_kit.store import CheckpointStore, LoadedCheckpoint
 from elastic_kit.distributed import (
     DistInfo, all_reduce_max, all_reduce_sum_async, get_dist_info, is_dist_ready,
+    settle_collectives,
 )
 from elastic_kit.errors import CheckpointError, SampleAuditError
 from elastic_kit._console import say
@@ -82,6 +83,8 @@ class StoreLike(Protocol):
 EXCHANGE_PERIOD_S = 0.2
 MAX_EXCHANGE_EVERY = 64
 _NO_FLAGS = (0.0, 0.0, 0.0, 0.0)
+#: Seconds :meth:`Checkpointer.abandon` gives an exchange in flight to finish.
+ABANDON_SETTLE_S = 1.0
 
 _TIER_NAMES = {"memory": "this node's memory", "peer": "a peer node's memory",
                "store": "the checkpoint store", None: "nowhere"}
@@ -214,6 +217,10 @@ class Checkpointer:
         self._hooks_s = 0.0  # time in the loop's hooks since the previous exchange
         self._last_save_time = time.monotonic()
         self._last_saved_step: int | None = None
+        # A save or snapshot due at an epoch's last step waits for end_epoch (or the
+        # next step), so what is kept of that step describes the closed epoch.
+        self._save_pending = False
+        self._snapshot_pending = False
         self._pass_key: tuple[int, ...] | None = None
         self._pass_indices: torch.Tensor | None = None
         # Audited steps not yet digested: (epoch, the pass's local indices, samples the
@@ -264,6 +271,8 @@ class Checkpointer:
                               "restored_step": self.restored_step,
                               "restored_from": self.restored_from})
         if sampler is not None and loaded is not None:
+            if sampler.remaining == 0 or len(sampler) == 0:
+                self._close_exhausted_epoch()
             state.epoch = sampler.epoch
         if info.is_main:
             ignored = self.snapshots.ignored_note() if self.snapshots is not None else ""
@@ -284,6 +293,24 @@ class Checkpointer:
             self._step_hook = state.optimizer.register_step_pre_hook(self._wait_staged)
         self._last_save_time = time.monotonic()
         return int(state.epoch)
+
+    def _close_exhausted_epoch(self) -> None:
+        """A restored state whose epoch has nothing left: move to the next epoch.
+
+        Such a state (a save at the epoch's last step before :meth:`end_epoch`, or a
+        SIGTERM save there) would hand the script an empty pass, and a loop that
+        calls ``next(iter(loader))`` first stops with ``StopIteration``. The epoch's
+        audit is checked here instead of in :meth:`end_epoch`; the script's own
+        end-of-epoch work for it is not redone. Collective (the audit).
+        """
+        state, sampler = self.state, self.state.sampler
+        epoch = sampler.epoch
+        self.finish_audit()
+        sampler.set_epoch(epoch + 1)
+        state.epoch = epoch + 1
+        if self.info.is_main:
+            say(log, "restored step %d finished epoch %d: resuming at epoch %d, position 0",
+                state.step, epoch, epoch + 1)
 
     def _make_snapshots(self, info: DistInfo) -> SnapshotTier | None:
         every = self.snapshot_every
@@ -323,13 +350,20 @@ class Checkpointer:
             return loaded
         tier.connect()
         mine = tier.newest_local()
-        durable = store.latest_step() if getattr(store, "is_writer", info.rank == 0) else None
+        writer = getattr(store, "is_writer", info.rank == 0)
+        step, epoch, consumed = _newest_key(store) if writer else (-1, -1, -1)
         newest_snapshot = all_reduce_max(-1 if mine is None else mine)
-        newest_durable = all_reduce_max(-1 if durable is None else durable)
+        newest_durable = all_reduce_max(step)
+        # the newest durable checkpoint's position, from a writer that holds it
+        newest = step == newest_durable
+        durable_key = (newest_durable, all_reduce_max(epoch if newest else -1),
+                       all_reduce_max(consumed if newest else -1))
         loaded = None
         if newest_snapshot >= 0 and newest_snapshot >= newest_durable:
             loaded = tier.load(map_location=map_location)
-            if loaded is not None and loaded.step >= newest_durable:
+            # The later state wins, not the tier: a durable save made after end_epoch
+            # is later than a snapshot of the same step taken inside the epoch.
+            if loaded is not None and _key(loaded.step, loaded.metadata) >= durable_key:
                 # memory when rank 0's node held it, else a peer node's copy or a
                 # replica a peer streamed here
                 held = all_reduce_max(int(info.rank == 0 and tier.loaded_own))
@@ -397,8 +431,11 @@ class Checkpointer:
         the step's real samples over all ranks, records them in the audit (when on),
         saves when a save is due, and after a SIGTERM on any rank saves synchronously
         and raises ``SystemExit(exit_code)`` on every rank (at the same step, within
-        about 0.4 s of training). It runs a collective only now and then (about every
-        0.2 s of training, overlapped with the next steps), never one per step.
+        about 0.4 s of training; at an epoch's last step, :meth:`end_epoch` does, so
+        the checkpoint describes the closed epoch). It runs a collective only now and
+        then (about every 0.2 s of training, overlapped with the next steps), never
+        one per step. A save or snapshot due at an epoch's last step is taken by
+        :meth:`end_epoch`, after the epoch is closed.
         """
         self._record_step(n)
         self._act(self._poll_flags())
@@ -422,17 +459,32 @@ class Checkpointer:
     def _act(self, flags: list[float]) -> None:
         """Given the ranks' agreed flags (:meth:`_poll_flags`): save and exit after
         SIGTERM, save when due, take a snapshot when due."""
-        if flags[0] > 0:
-            self._exit_after_save()
         state, sampler = self.state, self.state.sampler
-        due = self.every_steps is not None and state.step % self.every_steps == 0
         epoch_done = sampler is not None and sampler.remaining == 0
-        if (due or flags[1] > 0) and not (epoch_done and self.save_at_epoch_end):
-            # The epoch's last step is saved by end_epoch, with the epoch closed.
-            self.save(blocking=self.blocking)
+        if flags[0] > 0:
+            if not epoch_done:
+                self._exit_after_save()
+            # The epoch's last step: saved now, in case the script's end-of-epoch work
+            # outlasts torchrun's grace period; end_epoch saves it again with the epoch
+            # closed and exits (it sees the stop through _agreed_stop).
+            self.save(blocking=True)
+        due = self.every_steps is not None and state.step % self.every_steps == 0
+        due = due or flags[1] > 0 or self._save_pending
         # A fixed snapshot interval is known to every rank; an automatic one is rank
         # 0's proposal, agreed through the exchanges (see _poll_flags).
-        if self.snapshots is not None and self.snapshots.due(state.step):
+        snap = self.snapshots is not None and (self.snapshots.due(state.step)
+                                               or self._snapshot_pending)
+        if epoch_done:
+            # One step, one state: what is kept of the epoch's last step is taken by
+            # end_epoch, with the epoch closed, so a snapshot and a durable checkpoint
+            # of that step never disagree about the epoch.
+            self._save_pending = self._save_pending or due
+            self._snapshot_pending = self._snapshot_pending or snap
+            return
+        self._save_pending = self._snapshot_pending = False
+        if due:
+            self.save(blocking=self.blocking)
+        if snap:
             self.snapshot()
 
     def _note_audited(self, epoch: int, indices: torch.Tensor, r0: int, w: int,
@@ -589,8 +641,12 @@ class Checkpointer:
             sampler.set_epoch(epoch + 1)
         if stop:
             self._exit_after_save()
-        if self.save_at_epoch_end:
+        save, snap = self.save_at_epoch_end or self._save_pending, self._snapshot_pending
+        self._save_pending = self._snapshot_pending = False
+        if save:
             self.save(blocking=self.blocking)
+        if snap:
+            self.snapshot()
 
     def finish_audit(self) -> EpochAudit | None:
         """Check the current epoch's sample audit now (collective); None when off.
@@ -734,6 +790,10 @@ class Checkpointer:
             return
         self._closed = True
         self._remove_hooks()
+        # An exchange of flags may be in flight, and a failing peer may never join it:
+        # not waited for here, but kept from being freed on the backend's thread.
+        self._flags = None
+        settle_collectives(ABANDON_SETTLE_S)
         if self.store is not None:
             self.store.wait_local()
         if self.snapshots is not None:
@@ -744,6 +804,26 @@ class Checkpointer:
             self._step_hook.remove()
             self._step_hook = None
         self._stop.uninstall()
+
+
+def _int_or(value: Any, default: int) -> int:
+    return int(value) if isinstance(value, int) and not isinstance(value, bool) else default
+
+
+def _key(step: int, metadata: dict[str, Any]) -> tuple[int, int, int]:
+    """``(step, epoch, position)`` of a saved state: which of two states is later."""
+    return (int(step), _int_or(metadata.get("epoch"), -1), _int_or(metadata.get("consumed"), -1))
+
+
+def _newest_key(store: StoreLike) -> tuple[int, int, int]:
+    """:func:`_key` of the store's newest committed checkpoint (manifests only), or
+    ``(-1, -1, -1)`` without one. A store without ``list()`` gives its step only."""
+    lister = getattr(store, "list", None)
+    if lister is None:
+        step = store.latest_step()  # type: ignore[attr-defined]
+        return (-1, -1, -1) if step is None else (int(step), -1, -1)
+    infos = lister()
+    return _key(infos[-1].step, infos[-1].metadata) if infos else (-1, -1, -1)
 
 
 def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

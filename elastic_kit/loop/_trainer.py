@@ -223,10 +223,11 @@ class ElasticLoop:
             enabled=info.is_main, log_every=cfg.log_every,
             total_samples=self._remaining_samples(), total_steps=total_steps,
             progress_bar=cfg.progress_bar)
-        self._loader = self._make_loader()
+        # A group restarted after the end trains nothing: no loader, no workers.
+        self._loader = None if self._done() else self._make_loader()
         finished = False
         try:
-            while state.epoch < cfg.epochs and not self._max_steps_reached():
+            while not self._done():
                 epoch = state.epoch
                 state.sampler.set_epoch(epoch)
                 summary = self.train_epoch(epoch)
@@ -254,6 +255,10 @@ class ElasticLoop:
                 ckpt.abandon()
             self._loader = None
         return state
+
+    def _done(self) -> bool:
+        """Whether training is over: the last epoch or ``max_steps`` reached."""
+        return self.state.epoch >= self.config.epochs or self._max_steps_reached()
 
     def _max_steps_reached(self) -> bool:
         return self.config.max_steps is not None and self.state.step >= self.config.max_steps

@@ -204,14 +204,14 @@ def _one_epoch_loop(url: str, stop_at: int | None) -> dict[str, Any]:
                                       for _, a in sorted(state.audit.epochs.items())]}
 
 
-def test_sigterm_at_the_epochs_last_step_resumes_with_an_empty_pass_then_ends_the_epoch(
+def test_sigterm_at_the_epochs_last_step_exits_from_end_epoch_with_the_epoch_closed(
         tmp_path: Any, caplog: Any) -> None:
     with pytest.raises(SystemExit):
         _one_epoch_loop(str(tmp_path), stop_at=12)
     saved = ek.load_checkpoint(None, tmp_path)
     assert saved is not None and saved.step == 13
-    assert saved.state["sampler"]["consumed"] == N and saved.state["epoch"] == 0
-    # resume: epoch 0 has nothing left (no batch, no warning), end_epoch closes it
+    assert saved.state["sampler"]["consumed"] == 0 and saved.state["epoch"] == 1
+    # resume: at the next epoch (no empty pass, no warning)
     with caplog.at_level("WARNING"):
         resumed = _one_epoch_loop(str(tmp_path), stop_at=None)
     assert resumed["steps"][0] == (1, 14)
