@@ -268,6 +268,10 @@ class ElasticDistributedSampler(Sampler[int]):
                 f"{length}; expected 0 <= start_index <= {length}"
             )
         self.dataset = dataset
+        # A dataset that takes ``(epoch, index)`` keys (ek.SeededDataset) gets them: its
+        # per-sample randomness then knows the epoch in any loader worker, persistent
+        # or not, and a resumed epoch draws what the uninterrupted one drew.
+        self._epoch_keys: bool = bool(getattr(dataset, "takes_epoch_keys", False))
         self.dataset_length: int = length
         self.num_replicas: int = num_replicas
         self.rank: int = rank
@@ -581,6 +585,9 @@ class ElasticDistributedSampler(Sampler[int]):
     def __iter__(self) -> Iterator[int]:
         """Deal a pass: this rank's share from the current position.
 
+        Indices, or ``(epoch, index)`` keys when the dataset has a true
+        ``takes_epoch_keys`` attribute (:class:`~elastic_kit.SeededDataset`).
+
         Records the pass (:attr:`pass_start`, ``len()``). Iterating again at the end
         of an epoch this sampler consumed itself starts the next epoch (see the class
         warning about :meth:`set_epoch`).
@@ -606,6 +613,9 @@ class ElasticDistributedSampler(Sampler[int]):
         indices = self.local_indices()
         if len(indices) == 0:
             self._end_reached = True
+        if self._epoch_keys:
+            epoch = self.epoch
+            return iter([(epoch, i) for i in indices.tolist()])  # type: ignore[misc]
         return iter(indices.tolist())
 
     def __len__(self) -> int:

@@ -8,10 +8,11 @@ and restores the previous generator states. torchvision's random transforms draw
 those global generators, so they become a pure function of ``(seed, epoch, index)``.
 
 The epoch reaches data-loader worker processes through the index itself: the
-:class:`~elastic_kit.loop.ElasticLoop` asks for ``dataset[(epoch, index)]``, which
-works with any ``num_workers`` and with ``persistent_workers=True``. Plain integer
-indices use :attr:`SeededDataset.epoch` (set it with :meth:`set_epoch` before the
-loader's iterator is created).
+:class:`~elastic_kit.loop.ElasticLoop`, and an
+:class:`~elastic_kit.ElasticDistributedSampler` built on the wrapped dataset, ask for
+``dataset[(epoch, index)]``, which works with any ``num_workers`` and with
+``persistent_workers=True``. Plain integer indices use :attr:`SeededDataset.epoch`
+(set it with :meth:`set_epoch` before the loader's iterator is created).
 """
 
 from __future__ import annotations
@@ -80,10 +81,17 @@ class SeededDataset(Dataset):
         train_set = SeededDataset(ImageFolder(root, transform=augment), seed=0)
         loop = ElasticLoop(state, train_set, loss_fn=..., ...)   # epochs reach workers
 
+        # a loop of one's own: the sampler deals (epoch, index) keys to this dataset
+        sampler = ElasticDistributedSampler(train_set)
+        loader = DataLoader(train_set, batch_size=64, sampler=sampler, num_workers=4)
+
     .. warning::
         Randomness drawn *outside* ``__getitem__`` (e.g. in a ``collate_fn``) is not
         covered.
     """
+
+    #: ``dataset[(epoch, index)]`` works: an ElasticDistributedSampler deals such keys
+    takes_epoch_keys = True
 
     def __init__(self, dataset: Any, transform: Callable[[Any], Any] | None = None, *,
                  seed: int = 0, return_index: bool = False) -> None:

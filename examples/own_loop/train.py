@@ -192,6 +192,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     train_set, val_set, num_classes = build_datasets(args)
+    train_set = ek.SeededDataset(train_set, seed=args.seed)  # resumes draw the same augmentation
     model = ek.wrap_ddp(build_model(args.arch, num_classes))  # to device, DDP if distributed
     model_without_ddp = ek.unwrap_model(model)
     ema = AveragedModel(model_without_ddp, multi_avg_fn=get_ema_multi_avg_fn(args.ema_decay),
@@ -220,8 +221,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         for i, (images, target) in enumerate(loader):
             images = images.to(device, non_blocking=True)
             target = target.to(device, non_blocking=True)
-            # W/n for the step's n real samples, 0 for the padding of the epoch's last step
-            w = ckpt.sample_weights(len(images), device=device)
+            w = ckpt.sample_weights(len(images), device=device)  # W/n real samples, 0 padding
             with torch.autocast(device.type, enabled=scaler.is_enabled()):
                 output = model(images)
                 losses = criterion(output, target)
