@@ -36,6 +36,7 @@ from elastic_kit.store import (
     CheckpointInfo,
     CheckpointStore,
     LoadedCheckpoint,
+    SaveHandle,
     load_checkpoint,
     save_checkpoint,
 )
@@ -63,6 +64,7 @@ __all__ = [
     "CheckpointStore",
     "CheckpointInfo",
     "LoadedCheckpoint",
+    "SaveHandle",
     "save_checkpoint",
     "load_checkpoint",
     "Checkpointer",

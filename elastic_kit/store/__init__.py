@@ -25,7 +25,9 @@ from elastic_kit.store._fs import resolve_url
 from elastic_kit.store._identity import IDENTITY_NAME
 from elastic_kit.store._layout import TMP_PREFIX, Layout, parse_step_dir, step_dir_name
 from elastic_kit.store._manifest import MANIFEST_NAME, Manifest, check_file_name
-from elastic_kit.store._store import CheckpointInfo, CheckpointStore, LoadedCheckpoint
+from elastic_kit.store._store import (
+    CheckpointInfo, CheckpointStore, LoadedCheckpoint, SaveHandle,
+)
 
 __all__ = [
     "CheckpointStore",
@@ -33,6 +35,7 @@ __all__ = [
     "LoadedCheckpoint",
     "save_checkpoint",
     "load_checkpoint",
+    "SaveHandle",
     # the layout, for the in-memory tier
     "Layout",
     "IDENTITY_NAME",

@@ -52,7 +52,7 @@ from elastic_kit.errors import (
     CheckpointConflictError, CheckpointCorruptError, CheckpointError, UnsafeCheckpointError,
 )
 
-__all__ = ["CheckpointStore", "CheckpointInfo", "LoadedCheckpoint"]
+__all__ = ["CheckpointStore", "CheckpointInfo", "LoadedCheckpoint", "SaveHandle"]
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +77,39 @@ os.register_at_fork(after_in_child=_reset_token)
 # n-th call is the same on every rank that calls load() in the same order.
 _LOAD_SEQ = 0
 _LOAD_LOCK = threading.Lock()
+
+
+def _resolved() -> Future[None]:
+    fut: Future[None] = Future()
+    fut.set_result(None)
+    return fut
+
+
+@dataclass(frozen=True)
+class SaveHandle:
+    """What :meth:`CheckpointStore.save` returns: its step and two futures.
+
+    The shape of DCP's ``AsyncSaveResponse``: ``staged`` resolves once the save no
+    longer reads the caller's tensors (they may change again: the optimizer
+    pre-hook of a non-blocking save waits for it), ``committed`` once the
+    checkpoint is committed, or with the write's error. A blocking save, and a
+    save on a rank that does not write, returns both resolved.
+
+    A failed non-blocking write is raised by :meth:`wait` (and ``committed``), and
+    also, as before, by the store's next ``save``/``wait``/``close``.
+    """
+
+    step: int
+    staged: Future[None] = field(default_factory=_resolved)
+    committed: Future[None] = field(default_factory=_resolved)
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the checkpoint is committed; raise the write's error."""
+        self.committed.result(timeout)
+
+    def done(self) -> bool:
+        """True once the save has committed or failed."""
+        return self.committed.done()
 
 
 @dataclass
@@ -297,7 +330,7 @@ class CheckpointStore:
     # ------------------------------------------------------------------ saving
     def save(self, state_dict: dict[str, Any], *, step: int, metadata: dict[str, Any] | None = None,
              blocking: bool = True, copy_later: Iterable[torch.Tensor] = (),
-             on_commit: Callable[[int, str], None] | None = None) -> None:
+             on_commit: Callable[[int, str], None] | None = None) -> SaveHandle:
         """Save ``state_dict`` as checkpoint ``step``. Not collective.
 
         The writer ranks write; every other rank validates the arguments and returns
@@ -329,6 +362,11 @@ class CheckpointStore:
                 committed files (the snapshot tier streams them to a peer). An error
                 it raises is logged, never raised by the save.
 
+        Returns:
+            a :class:`SaveHandle`: ``staged`` and ``committed`` futures of this save
+            (both resolved when the call returns, unless ``blocking=False`` on a
+            writer).
+
         Raises:
             TypeError: ``state_dict`` holds something weights-only loading cannot read
                 (the message names the key path), or ``metadata`` is not JSON-able.
@@ -355,7 +393,7 @@ class CheckpointStore:
             state_dict = state_dict.state_dict()
         validate_state(state_dict)
         if not self.is_writer:
-            return
+            return SaveHandle(step)
         self._raise_pending()
         world_size = self.info.world_size
         if blocking:
@@ -364,7 +402,7 @@ class CheckpointStore:
             if on_commit is not None:
                 self._submit(self._committed, on_commit, step)
             self._submit(self._retain, step)
-            return
+            return SaveHandle(step)
         used: dict[str, torch.Tensor] = {}
         deferred: list[tuple[torch.Tensor, torch.Tensor]] = []
         staged = prepare_state(state_dict, copy=True,
@@ -378,21 +416,32 @@ class CheckpointStore:
                 after.record()  # the deferred copies wait for work issued so far
             torch.cuda.synchronize()  # the pinned copies were issued non_blocking
         event = threading.Event() if deferred else None
+        handle = SaveHandle(step, staged=Future() if deferred else _resolved(),
+                            committed=Future())
         self._staged = event
         self._pending_step = step
         self._pending = self._submit(self._stage_write_retain, deferred, after, event, staged,
-                                     step, metadata, world_size, on_commit)
+                                     step, metadata, world_size, on_commit, handle)
+        return handle
 
     def _stage_write_retain(self, deferred: list[tuple[torch.Tensor, torch.Tensor]], after: Any,
                             staged: threading.Event | None, state: Any, step: int,
                             metadata: dict[str, Any], world_size: int,
-                            on_commit: Callable[[int, str], None] | None = None) -> None:
-        if staged is not None:
-            try:
-                copy_deferred(deferred, after)
-            finally:
-                staged.set()  # also on failure: the error surfaces at the next store call
-        self._write(state, step, metadata, world_size)
+                            on_commit: Callable[[int, str], None] | None,
+                            handle: SaveHandle) -> None:
+        try:
+            if staged is not None:
+                try:
+                    copy_deferred(deferred, after)
+                finally:
+                    staged.set()  # also on failure: the error surfaces at the next store call
+                    if not handle.staged.done():
+                        handle.staged.set_result(None)
+            self._write(state, step, metadata, world_size)
+        except BaseException as e:
+            handle.committed.set_exception(e)
+            raise
+        handle.committed.set_result(None)
         if on_commit is not None:
             self._committed(on_commit, step)
         self._retain(step)
