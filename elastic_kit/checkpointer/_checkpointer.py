@@ -345,7 +345,7 @@ class Checkpointer:
         if store is None:
             return None
         if tier is None:
-            loaded = store.load(map_location=map_location)
+            loaded = _load_durable(store, map_location)
             self.restored_from = "store" if loaded is not None else None
             return loaded
         tier.connect()
@@ -369,7 +369,7 @@ class Checkpointer:
                 held = all_reduce_max(int(info.rank == 0 and tier.loaded_own))
                 self.restored_from = "memory" if held else "peer"
                 return loaded
-        loaded = store.load(map_location=map_location)
+        loaded = _load_durable(store, map_location)
         self.restored_from = "store" if loaded is not None else None
         return loaded
 
@@ -824,6 +824,17 @@ def _newest_key(store: StoreLike) -> tuple[int, int, int]:
         return (-1, -1, -1) if step is None else (int(step), -1, -1)
     infos = lister()
     return _key(infos[-1].step, infos[-1].metadata) if infos else (-1, -1, -1)
+
+
+def _load_durable(store: StoreLike, map_location: Any) -> LoadedCheckpoint | None:
+    """Load the store's newest checkpoint; a node-local store's node that lacked it
+    then keeps the broadcast copy (a store-like wrapper without ``keep_copy`` only
+    loads)."""
+    loaded = store.load(map_location=map_location)
+    keep_copy = getattr(store, "keep_copy", None)
+    if keep_copy is not None:
+        keep_copy(loaded)
+    return loaded
 
 
 def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

@@ -437,10 +437,11 @@ class SnapshotTier:
         store = self.store
         if root != self.node_dir:
             # a node keeps only its own snapshots and one replica: no copy of a peer's
-            store = CheckpointStore(root, keep_last=None, node_local=True, info=self.info,
-                                    copy_missing=False)
+            store = CheckpointStore(root, keep_last=None, node_local=True, info=self.info)
         try:
             loaded = store.load(map_location=map_location)
+            if store is self.store:  # a node that lacked the snapshot keeps the broadcast
+                store.keep_copy(loaded)
         finally:
             if store is not self.store:
                 store.close()

@@ -74,6 +74,7 @@ def load_checkpoint(state: Any, url_or_store: str | os.PathLike[str] | Checkpoin
     load_kw = {k: v for k, v in kw.items() if k not in _STORE_OPTIONS}
     try:
         loaded = store.load(**load_kw)
+        store.keep_copy(loaded)
     finally:
         if owned:
             store.close()

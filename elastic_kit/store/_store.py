@@ -123,6 +123,9 @@ class LoadedCheckpoint:
         path: the ``step-<n>`` directory it came from (this node's copy when node-local).
         epoch: the manifest's epoch (``metadata["epoch"]`` when it was an int).
         world_size: the world size of the job that saved it.
+        lacked_locally: with ``node_local=True``, this node's storage did not hold the
+            step: it was broadcast from another node (:meth:`CheckpointStore.keep_copy`
+            commits it here).
     """
 
     step: int
@@ -131,6 +134,7 @@ class LoadedCheckpoint:
     path: str
     epoch: int | None = None
     world_size: int = 1
+    lacked_locally: bool = False
 
 
 @dataclass
@@ -189,8 +193,6 @@ class CheckpointStore:
             names (a wrapper, a pre-configured client); ``url`` is then the path in it.
         private: on a local disk, create directories 0700 and files 0600 (other
             users of the host cannot read the state; the snapshot tier's stores).
-        copy_missing: with ``node_local=True``, a node that lacked the loaded step
-            commits a copy of it (False: it only reads, e.g. a peer's replica).
 
     Example::
 
@@ -229,7 +231,7 @@ class CheckpointStore:
                  read_attempts: int = 3, load_timeout: float = 60.0,
                  stale_after_s: float = 600.0,
                  filesystem: fsspec.AbstractFileSystem | None = None,
-                 private: bool = False, copy_missing: bool = True) -> None:
+                 private: bool = False) -> None:
         if keep_last is not None and (type(keep_last) is not int or keep_last < 1):
             raise ValueError(f"keep_last={keep_last!r} must be an int >= 1 or None (keep all)")
         if checksum not in CHECKSUMS:
@@ -271,7 +273,6 @@ class CheckpointStore:
         self._staging: dict[str, torch.Tensor] = {}
         self._staged: threading.Event | None = None  # set when deferred copies are done
         self.last_save_s: float = 0.0  # duration of the last write (writers only)
-        self.copy_missing = bool(copy_missing)
 
     # ------------------------------------------------------------------ roles
     @property
@@ -711,24 +712,42 @@ class CheckpointStore:
             if found is not None:
                 found.source.close()
         path = header["path"]
+        lacked = False
         if self.node_local:
             path = self._layout.dir_of(step).path
-            if self.is_writer and found_step < step and self.copy_missing:
-                self._copy_locally(state, step, header)
+            lacked = found_step < step
         return LoadedCheckpoint(step=step, state=state, metadata=header["metadata"], path=path,
-                                epoch=header["epoch"], world_size=header["world_size"])
+                                epoch=header["epoch"], world_size=header["world_size"],
+                                lacked_locally=lacked)
 
-    def _copy_locally(self, state: Any, step: int, header: dict[str, Any]) -> None:
-        """A node that lacked the newest step commits the broadcast copy (best effort:
-        the state is already loaded; a failure only costs a later restore)."""
+    def keep_copy(self, loaded: LoadedCheckpoint | None) -> bool:
+        """Commit a checkpoint that :meth:`load` broadcast from another node here too.
+
+        With ``node_local=True`` a node whose own storage lacked the newest step
+        received it from the node that held it; this writes it to this node's storage
+        (on the node's writer; other ranks return at once), so the node holds it
+        after the holder is gone. :meth:`load` itself only reads; the
+        :class:`~elastic_kit.Checkpointer` and :func:`~elastic_kit.load_checkpoint`
+        call this after it. Best effort and not collective: the state is already
+        loaded, so a failure is logged (and costs only a later restore).
+
+        Returns:
+            True when a copy was committed.
+        """
+        if loaded is None or not loaded.lacked_locally or not self.is_writer:
+            return False
+        header = {"metadata": loaded.metadata, "world_size": loaded.world_size}
         try:
-            path, _ = self._layout.commit(prepare_state(state, copy=False), step=step,
-                                          checksum=self.checksum, metadata=header["metadata"],
+            path, _ = self._layout.commit(prepare_state(loaded.state, copy=False),
+                                          step=loaded.step, checksum=self.checksum,
+                                          metadata=header["metadata"],
                                           world_size=header["world_size"])
-            self._newest_verified = max(self._newest_verified, step)
-            log.info("node %d lacked checkpoint step %d: local copy written to %s",
-                     self.info.node_rank, step, path)
-            self._retain(step)
         except Exception as e:
             log.warning("node %d could not write its local copy of checkpoint step %d to %s: "
-                        "%r", self.info.node_rank, step, self.url, e)
+                        "%r", self.info.node_rank, loaded.step, self.url, e)
+            return False
+        self._newest_verified = max(self._newest_verified, loaded.step)
+        log.info("node %d lacked checkpoint step %d: local copy written to %s",
+                 self.info.node_rank, loaded.step, path)
+        self._retain(loaded.step)
+        return True

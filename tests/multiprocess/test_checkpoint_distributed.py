@@ -41,6 +41,9 @@ def _job(root: str) -> dict:
     info = init_distributed()
     store = CheckpointStore(root + "/node-{node_rank}", node_local=True, keep_last=3)
     loaded = store.load()
+    assert loaded.lacked_locally == (info.rank in (0, 2))
+    assert (7 in [i.step for i in store.list()]) == (info.rank == 1)  # load() only reads ...
+    assert store.keep_copy(loaded) == (info.rank in (0, 2))  # ... a copy is explicit
     out = {"rank": info.rank, "step": loaded.step, "state": _summary(loaded.state),
            "metadata": loaded.metadata, "path": loaded.path}
     # node-local save: every node's local rank 0 writes its own directory
