@@ -436,12 +436,22 @@ class Checkpointer:
         then (about every 0.2 s of training, overlapped with the next steps), never
         one per step. A save or snapshot due at an epoch's last step is taken by
         :meth:`end_epoch`, after the epoch is closed.
+
+        It is :meth:`record_step` then :meth:`after_step`; a loop that reports the
+        step in between (as :class:`~elastic_kit.ElasticLoop` does, so that a step
+        ended by SIGTERM is still reported) calls the two itself.
         """
-        self._record_step(n)
+        self.record_step(n)
+        self.after_step()
+
+    def after_step(self) -> None:
+        """The second half of :meth:`step`: exchange the ranks' flags now and then,
+        save or snapshot when due, and after a SIGTERM save and exit."""
         self._act(self._poll_flags())
 
-    def _record_step(self, n: int) -> None:
-        """Count the step, advance the sampler by its real samples, feed the audit."""
+    def record_step(self, n: int) -> None:
+        """The first half of :meth:`step`: count the step, advance the sampler by its
+        real samples over all ranks and feed the audit. No collective, no save."""
         n = operator.index(n)
         if n < 0:
             raise ValueError(f"step(n={n}): n must be >= 0 (this rank's samples in the step)")

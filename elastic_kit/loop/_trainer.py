@@ -341,11 +341,10 @@ class ElasticLoop:
         assert ckpt is not None and info is not None and self.plan is not None
         loss_sum, outputs = self.forward_backward(step, batches, mask)
         grad_norm = self.optimizer_step()
-        ckpt._record_step(self.plan.per_rank)
-        flags = ckpt._poll_flags()
+        ckpt.record_step(self.plan.per_rank)
         loss = loss_sum.detach()
         self._report(epoch, step.n_real, loss, grad_norm, outputs)
-        ckpt._act(flags)
+        ckpt.after_step()
         return loss
 
     def forward_backward(self, step: _Step, batches: Iterator[Any],
