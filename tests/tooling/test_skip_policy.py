@@ -77,6 +77,26 @@ def test_skip_with_an_allowed_reason_passes(suite: pytest.Pytester) -> None:
     assert "skips not on the allow-list" not in result.stdout.str()
 
 
+def test_an_opt_in_stress_run_may_skip_but_a_missing_variable_of_another_kind_may_not(
+        suite: pytest.Pytester) -> None:
+    suite.makepyfile(test_stress="""
+        import pytest
+
+        @pytest.mark.skipif(True, reason="set ELASTIC_KIT_EXIT_STRESS=N to run N groups")
+        def test_stress():
+            pass
+
+        @pytest.mark.skipif(True, reason="set ELASTIC_KIT_SNAPSHOT_DIR to run")
+        def test_needs_a_setting():
+            pass
+    """)
+    result = suite.runpytest(*ARGS)
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.assert_outcomes(skipped=2)
+    out = result.stdout.str()
+    assert "test_needs_a_setting" in out and "SKIPPED test_stress.py::test_stress" not in out
+
+
 def test_escape_hatch_lists_but_does_not_fail(suite: pytest.Pytester,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ELASTIC_KIT_ALLOW_SKIPS", "1")
