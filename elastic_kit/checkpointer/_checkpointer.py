@@ -213,7 +213,7 @@ class Checkpointer:
         self._until_exchange = 1
         self._exchange_t: float | None = None  # rank 0: when the previous exchange ran
         self._exchange_step = 0
-        self._step_s: float | None = None  # rank 0: step time estimate
+        self._step_s: float | None = None  # rank 0: the step time estimate (the only one)
         self._hooks_s = 0.0  # time in the loop's hooks since the previous exchange
         self._last_save_time = time.monotonic()
         self._last_saved_step: int | None = None
@@ -573,13 +573,11 @@ class Checkpointer:
         snap_every = exchange_every = 0
         if main:
             tier = self.snapshots
-            snap_every = tier.proposed if tier is not None else 0
             steps = self.state.step - self._exchange_step
             if self._exchange_t is not None and steps > 0:
                 dt = max(now - self._exchange_t - self._hooks_s, 0.0) / steps
                 self._step_s = dt if self._step_s is None else 0.5 * (self._step_s + dt)
-                if tier is not None:
-                    tier.set_step_time(self._step_s)
+            snap_every = tier.proposal(self._step_s) if tier is not None else 0
             self._exchange_t, self._exchange_step = now, self.state.step
             self._hooks_s = 0.0
             exchange_every = max(1, min(MAX_EXCHANGE_EVERY, int(

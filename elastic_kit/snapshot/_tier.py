@@ -174,9 +174,9 @@ class SnapshotTier:
         #: the current K, the same on every rank (automatic mode: rank 0's proposal,
         #: which the checkpointer's flag exchange makes every rank adopt at one step)
         self.interval = every or 1
-        #: the K this node's writes suggest (automatic mode)
-        self.proposed = every or 1
-        self._step_s: float | None = None  # the step time (set_step_time)
+        self._proposed = every or 1  # the K this node's costs last suggested
+        #: the last snapshot's cost in seconds: the training thread's part and the write
+        self._cost_s: float | None = None
         self._space_checked = False
         self._taking_s = 0.0  # the training thread's time in the last snapshot
         self.replicate = replicate
@@ -210,10 +210,21 @@ class SnapshotTier:
         self.enabled = False
 
     # ------------------------------------------------------------------ cadence
-    def set_step_time(self, seconds: float) -> None:
-        """The training step time, which the automatic interval is a budget of (the
-        checkpointer measures it on rank 0, whose proposal every rank adopts)."""
-        self._step_s = seconds
+    def proposal(self, step_s: float | None) -> int:
+        """The interval K this node's snapshots suggest for steps of ``step_s`` seconds.
+
+        A snapshot costs the training thread the time spent taking it (the state dict,
+        staging) and, at most, the background write's duration (it competes for the
+        cores); K spreads both over enough steps to stay within the budget. The step
+        time is the checkpointer's (the one estimate, measured on rank 0, whose
+        proposal every rank adopts); without it, or a snapshot yet, the last proposal.
+        """
+        if self.every is not None:
+            return self.every
+        if self._cost_s is not None and step_s is not None and step_s > 0:
+            k = math.ceil(self._cost_s / (self.budget * step_s))
+            self._proposed = max(1, min(k, _MAX_AUTO_EVERY))
+        return self._proposed
 
     def due(self, step: int) -> bool:
         """Whether a snapshot is due at ``step`` by the agreed interval (on every rank
@@ -224,15 +235,6 @@ class SnapshotTier:
     def writes(self) -> bool:
         """Whether this rank writes snapshots (each node's local rank 0, while on)."""
         return self.enabled and self.store is not None and self.info.local_rank == 0
-
-    def _adapt(self, write_s: float) -> None:
-        if self.every is not None or self._step_s is None or self._step_s <= 0:
-            return
-        # A snapshot costs the training thread the time spent taking it (the state
-        # dict, staging) and, at most, the background write's duration (it competes
-        # for the cores); spread both over enough steps to stay in budget.
-        k = math.ceil((write_s + self._taking_s) / (self.budget * self._step_s))
-        self.proposed = max(1, min(k, _MAX_AUTO_EVERY))
 
     # ------------------------------------------------------------------ writing
     def save(self, state_dict: dict[str, Any] | Callable[[], dict[str, Any]], *, step: int,
@@ -261,7 +263,8 @@ class SnapshotTier:
                 return
         try:
             self.store.wait()  # the previous snapshot; its duration sets the interval
-            self._adapt(self.store.last_save_s)
+            if self.store.last_save_s:
+                self._cost_s = self.store.last_save_s + self._taking_s
             if self.identity is not None:
                 metadata = {**metadata, IDENTITY_KEY: self.identity}
             # the stream to the peer starts on the store's worker once the write committed

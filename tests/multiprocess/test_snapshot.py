@@ -233,14 +233,15 @@ def test_snapshot_dirs_separate_runs_and_stores(tmp_path: Path) -> None:
 def test_automatic_interval_keeps_the_write_within_the_budget(tmp_path: Path, shm: str) -> None:
     tier = SnapshotTier(str(tmp_path / "run"), info=ek.DistInfo(run_id="t"), every=None,
                         budget=0.02, root=shm)
-    tier._step_s = 0.01          # 10 ms steps
-    tier._adapt(0.05)            # a 50 ms write: 0.05 / (0.02 * 0.01) = 250 steps
-    assert tier.proposed == 250
-    tier._adapt(0.0001)          # a tiny state: every step
-    assert tier.proposed == 1
-    tier._taking_s = 0.03        # 30 ms on the training thread + a 20 ms write: 250 again
-    tier._adapt(0.02)
-    assert tier.proposed == 250
+    assert tier.proposal(0.01) == 1   # no snapshot taken yet: every step
+    tier._cost_s = 0.05               # a 50 ms snapshot, 10 ms steps: 0.05 / (0.02 * 0.01)
+    assert tier.proposal(0.01) == 250
+    assert tier.proposal(None) == 250  # no step time: the last proposal
+    tier._cost_s = 0.0001             # a tiny state: every step
+    assert tier.proposal(0.01) == 1
+    tier._cost_s = 0.03 + 0.02        # 30 ms on the training thread + a 20 ms write
+    assert tier.proposal(0.01) == 250
+    assert tier.proposal(0.02) == 125  # slower steps: the same budget in fewer steps
 
 
 def test_closing_the_tier_stops_its_store_thread(tmp_path: Path, shm: str) -> None:
