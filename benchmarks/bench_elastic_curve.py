@@ -101,6 +101,7 @@ def _phase(cfg: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
 
     import elastic_kit as ek
+    from elastic_kit.checkpointer import CheckpointerConfig
     from elastic_kit.loop import ElasticLoop, LoopConfig, StepInfo, TrainState
 
     logging.basicConfig(level=logging.WARNING)
@@ -128,7 +129,7 @@ def _phase(cfg: dict[str, Any]) -> dict[str, Any]:
                           micro_batch_size=MICRO,
                           batch_policy=_naive_policy() if cfg.get("naive") else "fixed_global",
                           max_steps=cfg["max_steps"], log_every=0, progress_bar=False,
-                          handle_signals=False, blocking=True))
+                          checkpoint=CheckpointerConfig(handle_signals=False, blocking=True)))
     loop.run()
     out: dict[str, Any] = {"curve": curve, "restored_step": loop.restored_step,
                            "world_size": info.world_size}

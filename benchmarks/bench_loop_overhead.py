@@ -301,11 +301,11 @@ def _worker(cfg: dict[str, Any]) -> dict[str, Any]:
     loop = ek.ElasticLoop(
         state, data, loss_fn=loss_fn, store=wrapped, on_step_end=on_step,
         config=ek.LoopConfig(epochs=1, global_batch_size=G, micro_batch_size=per_rank,
-                             max_steps=warm + block * len(kinds), checkpoint_every_steps=None,
-                             checkpoint_at_epoch_end=False, checkpoint_at_exit=False,
-                             blocking=False, log_every=0, progress_bar=False,
-                             handle_signals=False, pin_memory=cuda,
-                             snapshot_every=cfg["snapshot_every"]))
+                             max_steps=warm + block * len(kinds), checkpoint_at_exit=False,
+                             checkpoint=ek.CheckpointerConfig(
+                                 every_steps=None, save_at_epoch_end=False, blocking=False,
+                                 handle_signals=False, snapshot_every=cfg["snapshot_every"]),
+                             log_every=0, progress_bar=False, pin_memory=cuda))
     loop.run()
     store.wait()
     expected = [cfg["periods"] if k == "ek_ckpt" else 0 for k in kinds]

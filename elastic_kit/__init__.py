@@ -49,7 +49,7 @@ from elastic_kit.loop import (
     StepInfo,
     TrainState,
 )
-from elastic_kit.checkpointer import Checkpointer
+from elastic_kit.checkpointer import Checkpointer, CheckpointerConfig
 from elastic_kit.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -68,6 +68,7 @@ __all__ = [
     "save_checkpoint",
     "load_checkpoint",
     "Checkpointer",
+    "CheckpointerConfig",
     "TrainState",
     "ElasticLoop",
     "LoopConfig",

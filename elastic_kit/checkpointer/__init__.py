@@ -9,5 +9,6 @@ storage it saves into is :mod:`elastic_kit.store`; the in-memory tier is
 from __future__ import annotations
 
 from elastic_kit.checkpointer._checkpointer import Checkpointer, StoreLike
+from elastic_kit.checkpointer._config import AUDIT_MODES, CheckpointerConfig
 
-__all__ = ["Checkpointer", "StoreLike"]
+__all__ = ["Checkpointer", "CheckpointerConfig", "StoreLike", "AUDIT_MODES"]

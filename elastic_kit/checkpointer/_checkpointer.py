@@ -45,6 +45,7 @@ from elastic_kit.distributed import (
 from elastic_kit.errors import CheckpointError, SampleAuditError
 from elastic_kit._console import say
 from elastic_kit.state import EpochAudit, TerminationFlag
+from elastic_kit.checkpointer._config import CheckpointerConfig
 from elastic_kit.snapshot import DEFAULT_BUDGET, SnapshotTier, agree_run_identity
 
 if TYPE_CHECKING:
@@ -88,8 +89,6 @@ ABANDON_SETTLE_S = 1.0
 
 _TIER_NAMES = {"memory": "this node's memory", "peer": "a peer node's memory",
                "store": "the checkpoint store", None: "nowhere"}
-
-_AUDIT_MODES = {False: "off", True: "error", "off": "off", "warn": "warn", "error": "error"}
 
 
 class Checkpointer:
@@ -159,7 +158,7 @@ class Checkpointer:
     def __init__(self, state: TrainState, store: StoreLike | str | os.PathLike[str] | None,
                  *, every_steps: int | None = None, every_seconds: float | None = None,
                  keep_last: int | None = 3, blocking: bool = False,
-                 save_at_epoch_end: bool = True, audit: bool | str = False,
+                 save_at_epoch_end: bool = True, audit: bool | str | None = False,
                  overlap_staging: bool = True, handle_signals: bool = True,
                  exit_code: int = 143, node_local: bool = False,
                  storage_options: dict[str, Any] | None = None,
@@ -168,22 +167,13 @@ class Checkpointer:
                  info: DistInfo | None = None) -> None:
         if not hasattr(state, "state_dict") or not hasattr(state, "load_state_dict"):
             raise TypeError(f"state={state!r} must be an ek.TrainState (state_dict/load_state_dict)")
-        if every_steps is not None:
-            every_steps = operator.index(every_steps)
-            if every_steps < 1:
-                raise ValueError(f"every_steps={every_steps} must be None or an int >= 1")
-        if every_seconds is not None and not every_seconds > 0:
-            raise ValueError(f"every_seconds={every_seconds!r} must be None or > 0")
-        if audit not in _AUDIT_MODES:
-            raise ValueError(f"audit={audit!r} must be True, False, 'off', 'warn' or 'error'")
-        if snapshot_every is None or snapshot_every == "auto":
-            pass
-        elif isinstance(snapshot_every, str) or operator.index(snapshot_every) < 0:
-            raise ValueError(f"snapshot_every={snapshot_every!r} must be 'auto', None or an "
-                             "int >= 0 (0: off)")
-        exit_code = operator.index(exit_code)
-        if not 1 <= exit_code <= 255:
-            raise ValueError(f"exit_code={exit_code} must be in [1, 255]")
+        #: the options, validated (:class:`CheckpointerConfig`)
+        self.config = config = CheckpointerConfig(
+            every_steps=every_steps, every_seconds=every_seconds, keep_last=keep_last,
+            blocking=blocking, save_at_epoch_end=save_at_epoch_end, audit=audit,
+            overlap_staging=overlap_staging, handle_signals=handle_signals,
+            exit_code=exit_code, snapshot_every=snapshot_every,
+            snapshot_budget=snapshot_budget)
         self.state = state
         self._owns_store = isinstance(store, (str, os.PathLike))
         if self._owns_store:
@@ -191,16 +181,16 @@ class Checkpointer:
                                     node_local=node_local, storage_options=storage_options,
                                     info=info)
         self.store: StoreLike | None = store  # type: ignore[assignment]
-        self.every_steps = every_steps
-        self.every_seconds = every_seconds
-        self.blocking = bool(blocking)
-        self.save_at_epoch_end = bool(save_at_epoch_end)
-        self.audit = _AUDIT_MODES[audit]
-        self.overlap_staging = bool(overlap_staging)
-        self.handle_signals = bool(handle_signals)
-        self.exit_code = exit_code
-        self.snapshot_every = snapshot_every
-        self.snapshot_budget = snapshot_budget
+        self.every_steps = config.every_steps
+        self.every_seconds = config.every_seconds
+        self.blocking = bool(config.blocking)
+        self.save_at_epoch_end = bool(config.save_at_epoch_end)
+        self.audit = config.audit_mode("off")
+        self.overlap_staging = bool(config.overlap_staging)
+        self.handle_signals = bool(config.handle_signals)
+        self.exit_code = int(config.exit_code)
+        self.snapshot_every = config.snapshot_every
+        self.snapshot_budget = config.snapshot_budget
         self.snapshots: SnapshotTier | None = None
         self.restored_from: str | None = None
         self._given_info = info

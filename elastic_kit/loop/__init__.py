@@ -50,7 +50,7 @@ or as ``python train.py``)::
         loss_fn=lambda model, batch: criterion(model(batch[0]), batch[1]),
         store=ek.CheckpointStore("s3://bucket/run-1"),
         config=ek.LoopConfig(epochs=epochs, global_batch_size=256, micro_batch_size=64,
-                             checkpoint_every_steps=200),
+                             checkpoint=ek.CheckpointerConfig(every_steps=200)),
     )
     loop.run()
 

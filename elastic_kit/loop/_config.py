@@ -3,13 +3,31 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+import warnings
+from dataclasses import InitVar, dataclass, field, replace
 from typing import Any
 
+from elastic_kit.checkpointer import AUDIT_MODES, CheckpointerConfig
 from elastic_kit.state import EpochAudit
 from elastic_kit.loop._policy import BatchPolicy, make_policy
 
 __all__ = ["LoopConfig", "StepInfo", "EpochSummary"]
+
+
+#: The flat names LoopConfig once had for the checkpointer's options, and their
+#: names in :class:`~elastic_kit.CheckpointerConfig`.
+_DEPRECATED = {
+    "checkpoint_every_steps": "every_steps",
+    "checkpoint_every_seconds": "every_seconds",
+    "checkpoint_at_epoch_end": "save_at_epoch_end",
+    "blocking": "blocking",
+    "overlap_staging": "overlap_staging",
+    "audit": "audit",
+    "sigterm_exit_code": "exit_code",
+    "handle_signals": "handle_signals",
+    "snapshot_every": "snapshot_every",
+}
+_UNSET: Any = object()
 
 
 @dataclass
@@ -25,35 +43,28 @@ class LoopConfig:
         batch_policy: ``"fixed_global"`` (default), ``"linear_lr"`` or a
             :class:`~elastic_kit.loop.BatchPolicy` instance.
         max_steps: stop (after a checkpoint) once the global step reaches this.
-        checkpoint_every_steps: checkpoint every this many optimizer steps.
-        checkpoint_every_seconds: checkpoint when this long has passed since the last
-            one (rank 0's clock decides, so all ranks agree).
-        checkpoint_at_epoch_end: checkpoint after every epoch (after ``on_epoch_end``).
+        checkpoint: when and how to save, snapshot and stop: a
+            :class:`~elastic_kit.CheckpointerConfig` (the options
+            :class:`~elastic_kit.Checkpointer` takes), e.g.
+            ``CheckpointerConfig(every_steps=200)``. The loop's audit defaults to
+            ``"error"`` (log and raise :class:`~elastic_kit.SampleAuditError` when an
+            epoch missed or repeated a sample).
         checkpoint_at_exit: checkpoint when ``max_steps`` ends the run.
-        blocking: make the periodic checkpoints synchronous (SIGTERM ones always are).
-        overlap_staging: a non-blocking checkpoint copies the parameters and optimizer
-            state on the background thread while the next forward and backward run,
-            and the loop waits for that copy before ``optimizer.step()`` (the only
-            place they change). Turn off if ``loss_fn`` or a hook modifies
-            parameters or optimizer state in place outside ``optimizer.step()``;
-            the copy then happens inside the save call.
         scheduler_interval: ``"epoch"`` (``scheduler.step()`` after every epoch) or
             ``"step"`` (after every optimizer step).
         clip_grad_norm: clip the gradient norm to this value before each step.
-        audit: ``"error"`` (log and raise :class:`~elastic_kit.SampleAuditError` when an
-            epoch missed or repeated a sample), ``"warn"`` (log only) or ``"off"``.
         log_every: rank 0 logs step, epoch, loss, samples/s and ETA every this many
             steps (0: never).
         progress_bar: tqdm bar on rank 0; ``None``: when stderr is a terminal.
         shuffle: / seed: passed to the sampler the loop creates.
         num_workers, pin_memory, persistent_workers, prefetch_factor: DataLoader options.
         collate_fn: collates a list of samples (default: torch's ``default_collate``).
-        sigterm_exit_code: exit status after the SIGTERM checkpoint (non-zero, so
-            torchrun restarts the group instead of reporting success).
-        handle_signals: install the SIGTERM handler (main thread only).
-        snapshot_every: in-memory snapshots every this many steps (``"auto"``: an
-            interval within 1% of the training time; ``None``/0: off); see
-            :class:`~elastic_kit.Checkpointer`.
+
+    The checkpointer's options once had flat names here (``checkpoint_every_steps``,
+    ``checkpoint_every_seconds``, ``checkpoint_at_epoch_end``, ``blocking``,
+    ``overlap_staging``, ``audit``, ``sigterm_exit_code``, ``handle_signals``,
+    ``snapshot_every``): they are still accepted, with a ``DeprecationWarning``, and
+    go into :attr:`checkpoint`.
     """
 
     epochs: int = 1
@@ -61,15 +72,10 @@ class LoopConfig:
     micro_batch_size: int = 32
     batch_policy: str | BatchPolicy = "fixed_global"
     max_steps: int | None = None
-    checkpoint_every_steps: int | None = None
-    checkpoint_every_seconds: float | None = None
-    checkpoint_at_epoch_end: bool = True
+    checkpoint: CheckpointerConfig = field(default_factory=CheckpointerConfig)
     checkpoint_at_exit: bool = True
-    blocking: bool = False
-    overlap_staging: bool = True
     scheduler_interval: str = "epoch"
     clip_grad_norm: float | None = None
-    audit: str = "error"
     log_every: int = 10
     progress_bar: bool | None = None
     shuffle: bool = True
@@ -79,28 +85,42 @@ class LoopConfig:
     persistent_workers: bool = False
     prefetch_factor: int | None = None
     collate_fn: Callable[[list[Any]], Any] | None = None
-    sigterm_exit_code: int = 143
-    handle_signals: bool = True
-    snapshot_every: int | str | None = "auto"
+    checkpoint_every_steps: InitVar[Any] = _UNSET
+    checkpoint_every_seconds: InitVar[Any] = _UNSET
+    checkpoint_at_epoch_end: InitVar[Any] = _UNSET
+    blocking: InitVar[Any] = _UNSET
+    overlap_staging: InitVar[Any] = _UNSET
+    audit: InitVar[Any] = _UNSET
+    sigterm_exit_code: InitVar[Any] = _UNSET
+    handle_signals: InitVar[Any] = _UNSET
+    snapshot_every: InitVar[Any] = _UNSET
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, *flat: Any) -> None:
         def _check(name: str, ok: bool, expected: str) -> None:
             if not ok:
                 raise ValueError(f"LoopConfig.{name}={getattr(self, name)!r}: expected {expected}")
 
+        if not isinstance(self.checkpoint, CheckpointerConfig):
+            raise TypeError(f"LoopConfig.checkpoint={self.checkpoint!r}: expected an "
+                            "ek.CheckpointerConfig")
+        # dataclasses.replace() passes the flat names back (read through the
+        # properties below): a value the nested config already has is no change
+        given = {new: value for (old, new), value in zip(_DEPRECATED.items(), flat)
+                 if value is not _UNSET and not self._holds(new, value)}
+        if given:
+            olds = [old for old, new in _DEPRECATED.items() if new in given]
+            warnings.warn(
+                f"LoopConfig({', '.join(olds)}=...) is deprecated: pass "
+                f"checkpoint=ek.CheckpointerConfig({', '.join(given)}=...)",
+                DeprecationWarning, stacklevel=3)
+            self.checkpoint = replace(self.checkpoint, **given)
         _check("epochs", isinstance(self.epochs, int) and self.epochs >= 0, "an int >= 0")
         _check("micro_batch_size", isinstance(self.micro_batch_size, int)
                and self.micro_batch_size >= 1, "an int >= 1")
         _check("max_steps", self.max_steps is None or self.max_steps >= 0, "None or >= 0")
-        _check("checkpoint_every_steps", self.checkpoint_every_steps is None
-               or self.checkpoint_every_steps >= 1, "None or an int >= 1")
-        _check("checkpoint_every_seconds", self.checkpoint_every_seconds is None
-               or self.checkpoint_every_seconds > 0, "None or > 0")
         _check("scheduler_interval", self.scheduler_interval in ("epoch", "step"),
                "'epoch' or 'step'")
-        _check("audit", self.audit in ("error", "warn", "off"), "'error', 'warn' or 'off'")
         _check("log_every", isinstance(self.log_every, int) and self.log_every >= 0, "an int >= 0")
-        _check("sigterm_exit_code", 1 <= self.sigterm_exit_code <= 255, "an int in [1, 255]")
         if not isinstance(self.batch_policy, BatchPolicy):
             # Fails early with a BatchPolicyError naming the missing/invalid value.
             make_policy(self.batch_policy, global_batch_size=self.global_batch_size,
@@ -112,6 +132,35 @@ class LoopConfig:
             return self.batch_policy
         return make_policy(self.batch_policy, global_batch_size=self.global_batch_size,
                            micro_batch_size=self.micro_batch_size)
+
+    def _holds(self, name: str, value: Any) -> bool:
+        if name == "audit":
+            return (value in AUDIT_MODES
+                    and AUDIT_MODES[value] == self.checkpoint.audit_mode("error"))
+        current = getattr(self.checkpoint, name)
+        return type(value) is type(current) and value == current
+
+    def checkpointer_options(self) -> dict[str, Any]:
+        """The :class:`~elastic_kit.Checkpointer` keyword arguments the loop uses
+        (the loop's audit defaults to ``"error"``)."""
+        options = self.checkpoint.options()
+        options["audit"] = self.checkpoint.audit_mode("error")
+        return options
+
+
+def _deprecated_reader(new: str) -> property:
+    def read(self: LoopConfig) -> Any:
+        if new == "audit":
+            return self.checkpoint.audit_mode("error")
+        return getattr(self.checkpoint, new)
+    return property(read, doc=f"Deprecated: read ``checkpoint.{new}``.")
+
+
+# The flat names stay readable, as the nested values (no warning: dataclasses.replace
+# reads them too); the dataclass's __init__ already holds their defaults, so the
+# class attributes can become properties.
+for _old, _new in _DEPRECATED.items():
+    setattr(LoopConfig, _old, _deprecated_reader(_new))
 
 
 class StepInfo:

@@ -176,11 +176,7 @@ class ElasticLoop:
         # Fail on an impossible batch plan before touching the store.
         self.policy.plan(info.world_size, state.initial_world_size or info.world_size)
         ckpt = self.checkpointer = _checkpointer.Checkpointer(
-            state, self.store, every_steps=cfg.checkpoint_every_steps,
-            every_seconds=cfg.checkpoint_every_seconds, blocking=cfg.blocking,
-            save_at_epoch_end=cfg.checkpoint_at_epoch_end, audit=cfg.audit,
-            overlap_staging=cfg.overlap_staging, handle_signals=cfg.handle_signals,
-            exit_code=cfg.sigterm_exit_code, snapshot_every=cfg.snapshot_every, info=info)
+            state, self.store, **cfg.checkpointer_options(), info=info)
         if self._stop_requested:
             ckpt.request_stop()
         ckpt.restore(map_location="cpu")

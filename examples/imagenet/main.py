@@ -337,8 +337,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         config=ek.LoopConfig(
             epochs=args.epochs, global_batch_size=args.global_batch_size,
             micro_batch_size=args.batch_size, batch_policy=args.batch_policy,
-            max_steps=args.max_steps, checkpoint_every_steps=args.checkpoint_every,
-            snapshot_every=args.snapshot_every,
+            max_steps=args.max_steps,
+            checkpoint=ek.CheckpointerConfig(every_steps=args.checkpoint_every,
+                                             snapshot_every=args.snapshot_every),
             log_every=args.print_freq, seed=args.seed, num_workers=args.workers,
             persistent_workers=args.workers > 0, progress_bar=False,
             pin_memory=info.device.type == "cuda"),

@@ -71,8 +71,9 @@ def main() -> None:
         on_epoch_end=on_epoch_end,
         config=ek.LoopConfig(epochs=args.epochs, global_batch_size=args.global_batch,
                              micro_batch_size=args.micro_batch, max_steps=args.max_steps,
-                             checkpoint_every_steps=args.checkpoint_every,
-                             blocking=args.blocking, log_every=4),
+                             checkpoint=ek.CheckpointerConfig(
+                                 every_steps=args.checkpoint_every, blocking=args.blocking),
+                             log_every=4),
     )
     loop.run()
     if info.is_main:

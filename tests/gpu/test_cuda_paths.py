@@ -105,8 +105,9 @@ def _loop_run(cfg: dict[str, Any]) -> dict[str, Any]:
         state, _data(), loss_fn=loss_fn, store=ek.CheckpointStore(cfg["url"]),
         on_step_end=on_step,
         config=ek.LoopConfig(epochs=2, global_batch_size=8, micro_batch_size=4,
-                             checkpoint_every_steps=2, max_steps=cfg["max_steps"],
-                             log_every=0, progress_bar=False, handle_signals=True,
+                             checkpoint=ek.CheckpointerConfig(every_steps=2,
+                                                              handle_signals=True),
+                             max_steps=cfg["max_steps"], log_every=0, progress_bar=False,
                              pin_memory=True))
     code = None
     try:

@@ -46,7 +46,8 @@ def _train(url: str, max_steps: int | None, checkpoint_every: int | None = 4) ->
         state, _dataset(), loss_fn=lambda m, b: crit(m(b[0]), b[1]),
         store=CheckpointStore(url), on_epoch_end=on_epoch_end,
         config=LoopConfig(epochs=EPOCHS, global_batch_size=GLOBAL_BATCH, micro_batch_size=4,
-                          max_steps=max_steps, checkpoint_every_steps=checkpoint_every,
+                          max_steps=max_steps,
+                          checkpoint=ek.CheckpointerConfig(every_steps=checkpoint_every),
                           log_every=0, progress_bar=False),
     )
     loop.run()

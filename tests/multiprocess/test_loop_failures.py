@@ -37,7 +37,7 @@ def _fail_on_rank_one(ckpt: str) -> str:
     loop = ek.ElasticLoop(
         ek.TrainState(model, opt), data, loss_fn=loss_fn, store=ek.CheckpointStore(ckpt),
         config=ek.LoopConfig(epochs=1, global_batch_size=4, micro_batch_size=2,
-                             checkpoint_every_steps=1, blocking=False))
+                             checkpoint=ek.CheckpointerConfig(every_steps=1, blocking=False)))
     loop.run()
     return "finished"
 

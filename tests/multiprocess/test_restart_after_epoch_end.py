@@ -76,7 +76,9 @@ def _loop_life(url: str, stop_at_epoch_end: bool, forbidden: bool = False) -> di
                                                                     reduction="none"),
         store=ek.CheckpointStore(url), on_step_end=on_step_end, on_epoch_end=on_epoch_end,
         config=ek.LoopConfig(epochs=EPOCHS, global_batch_size=BATCH * 2,
-                             micro_batch_size=BATCH, blocking=True, handle_signals=False))
+                             micro_batch_size=BATCH,
+                             checkpoint=ek.CheckpointerConfig(blocking=True,
+                                                              handle_signals=False)))
     try:
         loop.run()
     except _LostDuringEpochEnd:

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
+from elastic_kit import CheckpointerConfig
 from elastic_kit.errors import BatchPolicyError
 from elastic_kit.loop import (ElasticLoop, FixedGlobalBatch, LinearLRScaling, LoopConfig,
                               TerminationFlag, TrainState)
@@ -147,7 +148,8 @@ def test_linear_lr_policy_rescales_lr_on_resume_without_compounding(
         loop = ElasticLoop(state, AugmentedData(), loss_fn=lambda m, b: crit(m(b[0]), b[1]),
                            store=CheckpointStore(str(tmp_path)),
                            config=LoopConfig(batch_policy="linear_lr", micro_batch_size=4,
-                                             max_steps=max_steps, epochs=5, audit="off",
+                                             max_steps=max_steps, epochs=5,
+                                             checkpoint=CheckpointerConfig(audit="off"),
                                              log_every=0, progress_bar=False))
         loop.run()
         return opt.param_groups[0]["lr"], state
@@ -195,9 +197,10 @@ def test_nonblocking_checkpoints_hold_the_state_of_their_step_with_a_slow_copy(
     loop = ElasticLoop(state, AugmentedData(), loss_fn=lambda m, b: crit(m(b[0]), b[1]),
                        store=store, on_step_end=on_step_end,
                        config=LoopConfig(epochs=2, global_batch_size=8, micro_batch_size=8,
-                                         checkpoint_every_steps=1, blocking=False,
-                                         overlap_staging=overlap, log_every=0,
-                                         progress_bar=False))
+                                         checkpoint=CheckpointerConfig(
+                                             every_steps=1, blocking=False,
+                                             overlap_staging=overlap),
+                                         log_every=0, progress_bar=False))
     loop.run()
     saved = [i.step for i in store.list()]
     assert saved == list(range(1, 9))

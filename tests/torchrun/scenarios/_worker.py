@@ -56,6 +56,7 @@ from torch.utils.data import TensorDataset
 
 import elastic_kit as ek
 from elastic_kit.store import CheckpointStore
+from elastic_kit.checkpointer import CheckpointerConfig
 from elastic_kit.loop import ElasticLoop, LoopConfig, StepInfo, TrainState
 
 from _hold import hold_point  # this script's directory is on sys.path
@@ -80,7 +81,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="CheckpointStore(node_local=True); the directory is "
                         "$EK_NODE_CHECKPOINT_DIR when set, else --checkpoint-dir")
     p.add_argument("--snapshot-every", default="auto",
-                   help="in-memory snapshots (LoopConfig.snapshot_every; the library's "
+                   help="in-memory snapshots (CheckpointerConfig.snapshot_every; the library's "
                         "default 'auto', or a number of steps, 0: off)")
     p.add_argument("--dataset-size", type=int, default=50)
     p.add_argument("--global-batch-size", type=int, default=6)
@@ -226,12 +227,13 @@ def main(argv: list[str] | None = None) -> int:
         config=LoopConfig(
             epochs=args.epochs, global_batch_size=args.global_batch_size,
             micro_batch_size=args.micro_batch_size, batch_policy="fixed_global",
-            checkpoint_every_steps=args.checkpoint_every,
-            checkpoint_at_epoch_end=not args.no_epoch_checkpoints,
-            blocking=args.blocking_saves, seed=args.seed, audit="error",
-            snapshot_every=(args.snapshot_every if args.snapshot_every == "auto"
-                            else int(args.snapshot_every)),
-            log_every=0, progress_bar=False))
+            checkpoint=CheckpointerConfig(
+                every_steps=args.checkpoint_every,
+                save_at_epoch_end=not args.no_epoch_checkpoints,
+                blocking=args.blocking_saves, audit="error",
+                snapshot_every=(args.snapshot_every if args.snapshot_every == "auto"
+                                else int(args.snapshot_every))),
+            seed=args.seed, log_every=0, progress_bar=False))
     try:
         loop.run()  # SIGTERM: checkpoint, then SystemExit(143) so torchrun restarts the group
     except SystemExit as e:

@@ -1,0 +1,113 @@
+"""The checkpointer's options, validated once, for :class:`Checkpointer` and the loop.
+
+:class:`~elastic_kit.Checkpointer` takes them as keyword arguments and
+:class:`~elastic_kit.LoopConfig` nests them (``LoopConfig(checkpoint=...)``), so each
+option has one name, one default and one validator.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+from elastic_kit.snapshot import DEFAULT_BUDGET
+
+__all__ = ["CheckpointerConfig", "AUDIT_MODES"]
+
+#: What ``audit`` accepts, and the mode each value means.
+AUDIT_MODES = {False: "off", True: "error", "off": "off", "warn": "warn", "error": "error"}
+
+
+@dataclass(frozen=True)
+class CheckpointerConfig:
+    """When and how a loop saves, snapshots and stops (validated on construction).
+
+    Attributes:
+        every_steps: save every this many optimizer steps (None: not by steps).
+        every_seconds: save when this long has passed since the last save (rank 0's
+            clock decides, so all ranks agree).
+        keep_last: checkpoints a store made from a URL keeps.
+        blocking: make the periodic saves synchronous. Non-blocking saves (default)
+            copy the state and write it on a background thread; SIGTERM saves are
+            always synchronous.
+        save_at_epoch_end: save at the end of every epoch.
+        audit: ``False``/``"off"``, ``True``/``"error"`` (raise
+            :class:`~elastic_kit.SampleAuditError` at the end of an epoch that missed or
+            repeated a sample), ``"warn"``, or None: the owner's default (off for a
+            :class:`~elastic_kit.Checkpointer`, ``"error"`` for
+            :class:`~elastic_kit.ElasticLoop`).
+        overlap_staging: a non-blocking save copies the parameters and optimizer
+            state while the next forward and backward run, and waits for the copy in
+            a pre-hook of ``optimizer.step()``. Turn off if parameters change in place
+            outside ``optimizer.step()``.
+        handle_signals: catch SIGTERM (torchrun's restart notice): save at the next
+            step every rank agrees on, then exit with ``exit_code``.
+        exit_code: the exit status after a SIGTERM save (non-zero, so torchrun
+            restarts the group instead of reporting success).
+        snapshot_every: in-memory snapshots every this many steps; ``"auto"``: an
+            interval within ``snapshot_budget`` of the training time, under torchrun;
+            ``0``/None: off.
+        snapshot_budget: the share of training time automatic snapshots may cost,
+            in (0, 1).
+
+    Example::
+
+        cfg = ek.CheckpointerConfig(every_steps=200, audit=True)
+        ckpt = ek.Checkpointer(state, "s3://bucket/run", **cfg.options())
+        loop = ek.ElasticLoop(state, dataset, loss_fn=loss_fn, store=store,
+                              config=ek.LoopConfig(global_batch_size=256, checkpoint=cfg))
+    """
+
+    every_steps: int | None = None
+    every_seconds: float | None = None
+    keep_last: int | None = 3
+    blocking: bool = False
+    save_at_epoch_end: bool = True
+    audit: bool | str | None = None
+    overlap_staging: bool = True
+    handle_signals: bool = True
+    exit_code: int = 143
+    snapshot_every: int | str | None = "auto"
+    snapshot_budget: float = DEFAULT_BUDGET
+
+    def __post_init__(self) -> None:
+        def bad(name: str, expected: str) -> ValueError:
+            return ValueError(f"{name}={getattr(self, name)!r}: expected {expected}")
+
+        def as_int(name: str) -> int:
+            value = getattr(self, name)
+            if isinstance(value, bool):
+                raise bad(name, "an int")
+            try:
+                return operator.index(value)
+            except TypeError:
+                raise bad(name, "an int") from None
+
+        if self.every_steps is not None:
+            every = as_int("every_steps")
+            if every < 1:
+                raise bad("every_steps", "None or an int >= 1")
+            object.__setattr__(self, "every_steps", every)
+        if self.every_seconds is not None and not (
+                isinstance(self.every_seconds, (int, float)) and self.every_seconds > 0):
+            raise bad("every_seconds", "None or a number > 0")
+        if self.keep_last is not None and (as_int("keep_last") < 1):
+            raise bad("keep_last", "None (keep all) or an int >= 1")
+        if self.audit is not None and self.audit not in AUDIT_MODES:
+            raise bad("audit", "True, False, 'off', 'warn', 'error' or None")
+        snap = self.snapshot_every
+        if not (snap is None or snap == "auto"):
+            if isinstance(snap, str) or as_int("snapshot_every") < 0:
+                raise bad("snapshot_every", "'auto', None or an int >= 0 (0: off)")
+        if not 1 <= as_int("exit_code") <= 255:
+            raise bad("exit_code", "an int in [1, 255]")
+        if not (isinstance(self.snapshot_budget, (int, float)) and 0 < self.snapshot_budget < 1):
+            raise bad("snapshot_budget", "a number in (0, 1)")
+
+    def audit_mode(self, default: str = "off") -> str:
+        """``"off"``, ``"warn"`` or ``"error"``; ``default`` when ``audit`` is None."""
+        return default if self.audit is None else AUDIT_MODES[self.audit]
+
+    def options(self) -> dict[str, object]:
+        """The options as :class:`~elastic_kit.Checkpointer`'s keyword arguments."""
+        return {name: getattr(self, name) for name in self.__dataclass_fields__}

@@ -1,0 +1,70 @@
+"""One configuration for the checkpointer's options: CheckpointerConfig, taken by the
+Checkpointer as keyword arguments and nested in LoopConfig."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import elastic_kit as ek
+
+
+def test_loop_config_nests_the_checkpointer_options_with_the_loops_audit_default() -> None:
+    cfg = ek.LoopConfig(global_batch_size=8,
+                        checkpoint=ek.CheckpointerConfig(every_steps=5, blocking=True))
+    opts = cfg.checkpointer_options()
+    assert opts["every_steps"] == 5 and opts["blocking"] is True
+    assert opts["audit"] == "error"  # the loop audits by default, a Checkpointer does not
+    assert ek.LoopConfig(global_batch_size=8).checkpointer_options()["audit"] == "error"
+    state = ek.TrainState(nn.Linear(2, 2), torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=1))
+    plain = ek.Checkpointer(state, None, handle_signals=False, info=ek.DistInfo())
+    assert plain.audit == "off"
+    looped = ek.Checkpointer(state, None, **{**opts, "handle_signals": False},
+                             info=ek.DistInfo())
+    assert (looped.every_steps, looped.blocking, looped.audit) == (5, True, "error")
+
+
+def test_the_old_flat_names_still_work_with_a_deprecation_warning_naming_the_new_ones() -> None:
+    with pytest.warns(DeprecationWarning, match=r"checkpoint_every_steps, sigterm_exit_code"
+                      r".*CheckpointerConfig\(every_steps, exit_code"):
+        old = ek.LoopConfig(global_batch_size=8, checkpoint_every_steps=7, sigterm_exit_code=99)
+    new = ek.LoopConfig(global_batch_size=8,
+                        checkpoint=ek.CheckpointerConfig(every_steps=7, exit_code=99))
+    assert old == new and old.checkpoint.every_steps == 7
+    assert old.checkpoint_every_steps == 7 and old.sigterm_exit_code == 99  # still readable
+    assert old.audit == "error"
+
+
+def test_replace_keeps_the_nested_options_and_warns_about_nothing() -> None:
+    cfg = ek.LoopConfig(global_batch_size=8,
+                        checkpoint=ek.CheckpointerConfig(every_steps=3, audit="warn"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again = dataclasses.replace(cfg, epochs=4)
+    assert again.epochs == 4 and again.checkpoint == cfg.checkpoint
+
+
+@pytest.mark.parametrize("options, named", [
+    ({"every_steps": 0}, "every_steps=0"),
+    ({"every_seconds": -1}, "every_seconds=-1"),
+    ({"audit": "maybe"}, "audit='maybe'"),
+    ({"exit_code": 0}, "exit_code=0"),
+    ({"snapshot_every": "often"}, "snapshot_every='often'"),
+    ({"snapshot_budget": 2.0}, "snapshot_budget=2.0"),
+    ({"keep_last": 0}, "keep_last=0"),
+])
+def test_one_validator_names_the_bad_value_for_both_forms(options: dict, named: str) -> None:
+    with pytest.raises(ValueError, match=named):
+        ek.CheckpointerConfig(**options)
+    state = ek.TrainState(nn.Linear(2, 2), torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=1))
+    with pytest.raises(ValueError, match=named):
+        ek.Checkpointer(state, None, **options)
+
+
+def test_loop_config_refuses_a_checkpoint_that_is_not_a_checkpointer_config() -> None:
+    with pytest.raises(TypeError, match="CheckpointerConfig"):
+        ek.LoopConfig(global_batch_size=8, checkpoint={"every_steps": 5})  # type: ignore
