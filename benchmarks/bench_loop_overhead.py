@@ -86,6 +86,8 @@ Usage::
 
 from __future__ import annotations
 
+import dataclasses
+
 import os
 import shutil
 import statistics
@@ -259,7 +261,7 @@ def _worker(cfg: dict[str, Any]) -> dict[str, Any]:
     loop: Any = None
 
     def set_every(value: int | None) -> None:
-        loop.config.checkpoint_every_steps = value
+        loop.config.checkpoint = dataclasses.replace(loop.config.checkpoint, every_steps=value)
         if getattr(loop, "checkpointer", None) is not None:  # the loop's Checkpointer
             loop.checkpointer.every_steps = value
 

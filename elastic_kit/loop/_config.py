@@ -148,19 +148,26 @@ class LoopConfig:
         return options
 
 
-def _deprecated_reader(new: str) -> property:
+def _deprecated_alias(old: str, new: str) -> property:
     def read(self: LoopConfig) -> Any:
         if new == "audit":
             return self.checkpoint.audit_mode("error")
         return getattr(self.checkpoint, new)
-    return property(read, doc=f"Deprecated: read ``checkpoint.{new}``.")
+
+    def write(self: LoopConfig, value: Any) -> None:
+        warnings.warn(f"setting LoopConfig.{old} is deprecated: set LoopConfig.checkpoint = "
+                      f"dataclasses.replace(config.checkpoint, {new}=...)",
+                      DeprecationWarning, stacklevel=2)
+        self.checkpoint = replace(self.checkpoint, **{new: value})
+
+    return property(read, write, doc=f"Deprecated: ``checkpoint.{new}``.")
 
 
 # The flat names stay readable, as the nested values (no warning: dataclasses.replace
-# reads them too); the dataclass's __init__ already holds their defaults, so the
-# class attributes can become properties.
+# reads them too), and settable (with a warning); the dataclass's __init__ already
+# holds their defaults, so the class attributes can become properties.
 for _old, _new in _DEPRECATED.items():
-    setattr(LoopConfig, _old, _deprecated_reader(_new))
+    setattr(LoopConfig, _old, _deprecated_alias(_old, _new))
 
 
 class StepInfo:

@@ -37,6 +37,9 @@ def test_the_old_flat_names_still_work_with_a_deprecation_warning_naming_the_new
     assert old == new and old.checkpoint.every_steps == 7
     assert old.checkpoint_every_steps == 7 and old.sigterm_exit_code == 99  # still readable
     assert old.audit == "error"
+    with pytest.warns(DeprecationWarning, match="checkpoint = dataclasses.replace"):
+        old.checkpoint_every_steps = 9  # code that set the flat name keeps working
+    assert old.checkpoint.every_steps == 9 and old.checkpoint.exit_code == 99
 
 
 def test_replace_keeps_the_nested_options_and_warns_about_nothing() -> None:
