@@ -87,7 +87,6 @@ Usage::
 from __future__ import annotations
 
 import dataclasses
-
 import os
 import shutil
 import statistics
