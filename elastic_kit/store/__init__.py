@@ -13,7 +13,10 @@ layout's names and rules (:class:`Layout`, :func:`step_dir_name`, :class:`Manife
 ...) are exported too, for the in-memory tier, which keeps snapshots in the same
 format; they are not part of ``elastic_kit``'s top-level API.
 Internals: ``_store`` (the store), ``_api`` (function forms), ``_layout`` (the
-on-storage layout: names, scan, verify, commit, prune), ``_manifest`` (validation),
+on-storage rules: names, scan, verify, commit order, retention, stale cleanup),
+``_backend`` (the operations a storage performs below those rules),
+``_backend_local`` and ``_backend_object`` (a local disk; an object store),
+``_manifest`` (validation),
 ``_serialize`` (weights-only state, hashing writer), ``_broadcast`` (tensor-by-tensor
 state broadcast), ``_fs`` (URLs, timeouts, retries, fsync).
 """
@@ -23,7 +26,8 @@ from __future__ import annotations
 from elastic_kit.store._api import load_checkpoint, save_checkpoint
 from elastic_kit.store._fs import resolve_url
 from elastic_kit.store._identity import IDENTITY_NAME
-from elastic_kit.store._layout import TMP_PREFIX, Layout, parse_step_dir, step_dir_name
+from elastic_kit.store._backend_local import TMP_PREFIX
+from elastic_kit.store._layout import Layout, parse_step_dir, step_dir_name
 from elastic_kit.store._manifest import MANIFEST_NAME, Manifest, check_file_name
 from elastic_kit.store._store import (
     CheckpointInfo, CheckpointStore, LoadedCheckpoint, SaveHandle,

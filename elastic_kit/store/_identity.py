@@ -14,18 +14,17 @@ into place (``link`` fails if the name exists); on object stores it is one PUT w
 ``If-None-Match: *`` (fsspec's ``mode="create"``), and where a backend does not know
 that mode, a plain PUT read back (two first writers racing within one round trip may
 then briefly disagree; a second job on the same URL is reported as a conflict at its
-first save anyway).
+first save anyway). Both procedures are the backends' ``create_once``.
 """
 
 from __future__ import annotations
 
 import errno
-import os
 import re
 import uuid
 
-from elastic_kit.store._fs import fsync_dir, join, open_regular_local
-from elastic_kit.store._layout import TMP_PREFIX, Layout
+from elastic_kit.store._fs import join
+from elastic_kit.store._layout import Layout
 from elastic_kit.errors import CheckpointCorruptError
 
 __all__ = ["IDENTITY_NAME", "read_identity", "ensure_identity"]
@@ -55,10 +54,7 @@ def read_identity(layout: Layout) -> str | None:
     path = join(layout.root, IDENTITY_NAME)
 
     def read() -> bytes:
-        if layout.local:
-            with open_regular_local(path) as f:
-                return f.read(_MAX_BYTES)
-        return bytes(layout.fs.cat_file(path))[:_MAX_BYTES]
+        return layout.backend.read_small(path, _MAX_BYTES)
 
     try:
         return _parse(layout._read(read, path), path)
@@ -74,33 +70,7 @@ def ensure_identity(layout: Layout) -> str:
     layout.check_root()
     path = join(layout.root, IDENTITY_NAME)
     data = (uuid.uuid4().hex + "\n").encode()
-    if layout.local:
-        os.makedirs(layout.root, mode=0o700 if layout.private else 0o777, exist_ok=True)
-        tmp = join(layout.root, f"{TMP_PREFIX}{IDENTITY_NAME}-{uuid.uuid4().hex[:8]}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600 if layout.private else 0o644)
-        try:
-            os.write(fd, data)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        try:
-            os.link(tmp, path)  # never replaces: the first creator wins
-            fsync_dir(layout.root)
-        except FileExistsError:
-            pass
-        finally:
-            os.remove(tmp)
-    else:
-        try:
-            layout.fs.pipe_file(path, data, mode="create")
-        except FileExistsError:
-            pass
-        except TypeError:  # a filesystem that knows no create mode: a plain PUT
-            layout.fs.pipe_file(path, data)
-        except OSError as e:
-            # S3 answers a lost If-None-Match race with 412 Precondition Failed
-            if e.errno != errno.EEXIST and "412" not in str(e):
-                raise
+    layout.backend.create_once(path, data)
     found = read_identity(layout)
     if found is None:
         raise FileNotFoundError(errno.ENOENT, f"the run identity written to {path} cannot be "

@@ -1,6 +1,9 @@
 """The on-storage layout of a store: names, scan, verify, commit, prune.
 
-Everything that touches a store's files is here, so the rules below hold in one place.
+The rules below hold in one place, for every kind of storage; how a write is made
+durable and atomic on a given storage is a :class:`~elastic_kit.store._backend.Backend`
+(``_backend_local``: a local disk or NFS; ``_backend_object``: object stores and any
+other fsspec filesystem), chosen once when a :class:`Layout` is made.
 
 Names. A checkpoint is the directory ``step-`` + exactly 12 ASCII digits. Nothing else
 counts (not ``step-5``, not Unicode digits, not a trailing newline) and retention
@@ -40,47 +43,32 @@ removed on the same age rule, and only below the newest committed step.
 
 from __future__ import annotations
 
-import errno
-import io
 import logging
-import os
 import re
-import shutil
-import threading
-import time
 import uuid
 from dataclasses import dataclass
 from typing import IO, Any, Callable, Iterator
 
 import fsspec
 
-from elastic_kit.store._direct import open_direct
-from elastic_kit.store._fs import (
-    discard_upload, entry_time, fsync_dir, is_local, join, open_regular_local, retrying,
-    write_error,
-)
+from elastic_kit.store._backend import Backend
+from elastic_kit.store._backend_local import LocalBackend
+from elastic_kit.store._backend_object import ObjectBackend
+from elastic_kit.store._fs import is_local, join, retrying
 from elastic_kit.store._manifest import (
     MANIFEST_NAME, MAX_MANIFEST_BYTES, PAYLOAD_NAME, FileEntry, Manifest, check_file_name,
 )
 from elastic_kit.store._serialize import hash_stream, save_into
 from elastic_kit.errors import CheckpointConflictError, CheckpointCorruptError, CheckpointError
 
-__all__ = ["STEP_DIGITS", "TMP_PREFIX", "step_dir_name", "parse_step_dir", "StepDir",
+__all__ = ["STEP_DIGITS", "step_dir_name", "parse_step_dir", "StepDir",
            "Found", "Layout"]
 
 log = logging.getLogger(__name__)
 
 STEP_DIGITS = 12
 _STEP_RE = re.compile(r"step-([0-9]{12})", re.ASCII)
-#: Prefix of directories that hold a save in progress or a deletion (local disks).
-#: They start with a dot so that globbing ``step-*`` never sees them.
-TMP_PREFIX = ".tmp-"
 _CHUNK = 8 << 20
-
-# Names of temporary directories some store of this process is writing right now:
-# a second store object (or the CLI's prune run in-process) never removes them.
-_LIVE_TMP: set[str] = set()
-_LIVE_LOCK = threading.Lock()
 
 
 def step_dir_name(step: int) -> str:
@@ -122,17 +110,6 @@ class _Vanished(Exception):
     """A file disappeared while being read because the checkpoint changed: rescan."""
 
 
-def _open_payload(path: str, mode: str) -> IO[bytes]:
-    """A new local payload file: ``O_DIRECT`` (:mod:`._direct`, the disk's full speed,
-    no page cache) where the filesystem takes it, else an ordinary buffered file."""
-    f = open_direct(path, mode)
-    return f if f is not None else open(path, mode)  # type: ignore[return-value]
-
-
-def _basename(path: str) -> str:
-    return path.rstrip("/").rsplit("/", 1)[-1]
-
-
 class Layout:
     """One store's files: every storage access of the checkpoint package goes here.
 
@@ -156,13 +133,14 @@ class Layout:
         self.private = private
         self.root = root
         self.url = url
-        self.local = is_local(fs)
         self.writer_id = writer_id or uuid.uuid4().hex
         self.read_attempts = read_attempts
         self.backoff_s = backoff_s
         self.stale_after_s = stale_after_s
         self.read_budget_s = read_budget_s
-        self._root_ok = False  # remote root seen to be a directory once
+        self.backend: Backend = (
+            LocalBackend(root, url=url, writer_id=self.writer_id, private=private)
+            if is_local(fs) else ObjectBackend(fs, root, url=url, read=self._read))
         self._warned_older = False  # a save older than the newest committed was logged
 
     # ------------------------------------------------------------------ helpers
@@ -176,19 +154,6 @@ class Layout:
     def dir_of(self, step: int) -> StepDir:
         return StepDir(step, join(self.root, step_dir_name(step)))
 
-    def _bucket_missing(self) -> str | None:
-        """The bucket's name when the root lives in a bucket that does not exist."""
-        protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (
-            self.fs.protocol,)
-        if not any(p in ("s3", "s3a", "gs", "gcs") for p in protocols):
-            return None
-        bucket = self.root.split("/", 1)[0]
-        try:
-            exists = self._read(lambda: self.fs.exists(bucket), f"bucket {bucket!r}")
-        except CheckpointError:
-            raise
-        return None if exists else bucket
-
     def check_root(self) -> None:
         """Raise a clear error when the root cannot hold a store (a file, no bucket).
 
@@ -197,56 +162,12 @@ class Layout:
             FileNotFoundError: the root's bucket does not exist.
             CheckpointError: the store cannot be reached (after retries).
         """
-        if self._root_ok:
-            return
-        if self.local:
-            if os.path.exists(self.root) and not os.path.isdir(self.root):
-                raise NotADirectoryError(errno.ENOTDIR, f"checkpoint url={self.url!r} is a "
-                                         f"file, expected a directory (or nothing yet)",
-                                         self.root)
-            return
-        try:
-            info = self._read(lambda: self.fs.info(self.root), self.url)
-        except FileNotFoundError:
-            info = None
-        if info is not None and info.get("type") == "file":
-            raise NotADirectoryError(errno.ENOTDIR, f"checkpoint url={self.url!r} is a file, "
-                                     f"expected a directory (or nothing yet)", self.root)
-        if info is None:
-            bucket = self._bucket_missing()
-            if bucket is not None:
-                raise FileNotFoundError(errno.ENOENT, f"checkpoint url={self.url!r}: bucket "
-                                        f"{bucket!r} does not exist (create it first)",
-                                        self.url)
-        else:
-            self._root_ok = True  # a directory that exists: no request per save after this
+        self.backend.check_root()
 
     # ------------------------------------------------------------------ scan
     def scan(self) -> list[StepDir]:
         """Every canonical ``step-<n>`` directory, oldest first (committed or not)."""
-        if self.local:
-            try:
-                with os.scandir(self.root) as it:
-                    entries = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
-            except FileNotFoundError:
-                return []
-            except NotADirectoryError:
-                self.check_root()
-                raise
-        else:
-            try:
-                self.fs.invalidate_cache(self.root)  # another rank or job may have written
-            except Exception:  # pragma: no cover - not every filesystem caches
-                pass
-            try:
-                listing = self._read(lambda: self.fs.ls(self.root, detail=True), self.url)
-            except FileNotFoundError:
-                self.check_root()
-                return []
-            entries = [(_basename(i["name"]), i.get("type") == "directory") for i in listing]
-            if len(listing) == 1 and listing[0].get("type") == "file" and \
-                    listing[0]["name"].rstrip("/") == self.root.rstrip("/"):
-                self.check_root()
+        entries = self.backend.list_root()
         out = []
         for name, is_dir in entries:
             step = parse_step_dir(name)
@@ -255,33 +176,11 @@ class Layout:
         return sorted(out, key=lambda d: d.step)
 
     # ------------------------------------------------------------------ read
-    def _open(self, path: str, *, max_bytes: int | None = None) -> tuple[IO[bytes], int]:
-        """A regular file opened for reading and its size (CheckpointCorruptError when
-        it is not a regular file or larger than ``max_bytes``)."""
-        if self.local:
-            f = open_regular_local(path)
-            size = os.fstat(f.fileno()).st_size
-        else:
-            info = self.fs.info(path)
-            if info.get("type") != "file":
-                raise CheckpointCorruptError(f"{path} is a {info.get('type')}, expected a "
-                                             f"regular file")
-            size = int(info.get("size") or 0)
-            f = None  # opened below, once the size is known to be acceptable
-        if max_bytes is not None and size > max_bytes:
-            if f is not None:
-                f.close()
-            raise CheckpointCorruptError(f"{path} is {size} bytes, more than the "
-                                         f"{max_bytes} a manifest may have")
-        if f is None:
-            f = self.fs.open(path, "rb")
-        return f, size
-
     def _manifest_text(self, d: StepDir) -> bytes:
         path = join(d.path, MANIFEST_NAME)
 
         def read() -> bytes:
-            f, _ = self._open(path, max_bytes=MAX_MANIFEST_BYTES)
+            f, _ = self.backend.open_regular(path, MAX_MANIFEST_BYTES)
             with f:
                 return f.read(MAX_MANIFEST_BYTES + 1)
 
@@ -312,7 +211,7 @@ class Layout:
         path = join(d.path, check_file_name(name))
 
         def read() -> IO[bytes] | None:
-            f, size = self._open(path)
+            f, size = self.backend.open_regular(path, None)
             try:
                 if size != entry.size:
                     raise CheckpointCorruptError(
@@ -320,7 +219,7 @@ class Layout:
                         f"{entry.size} (truncated or partially written)")
                 if not deep:
                     return None
-                buf = io.BytesIO() if keep and not self.local else None
+                buf = self.backend.kept_copy() if keep else None
                 n, digest = hash_stream(f, m.checksum, chunk=_CHUNK,
                                         sink=buf.write if buf is not None else None)
                 if n != entry.size:  # changed size while being read
@@ -409,12 +308,7 @@ class Layout:
                               f"(20 attempts): is another job writing this URL?")
 
     def _exists_dir(self, d: StepDir) -> bool:
-        if self.local:
-            return os.path.isdir(d.path)
-        try:
-            return bool(self._read(lambda: self.fs.isdir(d.path), d.path))
-        except FileNotFoundError:
-            return False
+        return self.backend.is_dir(d.path)
 
     def committed(self) -> Iterator[tuple[StepDir, Manifest]]:
         """Every directory whose manifest validates, oldest first (payload not read)."""
@@ -449,124 +343,24 @@ class Layout:
         self.check_root()
         d = self.dir_of(step)
         old = self._committed_manifest(d)
-        if self.local:
-            if old is None:
-                return self._commit_local_new(d, state, checksum, metadata, world_size)
-            return self._commit_local_resave(d, old, state, checksum, metadata, world_size)
-        return self._commit_remote(d, old, state, checksum, metadata, world_size)
-
-    def _tmp_name(self, what: str) -> str:
-        return f"{TMP_PREFIX}{what}-{self.writer_id[:16]}-{uuid.uuid4().hex[:8]}"
-
-    def _restrict(self, *paths: str) -> None:
-        """Private stores: the files are this user's alone (before they are committed)."""
-        if self.private:
-            for p in paths:
-                os.chmod(p, 0o600)
-
-    def _commit_local_new(self, d: StepDir, state: Any, checksum: str,
-                          metadata: dict[str, Any], world_size: int) -> tuple[str, Manifest]:
-        os.makedirs(self.root, mode=0o700 if self.private else 0o777, exist_ok=True)
-        tmp_name = self._tmp_name(_basename(d.path))
-        tmp = join(self.root, tmp_name)
-        with _LIVE_LOCK:
-            _LIVE_TMP.add(tmp_name)
-        try:
-            os.mkdir(tmp, 0o700 if self.private else 0o777)
-            payload = join(tmp, PAYLOAD_NAME)
-            with _open_payload(payload, "wb") as f:
-                entry = save_into(f, payload, state, checksum, fsync=True)
-            manifest = self._manifest_for(d.step, PAYLOAD_NAME, entry, checksum, metadata,
-                                          world_size)
-            self._write_local_manifest(tmp, manifest)
-            self._restrict(payload, join(tmp, MANIFEST_NAME))
-            fsync_dir(tmp)
-            trash = None
-            if os.path.lexists(d.path):  # an uncommitted leftover of the same step
-                trash = join(self.root, self._tmp_name("old-" + _basename(d.path)))
-                os.rename(d.path, trash)
-            os.rename(tmp, d.path)
-            fsync_dir(self.root)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        finally:
-            with _LIVE_LOCK:
-                _LIVE_TMP.discard(tmp_name)
-        if trash is not None:
-            shutil.rmtree(trash, ignore_errors=True)
-        return d.path, manifest
-
-    def _write_local_manifest(self, directory: str, manifest: Manifest) -> None:
-        path = join(directory, MANIFEST_NAME)
-        try:
-            with open(path, "w", encoding="utf-8") as f:
-                f.write(manifest.to_json())
-                f.flush()
-                os.fsync(f.fileno())
-        except OSError as e:
-            raise write_error(e, path) from e
-
-    def _commit_local_resave(self, d: StepDir, old: Manifest, state: Any, checksum: str,
-                             metadata: dict[str, Any], world_size: int
-                             ) -> tuple[str, Manifest]:
-        token = uuid.uuid4().hex[:12]
-        name = f"state.{token}.pt"
-        payload = join(d.path, name)
-        tmp_manifest = join(d.path, f".{MANIFEST_NAME}.{token}")
-        try:
-            with _open_payload(payload, "xb") as f:
-                entry = save_into(f, payload, state, checksum, fsync=True)
-            manifest = self._manifest_for(d.step, name, entry, checksum, metadata, world_size)
-            with open(tmp_manifest, "w", encoding="utf-8") as f:
-                f.write(manifest.to_json())
-                f.flush()
-                os.fsync(f.fileno())
-            self._restrict(payload, tmp_manifest)
-            fsync_dir(d.path)
-            os.replace(tmp_manifest, join(d.path, MANIFEST_NAME))  # the atomic switch
-            fsync_dir(d.path)
-        except BaseException:
-            for p in (payload, tmp_manifest):
-                try:
-                    os.remove(p)
-                except OSError:
-                    pass
-            raise
-        for old_name in set(old.files) - set(manifest.files):
-            try:
-                os.remove(join(d.path, old_name))
-            except OSError as e:
-                log.debug("could not remove the replaced %s: %r", old_name, e)
-        return d.path, manifest
-
-    def _commit_remote(self, d: StepDir, old: Manifest | None, state: Any, checksum: str,
-                       metadata: dict[str, Any], world_size: int) -> tuple[str, Manifest]:
+        # A re-save's payload gets a fresh name: the old one stays intact (and named by
+        # the manifest in place) until the backend switches the manifest.
         name = PAYLOAD_NAME if old is None else f"state.{uuid.uuid4().hex[:12]}.pt"
         if old is not None and name in old.files:  # pragma: no cover - 48 random bits
             raise AssertionError(name)
-        payload = join(d.path, name)
-        try:
-            f = self.fs.open(payload, "wb")
-        except FileNotFoundError:  # a filesystem with real directories (wrapped local)
-            self.fs.makedirs(d.path, exist_ok=True)
-            f = self.fs.open(payload, "wb")
-        try:
-            entry = save_into(f, payload, state, checksum, fsync=False)
-            f.close()  # the upload completes here
-        except BaseException:
-            discard_upload(f)
-            try:
-                self.fs.rm_file(payload)
-            except Exception:
-                pass
-            raise
-        manifest = self._manifest_for(d.step, name, entry, checksum, metadata, world_size)
-        self.fs.pipe_file(join(d.path, MANIFEST_NAME), manifest.to_json().encode("utf-8"))
-        if old is not None:
+
+        def write(f: IO[bytes], path: str, fsync: bool) -> FileEntry:
+            return save_into(f, path, state, checksum, fsync=fsync)
+
+        def seal(name: str, entry: FileEntry) -> Manifest:
+            return self._manifest_for(step, name, entry, checksum, metadata, world_size)
+
+        manifest = self.backend.commit(d.path, name, replacing=old is not None, write=write,
+                                       seal=seal)
+        if old is not None:  # only now is the replaced payload unreferenced
             for old_name in set(old.files) - set(manifest.files):
                 try:
-                    self.fs.rm_file(join(d.path, old_name))
+                    self.backend.remove_file(join(d.path, old_name))
                 except Exception as e:
                     log.debug("could not remove the replaced %s: %r", old_name, e)
         return d.path, manifest
@@ -575,22 +369,7 @@ class Layout:
     def delete(self, d: StepDir) -> None:
         """Delete one scanned directory so that a crash half way never leaves it
         committed (locally it is renamed away first; remotely the manifest goes first)."""
-        if self.local:
-            trash = join(self.root, self._tmp_name("del-" + _basename(d.path)))
-            try:
-                os.rename(d.path, trash)
-            except FileNotFoundError:
-                return
-            shutil.rmtree(trash, ignore_errors=True)
-            return
-        try:
-            self.fs.rm_file(join(d.path, MANIFEST_NAME))  # uncommit first
-        except FileNotFoundError:
-            pass
-        try:
-            self.fs.rm(d.path, recursive=True)
-        except FileNotFoundError:
-            pass
+        self.backend.remove_step(d.path)
 
     def retain(self, keep_last: int, *, just_written: int, newest_verified: int,
                started: float) -> list[int]:
@@ -649,25 +428,6 @@ class Layout:
             self.clean_stale(newest_committed=committed[-1].step)
         return doomed
 
-    def _local_age(self, path: str) -> float:
-        """Seconds since anything in ``path`` (the directory or a direct entry) changed."""
-        newest = os.lstat(path).st_mtime
-        try:
-            with os.scandir(path) as it:
-                for e in it:
-                    try:
-                        newest = max(newest, e.stat(follow_symlinks=False).st_mtime)
-                    except FileNotFoundError:
-                        pass
-        except NotADirectoryError:
-            pass
-        return time.time() - newest
-
-    def _remote_age(self, path: str) -> float | None:
-        times = [entry_time(i) for i in self.fs.find(path, detail=True).values()]
-        known = [t for t in times if t is not None]
-        return time.time() - max(known) if known else None
-
     def clean_stale(self, *, newest_committed: int) -> int:
         """Remove leftovers of crashed saves; returns how many were removed.
 
@@ -676,32 +436,21 @@ class Layout:
         directories without a manifest below ``newest_committed`` unchanged for as long.
         """
         removed = 0
-        if self.local:
+        for path in self.backend.leftovers():
             try:
-                names = os.listdir(self.root)
-            except (FileNotFoundError, NotADirectoryError):
-                return 0
-            for n in names:
-                if not n.startswith(TMP_PREFIX):
-                    continue
-                with _LIVE_LOCK:
-                    if n in _LIVE_TMP:
-                        continue
-                path = join(self.root, n)
-                try:
-                    age = self._local_age(path)
-                except FileNotFoundError:
-                    continue
-                if age >= self.stale_after_s:
-                    log.info("removing the leftover of an interrupted save (unchanged for "
-                             "%.0f s): %s", age, path)
-                    shutil.rmtree(path, ignore_errors=True)
-                    removed += 1
+                age = self.backend.age(path)
+            except FileNotFoundError:
+                continue
+            if age is not None and age >= self.stale_after_s:
+                log.info("removing the leftover of an interrupted save (unchanged for "
+                         "%.0f s): %s", age, path)
+                self.backend.remove_tree(path)
+                removed += 1
         for d in self.scan():
             if d.step >= newest_committed or self._committed_manifest(d) is not None:
                 continue
             try:
-                age = self._local_age(d.path) if self.local else self._remote_age(d.path)
+                age = self.backend.age(d.path)
             except FileNotFoundError:
                 continue
             if age is not None and age >= self.stale_after_s:

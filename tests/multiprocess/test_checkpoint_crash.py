@@ -17,7 +17,7 @@ import time
 import torch
 
 from elastic_kit.store import CheckpointStore
-from elastic_kit.store._layout import TMP_PREFIX
+from elastic_kit.store._backend_local import TMP_PREFIX
 
 N = 8_000_000  # float32: 32 MB
 

@@ -222,10 +222,10 @@ def test_local_saves_start_writeback_in_contiguous_ranges_and_still_verify(
     range (then fsyncs at the end); the ranges tile the payload without gaps. This is
     the buffered path, used where O_DIRECT is refused (forced here)."""
     from elastic_kit.store import _fs as fs_mod
-    from elastic_kit.store import _layout
+    from elastic_kit.store import _backend_local
     from elastic_kit.store import _serialize as serialize
 
-    monkeypatch.setattr(_layout, "open_direct", lambda path, mode: None)
+    monkeypatch.setattr(_backend_local, "open_direct", lambda path, mode: None)
 
     calls: list[tuple[int, int]] = []
     real = fs_mod.start_writeback

@@ -257,7 +257,7 @@ def test_a_writer_thread_error_reaches_the_caller(tmp_path, monkeypatch, at):
 
 
 def test_a_store_round_trip_is_bitwise_and_the_checksum_verifies(tmp_path, monkeypatch):
-    from elastic_kit.store import _layout
+    from elastic_kit.store import _backend_local
 
     opened: list[DirectFile | None] = []
 
@@ -265,7 +265,7 @@ def test_a_store_round_trip_is_bitwise_and_the_checksum_verifies(tmp_path, monke
         opened.append(open_direct(path, mode))
         return opened[-1]
 
-    monkeypatch.setattr(_layout, "open_direct", recording)
+    monkeypatch.setattr(_backend_local, "open_direct", recording)
     g = torch.Generator().manual_seed(0)
     state = {
         "a": torch.rand((3 << 20) // 4 + 3, generator=g),  # 3 MiB + 12 bytes

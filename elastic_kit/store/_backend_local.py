@@ -1,0 +1,251 @@
+"""The local-disk backend (and NFS mounts): temporary names, fsync, rename.
+
+A first save of a step writes its payload and manifest into
+``.tmp-step-<n>-<owner>-<id>/``, fsyncs both files and the directory, renames the
+directory to ``step-<n>/`` and fsyncs the parent: the step appears whole or not at
+all. A re-save writes the new payload beside the old one and switches the manifest
+with ``os.replace``. Payloads are written with ``O_DIRECT`` (:mod:`._direct`: the
+disk's full speed, no page cache) where the filesystem takes it.
+
+A temporary name carries a random owner token (no pid or hostname, which collide
+across PID namespaces and containers); the names this process is writing are kept in
+a process-wide set so that another store object (or the CLI's prune run in-process)
+never removes them as leftovers.
+"""
+
+from __future__ import annotations
+
+import errno
+import io
+import logging
+import os
+import shutil
+import threading
+import time
+import uuid
+from typing import IO
+
+from elastic_kit.store._backend import PayloadWrite, Seal, basename, check_size
+from elastic_kit.store._direct import open_direct
+from elastic_kit.store._fs import fsync_dir, join, open_regular_local, write_error
+from elastic_kit.store._manifest import MANIFEST_NAME, Manifest
+
+__all__ = ["TMP_PREFIX", "LocalBackend"]
+
+log = logging.getLogger(__name__)
+
+#: Prefix of directories that hold a save in progress or a deletion (local disks).
+#: They start with a dot so that globbing ``step-*`` never sees them.
+TMP_PREFIX = ".tmp-"
+
+# Names of temporary directories some store of this process is writing right now.
+_LIVE_TMP: set[str] = set()
+_LIVE_LOCK = threading.Lock()
+
+
+def _open_payload(path: str, mode: str) -> IO[bytes]:
+    """A new payload file: ``O_DIRECT`` where the filesystem takes it, else an ordinary
+    buffered file."""
+    f = open_direct(path, mode)
+    return f if f is not None else open(path, mode)  # type: ignore[return-value]
+
+
+def _write_manifest(path: str, manifest: Manifest) -> None:
+    """Write and fsync a manifest file (a disk-full error names the file)."""
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(manifest.to_json())
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        raise write_error(e, path) from e
+
+
+class LocalBackend:
+    """A store on a local (or NFS) filesystem.
+
+    Args:
+        root: the store's directory.
+        url: the store's URL, for messages.
+        writer_id: the owning store's random id (in temporary names).
+        private: directories are created 0700 and files 0600 (the snapshot tier's
+            stores in shared memory, which other users of the host must not read).
+    """
+
+    def __init__(self, root: str, *, url: str, writer_id: str, private: bool = False) -> None:
+        self.root = root
+        self.url = url
+        self.writer_id = writer_id
+        self.private = private
+
+    # ------------------------------------------------------------------ read
+    def check_root(self) -> None:
+        if os.path.exists(self.root) and not os.path.isdir(self.root):
+            raise NotADirectoryError(errno.ENOTDIR, f"checkpoint url={self.url!r} is a "
+                                     f"file, expected a directory (or nothing yet)", self.root)
+
+    def list_root(self) -> list[tuple[str, bool]]:
+        try:
+            with os.scandir(self.root) as it:
+                return [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
+        except FileNotFoundError:
+            return []
+        except NotADirectoryError:
+            self.check_root()
+            raise
+
+    def open_regular(self, path: str, max_bytes: int | None) -> tuple[IO[bytes], int]:
+        f = open_regular_local(path)
+        size = os.fstat(f.fileno()).st_size
+        try:
+            check_size(path, size, max_bytes)
+        except BaseException:
+            f.close()
+            raise
+        return f, size
+
+    def kept_copy(self) -> io.BytesIO | None:
+        return None  # an open file stays readable even if retention deletes it
+
+    def is_dir(self, path: str) -> bool:
+        return os.path.isdir(path)
+
+    def read_small(self, path: str, limit: int) -> bytes:
+        with open_regular_local(path) as f:
+            return f.read(limit)
+
+    # ------------------------------------------------------------------ write
+    def _tmp_name(self, what: str) -> str:
+        return f"{TMP_PREFIX}{what}-{self.writer_id[:16]}-{uuid.uuid4().hex[:8]}"
+
+    def _restrict(self, *paths: str) -> None:
+        """Private stores: the files are this user's alone (before they are committed)."""
+        if self.private:
+            for p in paths:
+                os.chmod(p, 0o600)
+
+    def commit(self, directory: str, name: str, *, replacing: bool, write: PayloadWrite,
+               seal: Seal) -> Manifest:
+        if replacing:
+            return self._switch_manifest(directory, name, write, seal)
+        return self._rename_into_place(directory, name, write, seal)
+
+    def _rename_into_place(self, directory: str, name: str, write: PayloadWrite,
+                           seal: Seal) -> Manifest:
+        """First save: build the step in a temporary directory, then rename it."""
+        os.makedirs(self.root, mode=0o700 if self.private else 0o777, exist_ok=True)
+        tmp_name = self._tmp_name(basename(directory))
+        tmp = join(self.root, tmp_name)
+        with _LIVE_LOCK:
+            _LIVE_TMP.add(tmp_name)
+        try:
+            os.mkdir(tmp, 0o700 if self.private else 0o777)
+            payload = join(tmp, name)
+            with _open_payload(payload, "wb") as f:
+                entry = write(f, payload, True)
+            manifest = seal(name, entry)
+            _write_manifest(join(tmp, MANIFEST_NAME), manifest)
+            self._restrict(payload, join(tmp, MANIFEST_NAME))
+            fsync_dir(tmp)
+            trash = None
+            if os.path.lexists(directory):  # an uncommitted leftover of the same step
+                trash = join(self.root, self._tmp_name("old-" + basename(directory)))
+                os.rename(directory, trash)
+            os.rename(tmp, directory)
+            fsync_dir(self.root)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        finally:
+            with _LIVE_LOCK:
+                _LIVE_TMP.discard(tmp_name)
+        if trash is not None:
+            shutil.rmtree(trash, ignore_errors=True)
+        return manifest
+
+    def _switch_manifest(self, directory: str, name: str, write: PayloadWrite,
+                         seal: Seal) -> Manifest:
+        """Re-save: the new payload beside the old one, then ``os.replace`` of the
+        manifest (the atomic switch)."""
+        payload = join(directory, name)
+        tmp_manifest = join(directory, f".{MANIFEST_NAME}.{uuid.uuid4().hex[:12]}")
+        try:
+            with _open_payload(payload, "xb") as f:
+                entry = write(f, payload, True)
+            manifest = seal(name, entry)
+            with open(tmp_manifest, "w", encoding="utf-8") as f:
+                f.write(manifest.to_json())
+                f.flush()
+                os.fsync(f.fileno())
+            self._restrict(payload, tmp_manifest)
+            fsync_dir(directory)
+            os.replace(tmp_manifest, join(directory, MANIFEST_NAME))
+            fsync_dir(directory)
+        except BaseException:
+            for p in (payload, tmp_manifest):
+                try:
+                    os.remove(p)
+                except OSError:
+                    pass
+            raise
+        return manifest
+
+    def create_once(self, path: str, data: bytes) -> None:
+        """Written under a temporary name and linked into place: ``link`` fails if the
+        name exists, so the first creator wins."""
+        os.makedirs(self.root, mode=0o700 if self.private else 0o777, exist_ok=True)
+        tmp = join(self.root, f"{TMP_PREFIX}{basename(path)}-{uuid.uuid4().hex[:8]}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600 if self.private else 0o644)
+        try:
+            os.write(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        try:
+            os.link(tmp, path)  # never replaces
+            fsync_dir(self.root)
+        except FileExistsError:
+            pass
+        finally:
+            os.remove(tmp)
+
+    # ------------------------------------------------------------------ remove
+    def remove_file(self, path: str) -> None:
+        os.remove(path)
+
+    def remove_step(self, path: str) -> None:
+        """Renamed away first (a crash half way leaves a ``.tmp-`` leftover, never a
+        half-deleted committed step), then removed."""
+        trash = join(self.root, self._tmp_name("del-" + basename(path)))
+        try:
+            os.rename(path, trash)
+        except FileNotFoundError:
+            return
+        shutil.rmtree(trash, ignore_errors=True)
+
+    def leftovers(self) -> list[str]:
+        try:
+            names = os.listdir(self.root)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        with _LIVE_LOCK:
+            return [join(self.root, n) for n in names
+                    if n.startswith(TMP_PREFIX) and n not in _LIVE_TMP]
+
+    def age(self, path: str) -> float | None:
+        """The directory's own mtime or any direct entry's, whichever is newest (a
+        writer keeps its payload's mtime fresh while writing)."""
+        newest = os.lstat(path).st_mtime
+        try:
+            with os.scandir(path) as it:
+                for e in it:
+                    try:
+                        newest = max(newest, e.stat(follow_symlinks=False).st_mtime)
+                    except FileNotFoundError:
+                        pass
+        except NotADirectoryError:
+            pass
+        return time.time() - newest
+
+    def remove_tree(self, path: str) -> None:
+        shutil.rmtree(path, ignore_errors=True)

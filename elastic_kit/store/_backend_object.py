@@ -1,0 +1,180 @@
+"""The object-store backend (``s3://``, ``gs://``, ``memory://``, any other fsspec URL).
+
+An object store has no rename of a directory, but a PUT is atomic per object: the
+payload is uploaded into ``step-<n>/`` first and the manifest after it, so a step is
+committed exactly when its manifest object exists. A re-save uploads the new payload
+under a fresh name and replaces the manifest with one PUT. A failed upload is
+discarded, never completed with what it holds.
+"""
+
+from __future__ import annotations
+
+import errno
+import io
+import logging
+import time
+from typing import IO
+
+import fsspec
+
+from elastic_kit.errors import CheckpointCorruptError
+from elastic_kit.store._backend import PayloadWrite, Reader, Seal, basename, check_size
+from elastic_kit.store._fs import discard_upload, entry_time, join
+from elastic_kit.store._manifest import MANIFEST_NAME, Manifest
+
+__all__ = ["ObjectBackend"]
+
+log = logging.getLogger(__name__)
+
+
+class ObjectBackend:
+    """A store on an fsspec filesystem other than the local one.
+
+    Args:
+        fs, root: the filesystem and the store's root path in it.
+        url: the store's URL, for messages.
+        read: runs a read with the store's retry policy.
+    """
+
+    def __init__(self, fs: fsspec.AbstractFileSystem, root: str, *, url: str,
+                 read: Reader) -> None:
+        self.fs = fs
+        self.root = root
+        self.url = url
+        self._read = read
+        self._root_ok = False  # the root seen to be a directory once
+
+    # ------------------------------------------------------------------ read
+    def _bucket_missing(self) -> str | None:
+        """The bucket's name when the root lives in a bucket that does not exist."""
+        protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (
+            self.fs.protocol,)
+        if not any(p in ("s3", "s3a", "gs", "gcs") for p in protocols):
+            return None
+        bucket = self.root.split("/", 1)[0]
+        exists = self._read(lambda: self.fs.exists(bucket), f"bucket {bucket!r}")
+        return None if exists else bucket
+
+    def check_root(self) -> None:
+        if self._root_ok:
+            return
+        try:
+            info = self._read(lambda: self.fs.info(self.root), self.url)
+        except FileNotFoundError:
+            info = None
+        if info is not None and info.get("type") == "file":
+            raise NotADirectoryError(errno.ENOTDIR, f"checkpoint url={self.url!r} is a file, "
+                                     f"expected a directory (or nothing yet)", self.root)
+        if info is None:
+            bucket = self._bucket_missing()
+            if bucket is not None:
+                raise FileNotFoundError(errno.ENOENT, f"checkpoint url={self.url!r}: bucket "
+                                        f"{bucket!r} does not exist (create it first)",
+                                        self.url)
+        else:
+            self._root_ok = True  # a directory that exists: no request per save after this
+
+    def list_root(self) -> list[tuple[str, bool]]:
+        try:
+            self.fs.invalidate_cache(self.root)  # another rank or job may have written
+        except Exception:  # pragma: no cover - not every filesystem caches
+            pass
+        try:
+            listing = self._read(lambda: self.fs.ls(self.root, detail=True), self.url)
+        except FileNotFoundError:
+            self.check_root()
+            return []
+        if len(listing) == 1 and listing[0].get("type") == "file" and \
+                listing[0]["name"].rstrip("/") == self.root.rstrip("/"):
+            self.check_root()
+        return [(basename(i["name"]), i.get("type") == "directory") for i in listing]
+
+    def open_regular(self, path: str, max_bytes: int | None) -> tuple[IO[bytes], int]:
+        info = self.fs.info(path)
+        if info.get("type") != "file":
+            raise CheckpointCorruptError(f"{path} is a {info.get('type')}, expected a "
+                                         f"regular file")
+        size = int(info.get("size") or 0)
+        check_size(path, size, max_bytes)  # before a byte of it is fetched
+        return self.fs.open(path, "rb"), size
+
+    def kept_copy(self) -> io.BytesIO | None:
+        return io.BytesIO()  # a remote stream does not outlive a concurrent delete
+
+    def is_dir(self, path: str) -> bool:
+        try:
+            return bool(self._read(lambda: self.fs.isdir(path), path))
+        except FileNotFoundError:
+            return False
+
+    def read_small(self, path: str, limit: int) -> bytes:
+        return bytes(self.fs.cat_file(path))[:limit]
+
+    # ------------------------------------------------------------------ write
+    def commit(self, directory: str, name: str, *, replacing: bool, write: PayloadWrite,
+               seal: Seal) -> Manifest:
+        """The payload PUT, then the manifest PUT (which is also the atomic switch of
+        a re-save: ``replacing`` needs nothing else here)."""
+        payload = join(directory, name)
+        try:
+            f = self.fs.open(payload, "wb")
+        except FileNotFoundError:  # a filesystem with real directories (wrapped local)
+            self.fs.makedirs(directory, exist_ok=True)
+            f = self.fs.open(payload, "wb")
+        try:
+            entry = write(f, payload, False)
+            f.close()  # the upload completes here
+        except BaseException:
+            discard_upload(f)
+            try:
+                self.fs.rm_file(payload)
+            except Exception:
+                pass
+            raise
+        manifest = seal(name, entry)
+        self.fs.pipe_file(join(directory, MANIFEST_NAME), manifest.to_json().encode("utf-8"))
+        return manifest
+
+    def create_once(self, path: str, data: bytes) -> None:
+        """One PUT with ``If-None-Match: *`` (fsspec's ``mode="create"``); where the
+        filesystem knows no create mode, a plain PUT."""
+        try:
+            self.fs.pipe_file(path, data, mode="create")
+        except FileExistsError:
+            pass
+        except TypeError:  # a filesystem that knows no create mode: a plain PUT
+            self.fs.pipe_file(path, data)
+        except OSError as e:
+            # S3 answers a lost If-None-Match race with 412 Precondition Failed
+            if e.errno != errno.EEXIST and "412" not in str(e):
+                raise
+
+    # ------------------------------------------------------------------ remove
+    def remove_file(self, path: str) -> None:
+        self.fs.rm_file(path)
+
+    def remove_step(self, path: str) -> None:
+        """The manifest first (the step is uncommitted from then on), then the rest."""
+        try:
+            self.fs.rm_file(join(path, MANIFEST_NAME))
+        except FileNotFoundError:
+            pass
+        try:
+            self.fs.rm(path, recursive=True)
+        except FileNotFoundError:
+            pass
+
+    def leftovers(self) -> list[str]:
+        return []  # nothing is written under a temporary name
+
+    def age(self, path: str) -> float | None:
+        """The newest modification time of any object under ``path`` (None: none known)."""
+        times = [entry_time(i) for i in self.fs.find(path, detail=True).values()]
+        known = [t for t in times if t is not None]
+        return time.time() - max(known) if known else None
+
+    def remove_tree(self, path: str) -> None:
+        try:
+            self.fs.rm(path, recursive=True)
+        except Exception as e:
+            log.debug("could not remove %s: %r", path, e)
