@@ -7,6 +7,7 @@ import json
 import os
 import pathlib
 
+import fsspec
 import numpy as np
 import pytest
 import torch
@@ -15,6 +16,7 @@ from elastic_kit.store import CheckpointStore, load_checkpoint, save_checkpoint
 from elastic_kit.store._manifest import MANIFEST_NAME, PAYLOAD_NAME, Manifest
 from elastic_kit.store._serialize import new_hasher
 from elastic_kit.errors import CheckpointError, UnsafeCheckpointError
+from elastic_kit.testing import FaultFileSystem
 
 
 class _Evil:
@@ -95,28 +97,25 @@ def test_unknown_protocol_and_missing_extra_are_clear(tmp_path):
             CheckpointStore(url)
 
 
-def test_background_failure_surfaces_on_wait_then_saving_works_again(tmp_path, monkeypatch):
-    store = CheckpointStore(str(tmp_path / "ck"))
-    real = store._layout.commit
-
-    def disk_full(*a, **k):
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(store._layout, "commit", disk_full)
+def test_background_failure_surfaces_on_wait_then_saving_works_again(tmp_path):
+    ffs = FaultFileSystem(fsspec.filesystem("file"))
+    disk_full = ffs.add("open", mode="wb", match=PAYLOAD_NAME,
+                        error=OSError(28, "No space left on device"))  # the first save only
+    store = CheckpointStore(str(tmp_path / "ck"), filesystem=ffs)
     store.save({"w": torch.ones(3)}, step=1, blocking=False)  # returns: the error comes later
     with pytest.raises(OSError, match="No space left"):
         store.wait()
+    assert disk_full.fired == 1
     store.wait()  # reported once, not forever
-    monkeypatch.setattr(store._layout, "commit", real)
     store.save({"w": torch.ones(3)}, step=2, blocking=False)
     store.close()
     assert [i.step for i in store.list()] == [2]
 
 
-def test_background_failure_surfaces_on_next_save(tmp_path, monkeypatch):
-    store = CheckpointStore(str(tmp_path / "ck"))
-    monkeypatch.setattr(store._layout, "commit",
-                        lambda *a, **k: (_ for _ in ()).throw(CheckpointError("bucket gone")))
+def test_background_failure_surfaces_on_next_save(tmp_path):
+    ffs = FaultFileSystem(fsspec.filesystem("file"))
+    ffs.add("open", mode="wb", error=CheckpointError("bucket gone"), times=None)
+    store = CheckpointStore(str(tmp_path / "ck"), filesystem=ffs)
     store.save({"w": torch.ones(3)}, step=1, blocking=False)
     with pytest.raises(CheckpointError, match="bucket gone"):
         store.save({"w": torch.ones(3)}, step=2, blocking=False)
