@@ -20,6 +20,7 @@ import io
 import logging
 import os
 import shutil
+import stat
 import threading
 import time
 import uuid
@@ -27,10 +28,11 @@ from typing import IO
 
 from elastic_kit.store._backend import PayloadWrite, Seal, basename, check_size
 from elastic_kit.store._direct import open_direct
-from elastic_kit.store._fs import fsync_dir, join, open_regular_local, write_error
+from elastic_kit.store._fs import join, write_error
 from elastic_kit.store._manifest import MANIFEST_NAME, Manifest
+from elastic_kit.errors import CheckpointCorruptError
 
-__all__ = ["TMP_PREFIX", "LocalBackend"]
+__all__ = ["TMP_PREFIX", "LocalBackend", "fsync_dir", "open_regular_local"]
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +43,44 @@ TMP_PREFIX = ".tmp-"
 # Names of temporary directories some store of this process is writing right now.
 _LIVE_TMP: set[str] = set()
 _LIVE_LOCK = threading.Lock()
+
+
+def fsync_dir(path: str) -> None:
+    """Flush a local directory's entries (new names, renames) to disk.
+
+    A rename is durable only once the directory holding the name is fsync'ed; some
+    filesystems refuse fsync on a directory, which is then logged and ignored.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError as e:  # pragma: no cover - platform dependent
+        log.debug("cannot open directory %s to fsync it: %s", path, e)
+        return
+    try:
+        os.fsync(fd)
+    except OSError as e:  # pragma: no cover - platform dependent
+        log.debug("fsync of directory %s failed: %s", path, e)
+    finally:
+        os.close(fd)
+
+
+def open_regular_local(path: str) -> IO[bytes]:
+    """Open a local file for reading only if it is a regular file (never a FIFO,
+    device or symlink, which could hang the reader or leak another file)."""
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+    try:
+        fd = os.open(path, flags | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise CheckpointCorruptError(f"{path} is a symbolic link, expected a regular "
+                                         f"file") from e
+        raise
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise CheckpointCorruptError(f"{path} is not a regular file "
+                                     f"(mode {stat.filemode(st.st_mode)})")
+    return os.fdopen(fd, "rb")
 
 
 def _open_payload(path: str, mode: str) -> IO[bytes]:

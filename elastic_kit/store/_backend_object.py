@@ -13,18 +13,44 @@ import errno
 import io
 import logging
 import time
-from typing import IO
+from typing import IO, Any
 
 import fsspec
 
 from elastic_kit.errors import CheckpointCorruptError
 from elastic_kit.store._backend import PayloadWrite, Reader, Seal, basename, check_size
-from elastic_kit.store._fs import discard_upload, entry_time, join
+from elastic_kit.store._fs import join
 from elastic_kit.store._manifest import MANIFEST_NAME, Manifest
 
 __all__ = ["ObjectBackend"]
 
 log = logging.getLogger(__name__)
+
+
+def entry_time(info: dict[str, Any]) -> float | None:
+    """Modification time of an fsspec ``info`` entry, in seconds since the epoch."""
+    for key in ("mtime", "LastModified", "last_modified", "created", "updated"):
+        v = info.get(key)
+        if v is None:
+            continue
+        if hasattr(v, "timestamp"):
+            return float(v.timestamp())
+        try:
+            return float(v)
+        except (TypeError, ValueError):
+            continue
+    return None
+
+
+def discard_upload(f: Any) -> None:
+    """Abandon a remote file being written without uploading what it holds."""
+    try:
+        discard = getattr(f, "discard", None)
+        if callable(discard):
+            discard()
+        f.closed = True  # an fsspec buffered file would upload on close()/__del__
+    except Exception:  # pragma: no cover - best effort
+        pass
 
 
 class ObjectBackend:

@@ -1,15 +1,11 @@
-"""Resolving checkpoint URLs to fsspec filesystems, retries, and the local-disk durability calls.
+"""Resolving checkpoint URLs to fsspec filesystems, retries, and write helpers.
 
-Every storage access in the checkpoint package goes through an fsspec filesystem
+Every storage access in the store package goes through an fsspec filesystem
 obtained here, so a plain path, ``file://``, ``memory://``, ``s3://``, ``gs://`` and
-``az://`` behave alike. What differs is how a checkpoint is *committed*:
-
-- on a local (or NFS-mounted) filesystem a directory can be renamed atomically, so
-  a checkpoint is written under a temporary name, fsync'ed and renamed;
-- object stores have no directories and no rename, so the manifest, written last,
-  is the commit.
-
-:func:`is_local` tells the two apart.
+``az://`` behave alike. What differs is how a checkpoint is *committed*: a local (or
+NFS-mounted) filesystem renames a directory atomically, an object store has no
+rename and the manifest, written last, is the commit. :func:`is_local` tells the two
+apart; the calls particular to each are in ``_backend_local`` and ``_backend_object``.
 """
 
 from __future__ import annotations
@@ -17,27 +13,21 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import stat
 import time
-from typing import IO, Any, Callable, TypeVar
+from typing import Any, Callable, TypeVar
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from elastic_kit.errors import CheckpointCorruptError, CheckpointError
+from elastic_kit.errors import CheckpointError
 
 __all__ = [
     "EXTRAS",
-    "open_regular_local",
     "write_error",
-    "discard_upload",
-    "entry_time",
     "resolve_url",
     "s3_timeout_options",
     "retrying",
     "is_local",
-    "fsync_file",
-    "fsync_dir",
     "start_writeback",
     "join",
 ]
@@ -169,32 +159,6 @@ def join(root: str, *parts: str) -> str:
     return "/".join([root.rstrip("/"), *parts])
 
 
-def fsync_file(path: str) -> None:
-    """Flush a local file's data to disk."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_dir(path: str) -> None:
-    """Flush a local directory's entries (new names, renames) to disk.
-
-    A rename is durable only once the directory holding the name is fsync'ed; some
-    filesystems refuse fsync on a directory, which is then logged and ignored.
-    """
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError as e:  # pragma: no cover - platform dependent
-        log.debug("cannot open directory %s to fsync it: %s", path, e)
-        return
-    try:
-        os.fsync(fd)
-    except OSError as e:  # pragma: no cover - platform dependent
-        log.debug("fsync of directory %s failed: %s", path, e)
-    finally:
-        os.close(fd)
 
 
 _SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start writeback of dirty pages, do not wait
@@ -229,38 +193,6 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> bool:
     return _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE) == 0
 
 
-def entry_time(info: dict[str, Any]) -> float | None:
-    """Modification time of an fsspec ``info`` entry, in seconds since the epoch."""
-    for key in ("mtime", "LastModified", "last_modified", "created", "updated"):
-        v = info.get(key)
-        if v is None:
-            continue
-        if hasattr(v, "timestamp"):
-            return float(v.timestamp())
-        try:
-            return float(v)
-        except (TypeError, ValueError):
-            continue
-    return None
-
-
-def open_regular_local(path: str) -> IO[bytes]:
-    """Open a local file for reading only if it is a regular file (never a FIFO,
-    device or symlink, which could hang the reader or leak another file)."""
-    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
-    try:
-        fd = os.open(path, flags | getattr(os, "O_CLOEXEC", 0))
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise CheckpointCorruptError(f"{path} is a symbolic link, expected a regular "
-                                         f"file") from e
-        raise
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
-        os.close(fd)
-        raise CheckpointCorruptError(f"{path} is not a regular file "
-                                     f"(mode {stat.filemode(st.st_mode)})")
-    return os.fdopen(fd, "rb")
 
 
 def write_error(e: OSError, path: str) -> OSError:
@@ -271,13 +203,3 @@ def write_error(e: OSError, path: str) -> OSError:
         OSError(f"cannot write checkpoint file {path}: {e}")
     return err
 
-
-def discard_upload(f: Any) -> None:
-    """Abandon a remote file being written without uploading what it holds."""
-    try:
-        discard = getattr(f, "discard", None)
-        if callable(discard):
-            discard()
-        f.closed = True  # an fsspec buffered file would upload on close()/__del__
-    except Exception:  # pragma: no cover - best effort
-        pass
