@@ -551,8 +551,26 @@ class ElasticDistributedSampler(Sampler[int]):
                 being iterated.
         """
         start = self._position(position)
-        positions = torch.arange(self._local_length(start), dtype=torch.int64)
-        return positions.mul_(self.num_replicas).add_(self.rank) >= self.dataset_length - start
+        return ~self.real_mask(0, self._local_length(start), position=start)
+
+    def real_mask(self, first: SupportsIndex, stop: SupportsIndex, *,
+                  position: SupportsIndex | None = None) -> torch.Tensor:
+        """Bool mask over this rank's local positions ``first..stop-1``: True where real.
+
+        The one place the padding test is written, so the loss weights, the sample
+        audit and :meth:`local_padding_mask` cannot disagree about which samples a
+        step really trained. Position ``j`` is real when ``rank + j * num_replicas <
+        dataset_length - position``; positions past the share's end count as padding.
+
+        Args:
+            first, stop: local positions within the share dealt from ``position``.
+            position: the global position the share is dealt from (default:
+                :attr:`consumed`); ``position=pass_start`` gives positions within the
+                pass being iterated.
+        """
+        start = self._position(position)
+        positions = torch.arange(operator.index(first), operator.index(stop), dtype=torch.int64)
+        return positions.mul_(self.num_replicas).add_(self.rank) < self.dataset_length - start
 
     def local_indices(self, *, position: SupportsIndex | None = None) -> torch.Tensor:
         """This rank's share of the rest of the epoch, padding included, as int64.

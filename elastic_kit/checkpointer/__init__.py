@@ -8,7 +8,8 @@ storage it saves into is :mod:`elastic_kit.store`; the in-memory tier is
 
 from __future__ import annotations
 
-from elastic_kit.checkpointer._checkpointer import Checkpointer, StoreLike
+from elastic_kit.checkpointer._checkpointer import Checkpointer
 from elastic_kit.checkpointer._config import AUDIT_MODES, CheckpointerConfig
+from elastic_kit.checkpointer._store_like import StoreLike
 
 __all__ = ["Checkpointer", "CheckpointerConfig", "StoreLike", "AUDIT_MODES"]

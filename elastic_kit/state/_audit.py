@@ -192,3 +192,43 @@ class SampleAudit:
     def load_state_dict(self, sd: list[dict[str, Any]]) -> None:
         self.epochs = {int(d["epoch"]): EpochAudit.from_dict(d) for d in sd}
         self._pending.clear()
+
+
+class AuditSpan:
+    """Audited steps not yet folded into a :class:`SampleAudit`.
+
+    Digesting ids costs a hash per sample; done per optimizer step it would sit on
+    the critical path of short steps. Consecutive steps of one pass extend one span
+    of local positions instead, digested in one vectorised call when the audit is
+    next needed (a save, a snapshot, the epoch's end).
+    """
+
+    def __init__(self) -> None:
+        self._epoch = -1
+        self._indices: torch.Tensor | None = None  # the pass's local indices
+        self._real: torch.Tensor | None = None  # which of them are not padding
+        self._start = self._end = 0
+
+    def note(self, audit: SampleAudit, epoch: int, indices: torch.Tensor,
+             real: torch.Tensor, start: int, end: int) -> None:
+        """Record that local positions ``start..end-1`` of a pass were trained.
+
+        ``indices`` and ``real`` are the pass's local indices and its real-sample
+        mask; a step that continues the pending span extends it, any other step
+        first digests the pending span into ``audit``.
+        """
+        if (self._indices is not None and self._epoch == epoch
+                and self._indices is indices and self._end == start):
+            self._end = end
+            return
+        self.digest(audit)
+        self._epoch, self._indices, self._real = epoch, indices, real
+        self._start, self._end = start, end
+
+    def digest(self, audit: SampleAudit) -> None:
+        """Fold the pending span's real samples into this rank's share of ``audit``."""
+        indices, real, self._indices, self._real = self._indices, self._real, None, None
+        if indices is None or real is None:
+            return
+        a, b = self._start, self._end
+        audit.record(self._epoch, indices[a:b][real[a:b]])

@@ -236,18 +236,18 @@ def _count_exchanges(steps: int, step_s: float, stop_at: int | None) -> dict[str
     (async all-reduces) the checkpointer issues; rank 1 requests a stop at ``stop_at``."""
     import time
 
-    import elastic_kit.checkpointer._checkpointer as ckpt_mod
+    import elastic_kit.checkpointer._cadence as cadence_mod
 
     torch.set_num_threads(1)
     ek.init_distributed()
     calls = []
-    real = ckpt_mod.all_reduce_sum_async
+    real = cadence_mod.all_reduce_sum_async
 
     def counting(t: torch.Tensor) -> Any:
         calls.append(1)
         return real(t)
 
-    ckpt_mod.all_reduce_sum_async = counting
+    cadence_mod.all_reduce_sum_async = counting
     model = nn.Linear(2, 2)
     state = ek.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
     ckpt = ek.Checkpointer(state, None, handle_signals=False)
@@ -261,7 +261,8 @@ def _count_exchanges(steps: int, step_s: float, stop_at: int | None) -> dict[str
             ckpt.step(1)
     except SystemExit as e:
         stopped_at = (state.step, e.code)
-    return {"exchanges": len(calls), "every": ckpt._exchange_every, "stopped_at": stopped_at}
+    return {"exchanges": len(calls), "every": ckpt._cadence.exchange_every,
+            "stopped_at": stopped_at}
 
 
 def test_long_steps_exchange_flags_every_step() -> None:
@@ -285,26 +286,27 @@ def test_short_steps_exchange_rarely_and_a_stop_on_one_rank_exits_all_at_one_ste
 
 def test_step_time_leaves_out_the_time_spent_in_hooks(monkeypatch: pytest.MonkeyPatch) -> None:
     """The step time the exchange and snapshot intervals are budgets of is training
-    time: a hook's time (validation in ``on_step_end``) handed to ``_exclude_time`` is
+    time: a hook's time (validation in ``on_step_end``) handed to ``exclude_time`` is
     not counted, so a long hook does not make snapshots more frequent for a while."""
     import types
 
-    import elastic_kit.checkpointer._checkpointer as ckpt_mod
+    import elastic_kit.checkpointer._cadence as cadence_mod
 
     clock = [100.0]
-    monkeypatch.setattr(ckpt_mod, "time", types.SimpleNamespace(
+    monkeypatch.setattr(cadence_mod, "time", types.SimpleNamespace(
         monotonic=lambda: clock[0], perf_counter=lambda: clock[0]))
     model = nn.Linear(2, 2)
     state = ek.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
     ckpt = ek.Checkpointer(state, None, handle_signals=False, info=ek.DistInfo())
-    ckpt._local_flags()  # the first exchange: no step time yet
-    assert ckpt._step_s is None
+    cadence = ckpt._cadence
+    cadence.local_flags()  # the first exchange: no step time yet
+    assert cadence.step_s is None
     state.step += 10
     clock[0] += 1.0  # 10 steps in 1 s, of which 0.6 s in hooks
-    ckpt._exclude_time(0.6)
-    ckpt._local_flags()
-    assert ckpt._step_s == pytest.approx(0.04)
+    cadence.exclude_time(0.6)
+    cadence.local_flags()
+    assert cadence.step_s == pytest.approx(0.04)
     state.step += 10
     clock[0] += 0.4  # the next window has no hooks: the excluded time was reset
-    ckpt._local_flags()
-    assert ckpt._step_s == pytest.approx(0.04)
+    cadence.local_flags()
+    assert cadence.step_s == pytest.approx(0.04)

@@ -51,3 +51,20 @@ def test_audit_state_round_trips() -> None:
     s2 = SampleAudit()
     s2.load_state_dict(s.state_dict())
     assert s2.epochs[2].count == 10 and s2.epochs[2].digest == s.epochs[2].digest
+
+
+def test_a_span_of_steps_digests_to_what_each_step_recorded_alone() -> None:
+    """Consecutive steps are digested as one span, lazily; the audit must come out as
+    if each step's real samples had been recorded when it ran, padding left out."""
+    from elastic_kit.state import AuditSpan
+
+    indices = torch.randperm(N, generator=torch.Generator().manual_seed(1))
+    real = torch.arange(N) < N - 3  # the last three positions are padding
+    per_step, spanned, span = SampleAudit(), SampleAudit(), AuditSpan()
+    steps = [(0, 8), (8, 16), (16, 30), (35, 50)]  # a gap: (35, 50) starts a new span
+    for a, b in steps:
+        per_step.record(0, indices[a:b][real[a:b]])
+        span.note(spanned, 0, indices, real, a, b)
+    span.digest(spanned)
+    span.digest(spanned)  # nothing pending: digesting twice adds nothing
+    assert torch.equal(spanned._pending[0], per_step._pending[0])

@@ -244,16 +244,16 @@ def test_progress_bar_reads_the_loss_at_most_twice_a_second() -> None:
 def test_loop_keeps_its_hooks_out_of_the_step_time(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every ``on_step_end`` and ``on_epoch_end`` call's duration reaches the
     checkpointer as time that is not training."""
-    from elastic_kit.checkpointer import Checkpointer
+    from elastic_kit.checkpointer._cadence import Cadence
 
     excluded: list[float] = []
-    real = Checkpointer._exclude_time
+    real = Cadence.exclude_time
 
-    def spy(self: Checkpointer, seconds: float) -> None:
+    def spy(self: Cadence, seconds: float) -> None:
         excluded.append(seconds)
         real(self, seconds)
 
-    monkeypatch.setattr(Checkpointer, "_exclude_time", spy)
+    monkeypatch.setattr(Cadence, "exclude_time", spy)
     hooks: list[str] = []
     torch.manual_seed(0)
     model = nn.Linear(4, 2)

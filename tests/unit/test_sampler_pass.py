@@ -303,3 +303,20 @@ def test_local_indices_position_outside_the_epoch_is_refused() -> None:
         s.local_padding_mask(position=-1)
     with pytest.raises(TypeError, match=r"position=2.5: expected an int"):
         s.local_indices(position=2.5)  # type: ignore[arg-type]
+
+
+@FAST
+@given(n=st.integers(1, 40), world=st.integers(1, 5), drop_last=st.booleans(),
+       position=st.integers(0, 40), first=st.integers(0, 12), count=st.integers(0, 12))
+def test_real_mask_is_the_padding_mask_inverted_and_past_the_share_is_padding(
+        n: int, world: int, drop_last: bool, position: int, first: int, count: int) -> None:
+    """The loss weights and the audit ask ``real_mask`` which local positions hold real
+    samples; it agrees with ``local_padding_mask`` over the share and calls every
+    position past the share's real samples padding."""
+    position = min(position, n)
+    for rank in range(world):
+        s = ElasticDistributedSampler(range(n), world, rank, drop_last=drop_last)
+        pad = s.local_padding_mask(position=position)
+        assert s.real_mask(0, len(pad), position=position).tolist() == (~pad).tolist()
+        real = s.real_mask(first, first + count, position=position).tolist()
+        assert real == [rank + j * world < n - position for j in range(first, first + count)]

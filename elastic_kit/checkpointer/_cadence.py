@@ -1,0 +1,215 @@
+"""When the ranks act together: the flag exchange and the one step-time estimate.
+
+What one rank knows alone (a SIGTERM, rank 0's clock, rank 0's automatic snapshot
+interval) must reach every rank so that all act at the same step; a collective per
+step would cost short steps too much. :class:`Cadence` exchanges the ranks'
+:class:`Flags` now and then through a small async all-reduce, and keeps the step-time
+estimate both the exchange interval and the snapshot interval are budgets of.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple
+
+import torch
+
+from elastic_kit.distributed import (
+    DistInfo, all_reduce_max, all_reduce_sum_async, is_dist_ready, settle_collectives,
+)
+from elastic_kit.state import TerminationFlag
+
+if TYPE_CHECKING:
+    from elastic_kit.snapshot import SnapshotTier
+    from elastic_kit.state import TrainState
+
+__all__ = ["Cadence", "Flags", "EXCHANGE_PERIOD_S", "MAX_EXCHANGE_EVERY"]
+
+#: Seconds of training between two exchanges of the ranks' flags (see
+#: :meth:`Cadence.poll`), and the most steps between two.
+EXCHANGE_PERIOD_S = 0.2
+MAX_EXCHANGE_EVERY = 64
+#: Seconds an abandoning rank gives an exchange in flight to finish.
+ABANDON_SETTLE_S = 1.0
+
+
+class Flags(NamedTuple):
+    """What the ranks agree on at an exchange, summed over ranks (in float64).
+
+    ``stop``: a rank received SIGTERM; ``save_due``: rank 0's clock says a timed save
+    is due; ``snapshot_every`` and ``exchange_every``: rank 0's proposed intervals
+    (the other ranks send zeros, so the sum is rank 0's proposal; 0: no proposal).
+    """
+
+    stop: float = 0.0
+    save_due: float = 0.0
+    snapshot_every: float = 0.0
+    exchange_every: float = 0.0
+
+
+#: No flags: what the steps between two exchanges see.
+NO_FLAGS = Flags()
+
+
+class Cadence:
+    """The flag exchange, the step-time estimate and the adopted intervals.
+
+    Args:
+        state: the train state (its ``step`` counts the steps between exchanges).
+        info: this worker's :class:`~elastic_kit.DistInfo` (reassigned by the
+            checkpointer's restore).
+        stop: this rank's SIGTERM flag.
+        every_seconds: the timed save interval (rank 0's clock decides), or None.
+        tier: the snapshot tier whose interval the exchanges set, or None; asked at
+            each use, as its owner sets it up (or replaces it) after construction.
+    """
+
+    def __init__(self, state: TrainState, info: DistInfo, stop: TerminationFlag,
+                 every_seconds: float | None, *,
+                 tier: Callable[[], SnapshotTier | None] = lambda: None) -> None:
+        self.state = state
+        self.info = info
+        self.every_seconds = every_seconds
+        self._tier = tier
+        self._stop = stop
+        self._flags: Any = None  # the previous exchange's async all-reduce (see poll)
+        self.exchange_every = 1  # steps between exchanges, agreed by all ranks
+        self._until_exchange = 1
+        self._exchange_t: float | None = None  # rank 0: when the previous exchange ran
+        self._exchange_step = 0
+        self.step_s: float | None = None  # rank 0: the step time estimate (the only one)
+        self._hooks_s = 0.0  # time in the loop's hooks since the previous exchange
+        self.last_save_time = time.monotonic()
+        # A save or snapshot due at an epoch's last step waits for end_epoch (or the
+        # next step), so what is kept of that step describes the closed epoch.
+        self._save_pending = False
+        self._snapshot_pending = False
+
+    def due(self, flags: Flags, every_steps: int | None, epoch_done: bool) -> tuple[bool, bool]:
+        """Whether a save and a snapshot are due after this step, given the agreed flags.
+
+        A fixed snapshot interval is known to every rank; an automatic one is rank
+        0's proposal, agreed through the exchanges (see :meth:`poll`). At an epoch's
+        last step neither is taken now: one step, one state, so what is kept of that
+        step is taken by the epoch's end (:meth:`at_epoch_end`), with the epoch
+        closed, and a snapshot and a durable checkpoint of it never disagree.
+        """
+        step = self.state.step
+        save = every_steps is not None and step % every_steps == 0
+        save = save or flags.save_due > 0 or self._save_pending
+        tier = self._tier()
+        snap = tier is not None and (tier.due(step) or self._snapshot_pending)
+        if epoch_done:
+            self._save_pending = self._save_pending or save
+            self._snapshot_pending = self._snapshot_pending or snap
+            return False, False
+        self._save_pending = self._snapshot_pending = False
+        return save, snap
+
+    def at_epoch_end(self, save_at_epoch_end: bool) -> tuple[bool, bool]:
+        """Whether the epoch's end saves and snapshots (what its last step left due)."""
+        save, snap = save_at_epoch_end or self._save_pending, self._snapshot_pending
+        self._save_pending = self._snapshot_pending = False
+        return save, snap
+
+    def saved(self) -> None:
+        """A save just finished: the timed save interval starts again now."""
+        self.last_save_time = time.monotonic()
+
+    def poll(self) -> Flags:
+        """The ranks' agreed :class:`Flags`, or no flags (zeros) between exchanges.
+
+        An *exchange* is issued after one step and read at the next exchange, so it
+        never waits on the critical path, and every rank acts on it at the same step.
+        Even an overlapped collective costs a short step something (a gloo
+        all-reduce takes its thread ~1 ms on a busy CPU): exchanges run about every
+        :data:`EXCHANGE_PERIOD_S` seconds of training (every step when steps are
+        longer), at an interval rank 0 proposes from its step time and all ranks
+        adopt at the same exchange. A SIGTERM is thus acted on within two exchange
+        periods.
+        """
+        if self.info.world_size == 1 or not is_dist_ready():
+            flags = self.local_flags()
+            self.adopt(flags)
+            return flags
+        self._until_exchange -= 1
+        if self._until_exchange > 0:
+            return NO_FLAGS
+        previous = self.resolve()
+        self.adopt(previous)
+        self._until_exchange = self.exchange_every
+        self._flags = all_reduce_sum_async(torch.tensor(self.local_flags(),
+                                                        dtype=torch.float64))
+        return previous
+
+    def adopt(self, flags: Flags) -> None:
+        """Take rank 0's proposals carried by an exchange (every rank at once)."""
+        if flags.exchange_every >= 1:
+            self.exchange_every = int(flags.exchange_every)
+        tier = self._tier()
+        if tier is not None and flags.snapshot_every >= 1:
+            tier.interval = int(flags.snapshot_every)
+
+    def local_flags(self) -> Flags:
+        """This rank's flags; only rank 0 proposes intervals (the others send zeros).
+
+        On rank 0 it also updates the step-time estimate from the training time
+        since the previous exchange, less the time handed to :meth:`exclude_time`.
+        """
+        main = self.info.is_main
+        now = time.monotonic()
+        time_due = (self.every_seconds is not None and main
+                    and now - self.last_save_time >= self.every_seconds)
+        snap_every = exchange_every = 0
+        if main:
+            tier = self._tier()
+            steps = self.state.step - self._exchange_step
+            if self._exchange_t is not None and steps > 0:
+                dt = max(now - self._exchange_t - self._hooks_s, 0.0) / steps
+                self.step_s = dt if self.step_s is None else 0.5 * (self.step_s + dt)
+            snap_every = tier.proposal(self.step_s) if tier is not None else 0
+            self._exchange_t, self._exchange_step = now, self.state.step
+            self._hooks_s = 0.0
+            exchange_every = max(1, min(MAX_EXCHANGE_EVERY, int(
+                EXCHANGE_PERIOD_S / self.step_s))) if self.step_s else 1
+        return Flags(float(self._stop.is_set()), float(time_due), float(snap_every),
+                     float(exchange_every))
+
+    def exclude_time(self, seconds: float) -> None:
+        """Keep ``seconds`` (spent in a user hook: validation, logging) out of the
+        step time the exchange and snapshot intervals are budgets of, so a long hook
+        does not make snapshots more frequent for a while."""
+        self._hooks_s += seconds
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """A block whose time :meth:`exclude_time` keeps out of the step time."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.exclude_time(time.perf_counter() - t0)
+
+    def resolve(self) -> Flags:
+        """Wait for the exchange in flight, if any, and return its flags."""
+        if self._flags is None:
+            return NO_FLAGS
+        flags, self._flags = Flags(*self._flags().tolist()), None
+        return flags
+
+    def abandon(self) -> None:
+        """Forget the exchange in flight, on this rank alone, while an exception
+        propagates: a failing peer may never join it, so it is not waited for, but
+        given :data:`ABANDON_SETTLE_S` to finish and kept from being freed on the
+        backend's thread."""
+        self._flags = None
+        settle_collectives(ABANDON_SETTLE_S)
+
+    def agreed_stop(self) -> bool:
+        """Every rank learns at once whether any rank received SIGTERM (collective)."""
+        pending_stop = self.resolve().stop > 0 if is_dist_ready() else False
+        mine = self._stop.is_set() or pending_stop
+        if is_dist_ready() and self.info.world_size > 1:
+            return all_reduce_max(int(mine)) > 0
+        return mine

@@ -1,0 +1,89 @@
+"""How a checkpointer ends: on request (SIGTERM or :meth:`request_stop`),
+collectively when training is over, or on one rank alone while an exception
+propagates.
+
+The last two differ in the one thing that matters on a failing group: whether a
+collective may run. Kept apart from the training-time methods so that difference is
+read in one place.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from elastic_kit.checkpointer import _saving
+from elastic_kit.distributed import is_dist_ready
+
+if TYPE_CHECKING:
+    from elastic_kit.checkpointer._cadence import Cadence
+    from elastic_kit.checkpointer._hooks import Hooks
+    from elastic_kit.checkpointer._store_like import StoreLike
+    from elastic_kit.distributed import DistInfo
+    from elastic_kit.snapshot import SnapshotTier
+
+__all__ = ["Lifecycle"]
+
+_Self = TypeVar("_Self", bound="Lifecycle")
+
+
+class Lifecycle:
+    """The closing half of :class:`~elastic_kit.Checkpointer` (a base it builds on)."""
+
+    store: StoreLike | None
+    snapshots: SnapshotTier | None
+    info: DistInfo
+    _owns_store: bool
+    _last_saved_step: int | None
+    _hooks: Hooks
+    _cadence: Cadence
+
+    @property
+    def stop_requested(self) -> bool:
+        """True once this rank received SIGTERM (or :meth:`request_stop` was called)."""
+        return self._hooks.stop.is_set()
+
+    def request_stop(self) -> None:
+        """Save and exit soon (as after SIGTERM, see ``handle_signals``)."""
+        self._hooks.stop.set()
+
+    @property
+    def last_saved_step(self) -> int | None:
+        """The step of the newest checkpoint committed or restored here, or None."""
+        return self._last_saved_step
+
+    def close(self) -> None:
+        """Wait for the in-flight save (re-raising its error) and uninstall the hooks.
+
+        Collective. Closes the store when the checkpointer made it from a URL, and
+        removes this run's in-memory snapshots (training is over: the durable store
+        holds the result). Safe to call twice.
+        """
+        self._close(remove_snapshots=True)
+
+    def _close(self, *, remove_snapshots: bool) -> None:
+        if not self._hooks.close():
+            return
+        if is_dist_ready():
+            self._cadence.resolve()
+        if self.store is not None:
+            _saving.close_store(self.store, self.snapshots, self.info,
+                                remove_snapshots=remove_snapshots, owns_store=self._owns_store)
+
+    def abandon(self) -> None:
+        """Close on this rank alone, while an exception propagates (possibly on this
+        rank only): no collective, or it would block on its peers or match one of
+        their collectives. A pending save's failure is logged, not raised. What
+        ``with Checkpointer(...)`` runs when its block raises."""
+        if not self._hooks.close():
+            return
+        self._cadence.abandon()
+        _saving.abandon(self.store, self.snapshots)
+
+    def __enter__(self: _Self) -> _Self:
+        return self
+
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abandon()

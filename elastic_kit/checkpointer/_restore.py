@@ -1,0 +1,196 @@
+"""Where a restart resumes from: the newest state in any tier.
+
+A restarted group may find its state in this node's memory, in a peer node's memory,
+or in the durable store. Every rank must take the same branch (the loads are
+collective), and the later state wins, not the faster tier; this module makes that
+choice, rolls over an epoch the restored state had already finished, and says where
+the state came from.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, Callable
+
+from elastic_kit._console import say
+from elastic_kit.distributed import DistInfo, all_reduce_max
+from elastic_kit.snapshot import SnapshotTier, agree_run_identity
+
+if TYPE_CHECKING:
+    from elastic_kit.checkpointer._store_like import StoreLike
+    from elastic_kit.state import TrainState
+    from elastic_kit.store import LoadedCheckpoint
+
+__all__ = ["check_sampler", "make_snapshots", "load_newest", "resume"]
+
+log = logging.getLogger(__name__)
+
+TIER_NAMES = {"memory": "this node's memory", "peer": "a peer node's memory",
+              "store": "the checkpoint store", None: "nowhere"}
+
+
+def check_sampler(sampler: Any, info: DistInfo) -> None:
+    """A sampler built before the process group would deal another rank's share."""
+    if sampler is None:
+        log.warning("TrainState has no sampler: a restart resumes at the start of the "
+                    "saved epoch, not at the saved position inside it")
+    elif (sampler.num_replicas, sampler.rank) != (info.world_size, info.rank):
+        raise ValueError(
+            f"sampler has num_replicas={sampler.num_replicas}, rank={sampler.rank}; "
+            f"this worker is rank {info.rank} of {info.world_size} (build the sampler "
+            "after ek.init_distributed())")
+
+
+def resume(state: TrainState, info: DistInfo, loaded: LoadedCheckpoint | None,
+           restored_step: int | None, restored_from: str | None, tier: SnapshotTier | None,
+           finish_audit: Callable[[], Any]) -> None:
+    """After the load: record the restart in ``state.history``, roll over an epoch
+    the restored state had finished (collective), and say what was restored."""
+    sampler = state.sampler
+    if state.initial_world_size is None:
+        state.initial_world_size = info.world_size
+    state.history.append({"world_size": info.world_size, "step": state.step,
+                          "restart": info.restart_count,
+                          "restored_step": restored_step,
+                          "restored_from": restored_from})
+    if sampler is not None and loaded is not None:
+        if sampler.remaining == 0 or len(sampler) == 0:
+            close_exhausted_epoch(state, info, finish_audit)
+        state.epoch = sampler.epoch
+    log_restore(state, info, loaded, restored_from, tier)
+
+
+def make_snapshots(store: StoreLike | None, info: DistInfo, every: int | str | None,
+                   budget: float) -> SnapshotTier | None:
+    """The in-memory snapshot tier, or None where it is off (collective).
+
+    ``"auto"`` is on only under torchrun: outside it nothing restarts the workers,
+    so there is nothing for memory to outlive.
+    """
+    if store is None or every in (None, 0):
+        return None
+    if every == "auto":
+        if not info.under_torchrun:
+            return None
+        every = None
+    # a snapshot is trusted only with the identity the store holds now (collective)
+    identity = agree_run_identity(store, info)
+    if identity is None:
+        return None
+    tier = SnapshotTier(str(store.url), info=info, every=every,  # type: ignore[arg-type]
+                        budget=budget, identity=identity)
+    # Every rank must take the same restore path (its loads are collective), so
+    # snapshots are on only when every node can keep them.
+    if all_reduce_max(int(not tier.enabled)):
+        if tier.enabled and info.rank == 0:
+            log.warning("in-memory snapshots are off: another node cannot keep them "
+                        "(see its warning); restarts resume from the durable store")
+        return None
+    return tier
+
+
+def load_newest(store: StoreLike | None, tier: SnapshotTier | None, info: DistInfo,
+                map_location: Any) -> tuple[LoadedCheckpoint | None, str | None]:
+    """The newest state in any tier and where it came from (``"memory"``,
+    ``"peer"``, ``"store"`` or None).
+
+    Every rank learns the newest snapshot step any node holds and the newest
+    durable step, and all take the same branch (the loads are collective).
+    """
+    if store is None:
+        return None, None
+    if tier is None:
+        loaded = load_durable(store, map_location)
+        return loaded, "store" if loaded is not None else None
+    tier.connect()
+    mine = tier.newest_local()
+    writer = getattr(store, "is_writer", info.rank == 0)
+    step, epoch, consumed = newest_key(store) if writer else (-1, -1, -1)
+    newest_snapshot = all_reduce_max(-1 if mine is None else mine)
+    newest_durable = all_reduce_max(step)
+    # the newest durable checkpoint's position, from a writer that holds it
+    newest = step == newest_durable
+    durable_key = (newest_durable, all_reduce_max(epoch if newest else -1),
+                   all_reduce_max(consumed if newest else -1))
+    if newest_snapshot >= 0 and newest_snapshot >= newest_durable:
+        loaded = tier.load(map_location=map_location)
+        # The later state wins, not the tier: a durable save made after end_epoch
+        # is later than a snapshot of the same step taken inside the epoch.
+        if loaded is not None and key(loaded.step, loaded.metadata) >= durable_key:
+            # memory when rank 0's node held it, else a peer node's copy or a
+            # replica a peer streamed here
+            held = all_reduce_max(int(info.rank == 0 and tier.loaded_own))
+            return loaded, "memory" if held else "peer"
+    loaded = load_durable(store, map_location)
+    return loaded, "store" if loaded is not None else None
+
+
+def close_exhausted_epoch(state: TrainState, info: DistInfo,
+                          finish_audit: Callable[[], Any]) -> None:
+    """A restored state whose epoch has nothing left: move to the next epoch.
+
+    Such a state (a save at the epoch's last step before ``end_epoch``, or a
+    SIGTERM save there) would hand the script an empty pass, and a loop that
+    calls ``next(iter(loader))`` first stops with ``StopIteration``. The epoch's
+    audit is checked here (``finish_audit``) instead of in ``end_epoch``; the
+    script's own end-of-epoch work for it is not redone. Collective (the audit).
+    """
+    sampler = state.sampler
+    assert sampler is not None
+    epoch = sampler.epoch
+    finish_audit()
+    sampler.set_epoch(epoch + 1)
+    state.epoch = epoch + 1
+    if info.is_main:
+        say(log, "restored step %d finished epoch %d: resuming at epoch %d, position 0",
+            state.step, epoch, epoch + 1)
+
+
+def log_restore(state: TrainState, info: DistInfo, loaded: LoadedCheckpoint | None,
+                restored_from: str | None, tier: SnapshotTier | None) -> None:
+    """Say, on the main rank, what was restored from where (or that nothing was)."""
+    if not info.is_main:
+        return
+    sampler = state.sampler
+    ignored = tier.ignored_note() if tier is not None else ""
+    if loaded is not None:
+        done = f", {sampler.consumed}/{sampler.dataset_length} samples of it done" if (
+            sampler is not None) else ""
+        say(log, "restored checkpoint step %d (from %s): epoch %d%s; world size %s "
+            "-> %d (restart %d)%s", state.step, TIER_NAMES[restored_from],
+            state.epoch, done, loaded.metadata.get("world_size", "?"),
+            info.world_size, info.restart_count, ignored)
+    else:
+        say(log, "no checkpoint to restore: starting at step %d, epoch %d, world "
+                 "size %d%s", state.step, state.epoch, info.world_size, ignored)
+
+
+def _int_or(value: Any, default: int) -> int:
+    return int(value) if isinstance(value, int) and not isinstance(value, bool) else default
+
+
+def key(step: int, metadata: dict[str, Any]) -> tuple[int, int, int]:
+    """``(step, epoch, position)`` of a saved state: which of two states is later."""
+    return (int(step), _int_or(metadata.get("epoch"), -1), _int_or(metadata.get("consumed"), -1))
+
+
+def newest_key(store: StoreLike) -> tuple[int, int, int]:
+    """:func:`key` of the store's newest committed checkpoint (manifests only), or
+    ``(-1, -1, -1)`` without one. A store without ``list()`` gives its step only."""
+    lister = getattr(store, "list", None)
+    if lister is None:
+        step = store.latest_step()  # type: ignore[attr-defined]
+        return (-1, -1, -1) if step is None else (int(step), -1, -1)
+    infos = lister()
+    return key(infos[-1].step, infos[-1].metadata) if infos else (-1, -1, -1)
+
+
+def load_durable(store: StoreLike, map_location: Any) -> LoadedCheckpoint | None:
+    """Load the store's newest checkpoint; a node-local store's node that lacked it
+    then keeps the broadcast copy (a store-like wrapper without ``keep_copy`` only
+    loads)."""
+    loaded = store.load(map_location=map_location)
+    keep_copy = getattr(store, "keep_copy", None)
+    if keep_copy is not None:
+        keep_copy(loaded)
+    return loaded

@@ -1,0 +1,116 @@
+"""Writing the state: to the durable store and to the in-memory snapshot tier.
+
+Saves run on every rank's call but only the writer rank writes, so a failure on the
+writer must reach every rank, or the others would train on believing they are
+covered: :func:`agree` makes the ranks raise together.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from elastic_kit.distributed import DistInfo, all_reduce_max, is_dist_ready
+from elastic_kit.errors import CheckpointError
+from elastic_kit.store import CheckpointStore
+
+if TYPE_CHECKING:
+    from elastic_kit.checkpointer._store_like import StoreLike
+    from elastic_kit.snapshot import SnapshotTier
+    from elastic_kit.state import TrainState
+
+__all__ = ["open_store", "metadata", "save_durable", "save_snapshot", "close_store",
+           "wait_staged", "abandon", "agree"]
+
+
+def open_store(store: StoreLike | str | os.PathLike[str] | None, info: DistInfo | None,
+               **options: Any) -> tuple[StoreLike | None, bool]:
+    """The store to save into, and whether it was made here (and is closed here)
+    from a path or URL with ``options``."""
+    if isinstance(store, (str, os.PathLike)):
+        return CheckpointStore(store, info=info, **options), True
+    return store, False
+
+
+def metadata(state: TrainState, info: DistInfo) -> dict[str, Any]:
+    """What a restore compares to pick the later state, saved with every state."""
+    sampler = state.sampler
+    return {"epoch": int(state.epoch), "world_size": info.world_size,
+            "consumed": int(sampler.consumed) if sampler is not None else None}
+
+
+def save_durable(store: StoreLike, state: TrainState, info: DistInfo, *, blocking: bool,
+                 overlap_staging: bool) -> None:
+    """Save ``state`` at its step to ``store``; every rank raises if the writer failed."""
+    kw: dict[str, Any] = {}
+    if not blocking and overlap_staging and state.optimizer is not None:
+        kw["copy_later"] = optimizer_tensors(state.optimizer)
+    err: BaseException | None = None
+    try:
+        store.save(state.state_dict(), step=state.step, metadata=metadata(state, info),
+                   blocking=blocking, **kw)
+    except Exception as e:  # every rank must learn of it, below
+        err = e
+    agree(err, info, f"saving checkpoint step {state.step} to {store.url}")
+
+
+def save_snapshot(tier: SnapshotTier, state: TrainState, info: DistInfo, *,
+                  overlap_staging: bool, started: float) -> None:
+    """Hand ``state`` to the snapshot tier (written in the background)."""
+    later = (optimizer_tensors(state.optimizer)
+             if overlap_staging and state.optimizer is not None else ())
+    tier.save(state.state_dict, step=state.step, metadata=metadata(state, info),
+              copy_later=later, started=started)
+
+
+def close_store(store: StoreLike, tier: SnapshotTier | None, info: DistInfo, *,
+                remove_snapshots: bool, owns_store: bool) -> None:
+    """Wait for the last background save and agree on it (collective), then close."""
+    err: BaseException | None = None
+    try:
+        store.wait()
+    except Exception as e:
+        err = e
+    if tier is not None:
+        tier.close(remove=False)
+    # also the barrier after which no rank writes a snapshot any more
+    agree(err, info, f"the last background save to {store.url}")
+    if tier is not None and remove_snapshots:
+        tier.close(remove=True)
+    if owns_store:
+        store.close()
+
+
+def wait_staged(store: StoreLike | None, tier: SnapshotTier | None) -> None:
+    """The optimizer-step pre-hook: the in-flight saves no longer read the parameters."""
+    for writer in (store, tier):
+        if writer is not None:
+            writer.wait_staged()
+
+
+def abandon(store: StoreLike | None, tier: SnapshotTier | None) -> None:
+    """Let this rank's own writes finish without any collective (no flush to peers)."""
+    if store is not None:
+        store.wait_local()
+    if tier is not None:
+        tier.close(remove=False, flush=False)
+
+
+def agree(err: BaseException | None, info: DistInfo, what: str) -> None:
+    """Raise on every rank if ``what`` failed on any (collective when distributed)."""
+    failed = all_reduce_max(int(err is not None)) if (
+        is_dist_ready() and info.world_size > 1) else int(err is not None)
+    if err is not None:
+        raise err
+    if failed:
+        raise CheckpointError(f"{what} failed on the writer rank (see its log)")
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Tensors that change only in ``optimizer.step()``: parameters and optimizer state."""
+    out: list[torch.Tensor] = [p for g in optimizer.param_groups for p in g["params"]]
+    for st in optimizer.state.values():
+        out.extend(v for v in st.values() if isinstance(v, torch.Tensor))
+    return out
