@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from elastic_kit.testing import LocalCluster, wait_for
+from tests.torchrun.scenarios.harness import committed_steps
 
 pytestmark = pytest.mark.integration
 
@@ -30,14 +31,7 @@ SIZE, BATCH, EPOCHS = 192, 8, 2
 RUN_TIMEOUT = 180.0
 REPEATS = int(os.environ.get("ELASTIC_KIT_EXIT_STRESS", "0") or 0)
 _ABORT = re.compile(r"terminate called|Fatal Python error|exitcode\s*:\s*-6|SIGABRT")
-_STEP_DIR = re.compile(r"^step-(\d+)$")
 
-
-def _steps(ckpt: Path) -> set[int]:
-    if not ckpt.is_dir():
-        return set()
-    return {int(m.group(1)) for d in ckpt.iterdir() if (m := _STEP_DIR.match(d.name))
-            and (d / "manifest.json").exists()}
 
 
 def _restarted_group(tmp: Path) -> dict[str, Any]:
@@ -50,7 +44,8 @@ def _restarted_group(tmp: Path) -> dict[str, Any]:
     with LocalCluster(args, nnodes="1", nproc_per_node=2, max_restarts=1,
                       env={"OMP_NUM_THREADS": "1"}, log_dir=tmp / "logs") as cluster:
         agent = cluster.add_agent()
-        wait_for(lambda: 3 in _steps(ckpt), 90.0, interval=0.02, what="checkpoint step 3",
+        wait_for(lambda: 3 in committed_steps(ckpt), 90.0, interval=0.02,
+                 what="checkpoint step 3",
                  abort_if=cluster.all_exited)
         cluster.kill_worker(agent, local_rank=1)
         codes = cluster.wait(RUN_TIMEOUT)

@@ -12,13 +12,13 @@ of the uninterrupted run, because the script wraps its dataset in
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from elastic_kit.testing import LocalCluster, make_imagefolder, wait_for
+from tests.torchrun.scenarios.harness import committed_steps
 
 pytestmark = pytest.mark.integration
 
@@ -27,14 +27,7 @@ TRAIN = ROOT / "examples" / "own_loop" / "train.py"
 CLASSES, PER_CLASS, BATCH, EPOCHS, WORLD = 4, 24, 4, 2, 2
 STEPS_PER_EPOCH = CLASSES * PER_CLASS // (BATCH * WORLD)  # 12
 RUN_TIMEOUT = 240.0
-_STEP_DIR = re.compile(r"^step-(\d+)$")
 
-
-def _steps(ckpt: Path) -> set[int]:
-    if not ckpt.is_dir():
-        return set()
-    return {int(m.group(1)) for d in ckpt.iterdir() if (m := _STEP_DIR.match(d.name))
-            and (d / "manifest.json").exists()}
 
 
 def _run(data: Path, tmp: Path, name: str, *, kill: bool) -> dict[str, Any]:
@@ -48,7 +41,7 @@ def _run(data: Path, tmp: Path, name: str, *, kill: bool) -> dict[str, Any]:
         agent = cluster.add_agent()
         if kill:
             try:
-                wait_for(lambda: 3 in _steps(ckpt), 120.0, interval=0.02,
+                wait_for(lambda: 3 in committed_steps(ckpt), 120.0, interval=0.02,
                          what="checkpoint step 3", abort_if=cluster.all_exited)
             except (TimeoutError, RuntimeError) as e:
                 pytest.fail(f"{e}\n{cluster.logs()[-8000:]}")
