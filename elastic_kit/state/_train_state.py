@@ -11,8 +11,6 @@ states are converted to tensors on the way.
 
 from __future__ import annotations
 
-import argparse
-import collections
 import logging
 import random
 from typing import Any
@@ -25,13 +23,13 @@ from torch.optim import Optimizer
 from elastic_kit.distributed import unwrap_model
 from elastic_kit.errors import CheckpointMismatchError
 from elastic_kit.state._audit import SampleAudit
+from elastic_kit.store import validate_state
 
 __all__ = ["TrainState", "capture_rng_state", "restore_rng_state"]
 
 log = logging.getLogger(__name__)
 
 STATE_FORMAT = 1
-_PLAIN = (int, float, str, bool, type(None))
 
 
 def capture_rng_state() -> dict[str, Any]:
@@ -82,32 +80,6 @@ def _ddp_inner(obj: Any) -> Any:
     other object as it is: an EMA ``AveragedModel`` also has ``.module``, but its own
     state (``n_averaged``) must be kept."""
     return obj.module if isinstance(obj, nn.parallel.DistributedDataParallel) else obj
-
-
-def _check_plain(obj: Any, path: str) -> None:
-    # Exact types: numpy scalars subclass float/int but weights_only refuses them.
-    if type(obj) in _PLAIN or isinstance(obj, torch.Tensor):
-        return
-    if type(obj) in (dict, collections.OrderedDict):
-        for k, v in obj.items():
-            if type(k) not in (str, int):
-                raise TypeError(f"{path}: key {k!r} must be a str or int, got {type(k).__name__}")
-            _check_plain(v, f"{path}[{k!r}]")
-        return
-    if type(obj) in (list, tuple):
-        for i, v in enumerate(obj):
-            _check_plain(v, f"{path}[{i}]")
-        return
-    hint = ""
-    if isinstance(obj, argparse.Namespace):
-        hint = "; store vars(args) (a dict) instead of the argparse.Namespace"
-    elif type(obj).__module__ == "numpy":
-        hint = "; convert it with .item() (scalars) or torch.from_numpy (arrays)"
-    raise TypeError(
-        f"{path} is a {type(obj).__module__}.{type(obj).__qualname__}; checkpoints hold only "
-        f"dicts, lists, tuples, tensors, ints, floats, str, bool and None "
-        f"(torch.load(weights_only=True)), or objects with state_dict()/load_state_dict() "
-        f"such as modules{hint}")
 
 
 def _check_model_fits(model: nn.Module, saved: Any) -> None:
@@ -215,7 +187,7 @@ class TrainState:
             if _is_stateful(v):
                 extras[k] = _ddp_inner(v).state_dict()
             else:
-                _check_plain(v, f"extras[{k!r}]")
+                validate_state(v, path=f"extras[{k!r}]", root="")
                 extras[k] = v
         sd: dict[str, Any] = {
             "format": STATE_FORMAT,

@@ -17,6 +17,9 @@ on-storage rules: names, scan, verify, commit order, retention, stale cleanup),
 ``_backend`` (the operations a storage performs below those rules),
 ``_backend_local`` and ``_backend_object`` (a local disk; an object store),
 ``_manifest`` (validation),
+``_tree`` (the one walk over a state tree and the one validator, exported for the
+other packages: :func:`map_tree`, :func:`leaves`, :func:`validate_state`,
+:func:`iter_tensors`, :func:`state_nbytes`),
 ``_serialize`` (weights-only state, hashing writer), ``_broadcast`` (tensor-by-tensor
 state broadcast), ``_fs`` (URLs, timeouts, retries, fsync).
 """
@@ -31,6 +34,9 @@ from elastic_kit.store._layout import Layout, parse_step_dir, step_dir_name
 from elastic_kit.store._manifest import MANIFEST_NAME, Manifest, check_file_name
 from elastic_kit.store._store import (
     CheckpointInfo, CheckpointStore, LoadedCheckpoint, SaveHandle,
+)
+from elastic_kit.store._tree import (
+    is_dtensor, iter_tensors, leaves, map_tree, state_nbytes, validate_state,
 )
 
 __all__ = [
@@ -50,4 +56,11 @@ __all__ = [
     "parse_step_dir",
     "resolve_url",
     "step_dir_name",
+    # the one state-tree walker and validator, for the other packages
+    "map_tree",
+    "leaves",
+    "validate_state",
+    "iter_tensors",
+    "state_nbytes",
+    "is_dtensor",
 ]

@@ -10,7 +10,6 @@ allocate from the specs. Peak memory is the state once plus one tensor of stagin
 
 from __future__ import annotations
 
-import collections
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +17,8 @@ import torch
 
 import torch.distributed as dist
 
-from elastic_kit.distributed import broadcast_object, broadcast_tensors
+from elastic_kit.distributed import all_reduce_, broadcast_object, broadcast_tensors
+from elastic_kit.store._tree import leaves, map_tree
 
 __all__ = ["TensorSpec", "split_tensors", "fill_tensors", "broadcast_state", "agree_on_holder",
            "target_device"]
@@ -42,39 +42,22 @@ def split_tensors(state: Any, out: list[torch.Tensor]) -> Any:
 
     Sparse, quantized and empty tensors stay in the skeleton (they are small or rare).
     """
-    if isinstance(state, torch.Tensor) and _is_dense(state):
-        out.append(state)
-        return TensorSpec(len(out) - 1, tuple(state.shape), state.dtype)
-    if type(state) in (dict, collections.OrderedDict, collections.Counter):
-        return type(state)((k, split_tensors(v, out)) for k, v in state.items())
-    if type(state) in (list, tuple):
-        items = [split_tensors(v, out) for v in state]
-        return items if type(state) is list else tuple(items)
-    return state
+    def leaf(_: str, value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and _is_dense(value):
+            out.append(value)
+            return TensorSpec(len(out) - 1, tuple(value.shape), value.dtype)
+        return value
+
+    return map_tree(state, leaf)
 
 
 def fill_tensors(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
     """Inverse of :func:`split_tensors`: put ``tensors`` back in place of the specs."""
-    if isinstance(skeleton, TensorSpec):
-        return tensors[skeleton.index]
-    if type(skeleton) in (dict, collections.OrderedDict, collections.Counter):
-        return type(skeleton)((k, fill_tensors(v, tensors)) for k, v in skeleton.items())
-    if type(skeleton) in (list, tuple):
-        items = [fill_tensors(v, tensors) for v in skeleton]
-        return items if type(skeleton) is list else tuple(items)
-    return skeleton
+    return map_tree(skeleton, lambda _, v: tensors[v.index] if isinstance(v, TensorSpec) else v)
 
 
-def _specs(skeleton: Any, acc: list[TensorSpec]) -> list[TensorSpec]:
-    if isinstance(skeleton, TensorSpec):
-        acc.append(skeleton)
-    elif isinstance(skeleton, dict):
-        for v in skeleton.values():
-            _specs(v, acc)
-    elif type(skeleton) in (list, tuple):
-        for v in skeleton:
-            _specs(v, acc)
-    return acc
+def _specs(skeleton: Any) -> list[TensorSpec]:
+    return [v for _, v in leaves(skeleton) if isinstance(v, TensorSpec)]
 
 
 def target_device(map_location: Any) -> torch.device:
@@ -117,7 +100,7 @@ def agree_on_holder(local_step: int | None, rank: int, world_size: int, *,
     dev = _reduce_device()
     t = torch.tensor([-1 if local_step is None else local_step,
                       -rank if failed else -world_size], dtype=torch.int64, device=dev)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    all_reduce_(t, dist.ReduceOp.MAX)
     newest, failed_rank = int(t[0]), -int(t[1])
     failed_rank = -1 if failed_rank == world_size else failed_rank
     if newest < 0 or failed_rank >= 0:
@@ -125,7 +108,7 @@ def agree_on_holder(local_step: int | None, rank: int, world_size: int, *,
     # max of -rank over the holders is minus the lowest holding rank.
     t = torch.tensor([-rank if local_step == newest else -world_size], dtype=torch.int64,
                      device=dev)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    all_reduce_(t, dist.ReduceOp.MAX)
     return newest, -int(t[0]), -1
 
 
@@ -141,6 +124,6 @@ def broadcast_state(state: Any, *, src: int, rank: int, device: torch.device) ->
     skeleton = broadcast_object(skeleton, src=src)
     if rank != src:
         tensors = [torch.empty(s.shape, dtype=s.dtype, device=device)
-                   for s in sorted(_specs(skeleton, []), key=lambda s: s.index)]
+                   for s in sorted(_specs(skeleton), key=lambda s: s.index)]
     broadcast_tensors(tensors, src=src)
     return fill_tensors(skeleton, tensors)

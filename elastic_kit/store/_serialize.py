@@ -20,7 +20,6 @@ Three jobs, one concern (the payload's bytes):
 from __future__ import annotations
 
 import bisect
-import collections
 import contextlib
 import hashlib
 import io
@@ -37,6 +36,9 @@ import torch
 
 from elastic_kit.store._direct import DirectFile
 from elastic_kit.store._fs import start_writeback, write_error
+from elastic_kit.store._tree import (
+    PRIMITIVES, TENSOR_TYPES, iter_tensors, map_tree, refuse, validate_state,
+)
 from elastic_kit.store._manifest import FileEntry
 from elastic_kit.errors import UnsafeCheckpointError
 
@@ -44,22 +46,8 @@ __all__ = ["save_into", "WRITEBACK_EVERY", "prepare_state", "validate_state", "s
            "copy_deferred", "HashingWriter", "iter_tensors", "torch_zip_crc_off", "new_hasher",
            "hash_stream", "load_payload"]
 
-_PRIMITIVES = (int, float, complex, str, bytes, bool, type(None), torch.Size, torch.dtype,
-               torch.device)
-_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 _ASYNC_MIN = 1 << 16  # smaller chunks are copied: cheaper than locating their memory
 WRITEBACK_EVERY = 8 << 20  # local files: start the disk's writeback every 8 MiB written
-
-
-def _check_key(key: Any, path: str) -> None:
-    if isinstance(key, tuple):
-        for k in key:
-            _check_key(k, path)
-    elif type(key) not in (int, float, str, bool, type(None), bytes):
-        raise TypeError(
-            f"state{path} has a dict key {key!r} of type {type(key).__qualname__}; "
-            "checkpoint keys must be str, int, float, bool, None or tuples of them"
-        )
 
 
 def prepare_state(state: Any, *, copy: bool, path: str = "",
@@ -93,63 +81,45 @@ def prepare_state(state: Any, *, copy: bool, path: str = "",
             ``torch.load(weights_only=True)`` would refuse (a numpy scalar, a custom
             class, a namedtuple, ...).
     """
-    t = type(state)
-    if t in _TENSOR_TYPES:
-        x = state.detach()
-        defer = (copy and deferred is not None and x.layout == torch.strided
-                 and x.untyped_storage().data_ptr() in later)
-        if copy and (pool is not None or defer) and x.layout == torch.strided:
-            buf = pool.get(path) if pool is not None else None
-            if buf is None or buf.shape != x.shape or buf.dtype != x.dtype:
-                buf = torch.empty(x.shape, dtype=x.dtype, device="cpu",
-                                  pin_memory=x.device.type == "cuda")
-                if pool is not None:
-                    pool[path] = buf
-            if defer:
-                assert deferred is not None
-                deferred.append((x, buf))
-            else:
-                buf.copy_(x, non_blocking=x.device.type == "cuda")
-            if used is not None:
-                used[path] = buf
-            return buf
-        if copy or x.device.type != "cpu":
-            return x.to("cpu", copy=True) if x.device.type == "cpu" else x.to("cpu")
-        if (x.layout == torch.strided and x.numel()
-                and x.untyped_storage().nbytes() > 2 * x.numel() * x.element_size()):
-            return x.clone()
-        return x
-    if t in _PRIMITIVES:
-        return state
-    if t in (dict, collections.OrderedDict, collections.Counter):
-        out = t() if t is not collections.Counter else collections.Counter()
-        for k, v in state.items():
-            sub = f"{path}[{k!r}]"
-            _check_key(k, sub)
-            out[k] = prepare_state(v, copy=copy, path=sub, pool=pool, used=used,
-                                   later=later, deferred=deferred)
-        return out
-    if t in (list, tuple):
-        items = [prepare_state(v, copy=copy, path=f"{path}[{i}]", pool=pool, used=used,
-                               later=later, deferred=deferred)
-                 for i, v in enumerate(state)]
-        return items if t is list else tuple(items)
-    if t is set:
-        for v in state:
-            _check_key(v, f"{path}{{...}}")
-        return set(state)
-    hint = ""
-    if t.__module__ == "numpy":
-        hint = " (convert numpy values with .item() or torch.from_numpy)"
-    elif isinstance(state, tuple):
-        hint = " (namedtuples are custom classes: use a dict or a plain tuple)"
-    elif hasattr(state, "state_dict"):
-        hint = " (store obj.state_dict() rather than the object)"
-    raise TypeError(
-        f"state{path or ''} is a {t.__module__}.{t.__qualname__}, which "
-        f"torch.load(weights_only=True) cannot read back; expected tensors, dict/list/"
-        f"tuple/set, or int/float/str/bytes/bool/None{hint}"
-    )
+    def leaf(p: str, value: Any) -> Any:
+        if type(value) in TENSOR_TYPES:
+            return _prepare_tensor(value, p, copy=copy, pool=pool, used=used, later=later,
+                                   deferred=deferred)
+        if type(value) in PRIMITIVES:
+            return value
+        raise refuse(value, p)
+
+    return map_tree(state, leaf, path=path)
+
+
+def _prepare_tensor(x: torch.Tensor, path: str, *, copy: bool,
+                    pool: dict[str, torch.Tensor] | None, used: dict[str, torch.Tensor] | None,
+                    later: frozenset[int],
+                    deferred: list[tuple[torch.Tensor, torch.Tensor]] | None) -> torch.Tensor:
+    x = x.detach()
+    defer = (copy and deferred is not None and x.layout == torch.strided
+             and x.untyped_storage().data_ptr() in later)
+    if copy and (pool is not None or defer) and x.layout == torch.strided:
+        buf = pool.get(path) if pool is not None else None
+        if buf is None or buf.shape != x.shape or buf.dtype != x.dtype:
+            buf = torch.empty(x.shape, dtype=x.dtype, device="cpu",
+                              pin_memory=x.device.type == "cuda")
+            if pool is not None:
+                pool[path] = buf
+        if defer:
+            assert deferred is not None
+            deferred.append((x, buf))
+        else:
+            buf.copy_(x, non_blocking=x.device.type == "cuda")
+        if used is not None:
+            used[path] = buf
+        return buf
+    if copy or x.device.type != "cpu":
+        return x.to("cpu", copy=True) if x.device.type == "cpu" else x.to("cpu")
+    if (x.layout == torch.strided and x.numel()
+            and x.untyped_storage().nbytes() > 2 * x.numel() * x.element_size()):
+        return x.clone()
+    return x
 
 
 def storage_keys(tensors: Iterable[torch.Tensor]) -> frozenset[int]:
@@ -184,22 +154,6 @@ def copy_deferred(pairs: list[tuple[torch.Tensor, torch.Tensor]],
         for src, dst in cuda:
             dst.copy_(src, non_blocking=True)
     stream.synchronize()
-
-
-def validate_state(state: Any, *, path: str = "") -> None:
-    """Raise like :func:`prepare_state` would, without copying anything."""
-    t = type(state)
-    if t in _TENSOR_TYPES or t in _PRIMITIVES:
-        return
-    if t in (dict, collections.OrderedDict, collections.Counter):
-        for k, v in state.items():
-            _check_key(k, f"{path}[{k!r}]")
-            validate_state(v, path=f"{path}[{k!r}]")
-    elif t in (list, tuple):
-        for i, v in enumerate(state):
-            validate_state(v, path=f"{path}[{i}]")
-    else:
-        prepare_state(state, copy=False, path=path)  # raises the descriptive TypeError
 
 
 def new_hasher(algorithm: str) -> Any:
@@ -350,18 +304,6 @@ def _storage_ranges(tensors: Iterable[torch.Tensor]) -> list[tuple[int, int]]:
             if st.nbytes():
                 ranges[st.data_ptr()] = st.nbytes()
     return sorted(ranges.items())
-
-
-def iter_tensors(state: Any) -> Iterator[torch.Tensor]:
-    """Every tensor in a nested state, depth first."""
-    if isinstance(state, torch.Tensor):
-        yield state
-    elif isinstance(state, dict):
-        for v in state.values():
-            yield from iter_tensors(v)
-    elif isinstance(state, (list, tuple)):
-        for v in state:
-            yield from iter_tensors(v)
 
 
 @contextlib.contextmanager

@@ -5,7 +5,9 @@ whether or not any test exercises the importing code path. The order, top to bot
 
     loop -> checkpointer -> {snapshot, store, state, sampler} -> distributed -> errors
 
-with ``snapshot`` above ``store`` (snapshots are kept in the store's format). The root
+with ``snapshot`` above ``store`` (snapshots are kept in the store's format) and
+``state`` above ``store`` too (TrainState checks its extras with the store's one
+validator, so what it builds is what the store saves). The root
 package's own modules (``__init__``, ``cli``, ``run``, ``__main__``) and ``testing``
 sit above everything; ``_version`` and ``_console`` below everything.
 """
@@ -28,7 +30,7 @@ ALLOWED: dict[str, frozenset[str]] = {
                                "errors"}),
     "snapshot": frozenset({"store", "distributed", "errors"}),
     "store": frozenset({"distributed", "errors"}),
-    "state": frozenset({"distributed", "errors"}),
+    "state": frozenset({"store", "distributed", "errors"}),
     "sampler": frozenset({"distributed", "errors"}),
     "distributed": frozenset({"errors"}),
     "errors": frozenset(),
