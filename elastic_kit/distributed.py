@@ -17,6 +17,7 @@ import atexit
 import ctypes
 import logging
 import os
+import pickle
 import threading
 import time
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ __all__ = [
     "all_reduce_max",
     "all_reduce_sum",
     "all_reduce_sum_async",
+    "all_reduce_",
     "settle_collectives",
     "broadcast_object",
     "broadcast_tensors",
@@ -430,10 +432,24 @@ def all_reduce_max(value: int) -> int:
     if not is_dist_ready():
         return int(value)
     t = torch.tensor([int(value)], dtype=torch.int64, device=_collective_device())
-    work = dist.all_reduce(t, op=dist.ReduceOp.MAX, async_op=True)
-    hold_collective_tensor(t)  # gloo's thread may drop its work item after we return
-    work.wait()
+    all_reduce_(t, dist.ReduceOp.MAX)
     return int(t.item())
+
+
+def all_reduce_(tensor: torch.Tensor, op: Any = None) -> None:
+    """``dist.all_reduce(tensor, op)`` in place (default: sum), for tensors on the
+    collective device; the tensor is held until the backend lets go of it (see
+    :func:`hold_collective_tensor`). Every collective the library issues goes
+    through a held path like this one."""
+    work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op is None else op, async_op=True)
+    hold_collective_tensor(tensor)  # gloo's thread may drop its work item after we return
+    work.wait()
+
+
+def _broadcast_(tensor: torch.Tensor, src: int) -> None:
+    work = dist.broadcast(tensor, src=src, async_op=True)
+    hold_collective_tensor(tensor)
+    work.wait()
 
 
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
@@ -472,9 +488,16 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     """
     if not is_dist_ready():
         return obj
-    box = [obj if dist.get_rank() == src else None]
-    dist.broadcast_object_list(box, src=src, device=_collective_device())
-    return box[0]
+    # not dist.broadcast_object_list: its tensors are made here but not held
+    dev = _collective_device()
+    mine = dist.get_rank() == src
+    data = pickle.dumps(obj) if mine else b""
+    size = torch.tensor([len(data)], dtype=torch.int64, device=dev)
+    _broadcast_(size, src)
+    buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev) if mine
+           else torch.empty(int(size.item()), dtype=torch.uint8, device=dev))
+    _broadcast_(buf, src)
+    return obj if mine else pickle.loads(buf.cpu().numpy().tobytes())
 
 
 def broadcast_tensors(tensors: Sequence[torch.Tensor], src: int = 0) -> None:
@@ -489,10 +512,10 @@ def broadcast_tensors(tensors: Sequence[torch.Tensor], src: int = 0) -> None:
     dev = _collective_device()
     for t in tensors:
         if t.device == dev and t.is_contiguous():
-            dist.broadcast(t, src=src)
+            _broadcast_(t, src)
         else:
             staged = t.to(dev).contiguous()
-            dist.broadcast(staged, src=src)
+            _broadcast_(staged, src)
             if dist.get_rank() != src:
                 t.copy_(staged)
 
