@@ -32,7 +32,8 @@ ALLOWED: dict[str, frozenset[str]] = {
     "store": frozenset({"distributed", "errors"}),
     "state": frozenset({"store", "distributed", "errors"}),
     "sampler": frozenset({"distributed", "errors"}),
-    "distributed": frozenset({"errors"}),
+    "distributed": frozenset({"_collectives", "errors"}),
+    "_collectives": frozenset({"errors"}),  # distributed's collectives, in their own module
     "errors": frozenset(),
     "_version": frozenset(),
     "_console": frozenset(),

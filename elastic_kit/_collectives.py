@@ -1,0 +1,218 @@
+"""The library's collectives, and the rule that keeps them from aborting a worker at exit.
+
+Deliberately few and small: the checkpoint store and the loop need "max of an int over
+ranks", "sum of a tensor over ranks" and "broadcast these tensors / this small object
+from rank ``src``". They all degrade to identities when no process group is
+initialized. Every tensor handed to the backend is held until the backend lets go of
+it (see the section at the end), so gloo's thread never frees a Python-made tensor
+during interpreter shutdown. Re-exported by :mod:`elastic_kit.distributed`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import logging
+import pickle
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "EXIT_SETTLE_S",
+    "is_dist_ready",
+    "barrier",
+    "all_reduce_max",
+    "all_reduce_",
+    "all_reduce_sum",
+    "all_reduce_sum_async",
+    "broadcast_object",
+    "broadcast_tensors",
+    "hold_collective_tensor",
+    "settle_collectives",
+]
+
+log = logging.getLogger(__name__)
+
+#: The longest the exit handler waits for other threads to stop running, and for the
+#: backend to let go of the library's collective tensors (seconds).
+EXIT_SETTLE_S = 0.5
+
+
+def is_dist_ready() -> bool:
+    """True when a default process group exists."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def _collective_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if (
+        is_dist_ready() and dist.get_backend() == "nccl"
+    ) else torch.device("cpu")
+
+
+def barrier() -> None:
+    """``dist.barrier()`` when a process group exists, else nothing."""
+    if is_dist_ready():
+        dist.barrier()
+
+
+def all_reduce_max(value: int) -> int:
+    """The maximum of an integer over all ranks (``value`` itself when alone)."""
+    if not is_dist_ready():
+        return int(value)
+    t = torch.tensor([int(value)], dtype=torch.int64, device=_collective_device())
+    all_reduce_(t, dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+def all_reduce_(tensor: torch.Tensor, op: Any = None) -> None:
+    """``dist.all_reduce(tensor, op)`` in place (default: sum), for tensors on the
+    collective device; the tensor is held until the backend lets go of it (see
+    :func:`hold_collective_tensor`). Every collective the library issues goes
+    through a held path like this one."""
+    work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op is None else op, async_op=True)
+    hold_collective_tensor(tensor)  # gloo's thread may drop its work item after we return
+    work.wait()
+
+
+def _broadcast_(tensor: torch.Tensor, src: int) -> None:
+    work = dist.broadcast(tensor, src=src, async_op=True)
+    hold_collective_tensor(tensor)
+    work.wait()
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum of ``tensor`` over all ranks, as a new tensor on the input's device."""
+    return all_reduce_sum_async(tensor)()
+
+
+def all_reduce_sum_async(tensor: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """Start summing ``tensor`` over all ranks; call the returned function for the sum.
+
+    The all-reduce runs while the caller does other work (the loop issues its
+    per-step flags before ``optimizer.step`` and reads them after), so a small
+    collective costs no time on the critical path. Every rank must call the returned
+    function before its next collective on the same group; it returns a new tensor
+    on the input's device.
+    """
+    if not is_dist_ready():
+        done = tensor.detach().clone()
+        return lambda: done
+    t = tensor.detach().to(_collective_device()).clone()
+    work = dist.all_reduce(t, op=dist.ReduceOp.SUM, async_op=True)
+    hold_collective_tensor(t)  # never freed on gloo's thread, waited for or not
+
+    def result() -> torch.Tensor:
+        work.wait()
+        return t.to(tensor.device)
+
+    return result
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """Broadcast a small picklable object from ``src``; every rank returns it.
+
+    For metadata only (steps, paths, shapes): tensors go through
+    :func:`broadcast_tensors` so the state is never pickled whole.
+    """
+    if not is_dist_ready():
+        return obj
+    # not dist.broadcast_object_list: its tensors are made here but not held
+    dev = _collective_device()
+    mine = dist.get_rank() == src
+    data = pickle.dumps(obj) if mine else b""
+    size = torch.tensor([len(data)], dtype=torch.int64, device=dev)
+    _broadcast_(size, src)
+    buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev) if mine
+           else torch.empty(int(size.item()), dtype=torch.uint8, device=dev))
+    _broadcast_(buf, src)
+    return obj if mine else pickle.loads(buf.cpu().numpy().tobytes())
+
+
+def broadcast_tensors(tensors: Sequence[torch.Tensor], src: int = 0) -> None:
+    """Broadcast each tensor in place from ``src``, one collective per tensor.
+
+    Receivers must pass tensors of the same shape and dtype (allocate them from
+    metadata sent with :func:`broadcast_object`). One tensor at a time keeps peak
+    memory at one tensor's worth of staging, not the whole state.
+    """
+    if not is_dist_ready():
+        return
+    dev = _collective_device()
+    for t in tensors:
+        if t.device == dev and t.is_contiguous():
+            _broadcast_(t, src)
+        else:
+            staged = t.to(dev).contiguous()
+            _broadcast_(staged, src)
+            if dist.get_rank() != src:
+                t.copy_(staged)
+
+
+# ------------------------------------------------ collective tensors and shutdown
+# A Python-made tensor handed to a collective is also referenced by the backend's work
+# item. Since torch 2.9 the C++ refcount going from 2 to 1 calls
+# TensorImpl::decref_pyobject, which takes the GIL. gloo's worker thread drops its
+# work item a moment after the caller saw the result (or, for a collective nobody
+# waited for, whenever it ends); if that moment falls into interpreter shutdown,
+# taking the GIL ends the thread inside the work item's noexcept destructor and the
+# worker dies with SIGABRT ("terminate called without an active exception") after a
+# successful run. So every tensor the library hands to a collective is held with a
+# view of it (the view's _base is one more C++ reference: the backend's release is
+# then 3 -> 2, which never needs the GIL) until its use count shows that nothing but
+# the hold references it; it is then released on a Python thread.
+
+_HOLD_POLL_S = 0.002
+_held_lock = threading.Lock()
+#: ``(tensor, a view of it)`` per collective the backend may still reference
+_held: list[tuple[torch.Tensor, torch.Tensor]] = []
+#: holds the backend kept past :func:`settle_collectives`' deadline: kept until exit
+_pinned: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+
+def _prune_held() -> int:
+    """Release the holds nothing else references any more; how many remain."""
+    with _held_lock:
+        # 2: the tensor's own Python object and the view's base
+        _held[:] = [h for h in _held if h[0]._use_count() > 2]
+        return len(_held)
+
+
+def hold_collective_tensor(tensor: torch.Tensor) -> None:
+    """Keep ``tensor`` from being freed on the backend's thread: call it right after
+    handing it to a collective, while the caller still holds the work item."""
+    _prune_held()
+    with _held_lock:
+        _held.append((tensor, tensor.view(tensor.shape)))
+
+
+def settle_collectives(timeout: float) -> bool:
+    """Wait, at most ``timeout`` seconds, until the backend references none of the
+    collective tensors the library handed it; True when it let go of all.
+
+    Sleeps between checks, so the backend's threads can take the GIL. A collective a
+    lost peer never joined is not waited for beyond ``timeout``: its tensors are
+    pinned instead (referenced until the process ends, past the clearing of module
+    globals at shutdown), so whenever the backend drops it, no GIL is needed.
+    """
+    deadline = time.monotonic() + timeout
+    while _prune_held():
+        if time.monotonic() >= deadline:
+            with _held_lock:
+                stuck, _held[:] = list(_held), []
+            _pinned.extend(stuck)
+            for _, view in stuck:
+                ctypes.pythonapi.Py_IncRef(ctypes.py_object(view))
+            log.debug("%d collectives still referenced by the backend after %.1f s: "
+                      "pinned until exit", len(stuck), timeout)
+            return False
+        time.sleep(_HOLD_POLL_S)
+    return True
+
+
+# Also for a process group the script created itself (no teardown registered): the
+# last collectives settle (or are pinned) before interpreter shutdown.
+atexit.register(settle_collectives, EXIT_SETTLE_S)
