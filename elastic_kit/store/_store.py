@@ -113,35 +113,21 @@ class SaveHandle:
 
 
 @dataclass
-class LoadedCheckpoint:
-    """What :meth:`CheckpointStore.load` returns.
+class CheckpointInfo:
+    """A committed checkpoint: the one record of one, built from its manifest.
+
+    :meth:`CheckpointStore.list` returns these; :meth:`CheckpointStore.load` returns a
+    :class:`LoadedCheckpoint`, which is one of these plus the state.
 
     Attributes:
         step: the step it was saved at.
-        state: the state dict (tensors on ``map_location``, CPU by default).
+        path: its ``step-<n>`` directory (this node's copy when node-local).
         metadata: the ``metadata`` given to ``save``.
-        path: the ``step-<n>`` directory it came from (this node's copy when node-local).
+        size_bytes: the payload's size.
+        time: the commit's wall time in seconds since the epoch.
         epoch: the manifest's epoch (``metadata["epoch"]`` when it was an int).
         world_size: the world size of the job that saved it.
-        lacked_locally: with ``node_local=True``, this node's storage did not hold the
-            step: it was broadcast from another node (:meth:`CheckpointStore.keep_copy`
-            commits it here).
-    """
-
-    step: int
-    state: dict[str, Any]
-    metadata: dict[str, Any]
-    path: str
-    epoch: int | None = None
-    world_size: int = 1
-    lacked_locally: bool = False
-
-
-@dataclass
-class CheckpointInfo:
-    """A committed checkpoint as :meth:`CheckpointStore.list` describes it.
-
-    ``time`` is the commit's wall time in seconds since the epoch.
+        manifest: the parsed ``manifest.json`` (files, checksums, versions).
     """
 
     step: int
@@ -152,6 +138,28 @@ class CheckpointInfo:
     epoch: int | None = None
     world_size: int = 1
     manifest: Manifest | None = field(default=None, repr=False)
+
+    @classmethod
+    def from_manifest(cls, path: str, manifest: Manifest, **extra: Any) -> Any:
+        """The record of the checkpoint in ``path`` that ``manifest`` commits."""
+        return cls(step=manifest.step, path=path, metadata=manifest.metadata,
+                   size_bytes=manifest.size_bytes, time=manifest.time, epoch=manifest.epoch,
+                   world_size=manifest.world_size, manifest=manifest, **extra)
+
+
+@dataclass
+class LoadedCheckpoint(CheckpointInfo):
+    """What :meth:`CheckpointStore.load` returns: a :class:`CheckpointInfo` and the state.
+
+    Attributes:
+        state: the state dict (tensors on ``map_location``, CPU by default).
+        lacked_locally: with ``node_local=True``, this node's storage did not hold the
+            step: it was broadcast from another node (:meth:`CheckpointStore.keep_copy`
+            commits it here).
+    """
+
+    state: dict[str, Any] = field(kw_only=True)
+    lacked_locally: bool = field(default=False, kw_only=True)
 
 
 class CheckpointStore:
@@ -546,10 +554,7 @@ class CheckpointStore:
         """
         self._drain()
         self._layout.check_root()
-        return [CheckpointInfo(step=d.step, path=d.path, metadata=m.metadata,
-                               size_bytes=m.size_bytes, time=m.time, epoch=m.epoch,
-                               world_size=m.world_size, manifest=m)
-                for d, m in self._layout.committed()]
+        return [CheckpointInfo.from_manifest(d.path, m) for d, m in self._layout.committed()]
 
     def latest_step(self) -> int | None:
         """The newest committed step in this store (not verified; not collective)."""
@@ -601,8 +606,7 @@ class CheckpointStore:
         finally:
             found.source.close()
         self._newest_verified = max(self._newest_verified, d.step)
-        return LoadedCheckpoint(step=d.step, state=state, metadata=m.metadata, path=d.path,
-                                epoch=m.epoch, world_size=m.world_size)
+        return LoadedCheckpoint.from_manifest(d.path, m, state=state)
 
     def load(self, *, map_location: Any = None) -> LoadedCheckpoint | None:
         """The newest checkpoint that verifies, or None. Collective: call on every rank.
@@ -698,8 +702,9 @@ class CheckpointStore:
                     loaded = self._found_to_loaded(found, device)
                     found = None
                     state = loaded.state
-                    header = {"ok": True, "metadata": loaded.metadata, "path": loaded.path,
-                              "epoch": loaded.epoch, "world_size": loaded.world_size}
+                    assert loaded.manifest is not None
+                    header = {"ok": True, "path": loaded.path,
+                              "manifest": loaded.manifest.to_json()}
                 except Exception as e:
                     broadcast_object({"ok": False, "error": f"{type(e).__name__}: {e}"}, src=src)
                     raise
@@ -716,9 +721,8 @@ class CheckpointStore:
         if self.node_local:
             path = self._layout.dir_of(step).path
             lacked = found_step < step
-        return LoadedCheckpoint(step=step, state=state, metadata=header["metadata"], path=path,
-                                epoch=header["epoch"], world_size=header["world_size"],
-                                lacked_locally=lacked)
+        manifest = Manifest.from_json(header["manifest"], where=header["path"])
+        return LoadedCheckpoint.from_manifest(path, manifest, state=state, lacked_locally=lacked)
 
     def keep_copy(self, loaded: LoadedCheckpoint | None) -> bool:
         """Commit a checkpoint that :meth:`load` broadcast from another node here too.

@@ -46,3 +46,23 @@ def test_a_missing_checksum_dependency_fails_when_the_store_is_built(
     with pytest.raises(ImportError, match="needs the xxhash package"):
         CheckpointStore(str(tmp_path))
     CheckpointStore(str(tmp_path), checksum="sha256")  # the others need nothing extra
+
+
+def test_a_loaded_checkpoint_is_the_listed_record_plus_its_state(tmp_path) -> None:
+    import dataclasses
+
+    import torch
+
+    from elastic_kit.store import CheckpointInfo, LoadedCheckpoint
+
+    store = CheckpointStore(str(tmp_path), keep_last=None)
+    store.save({"w": torch.arange(4.0)}, step=7, metadata={"epoch": 2, "note": "x"})
+    (listed,) = store.list()
+    loaded = store.load()
+    assert isinstance(loaded, LoadedCheckpoint) and isinstance(loaded, CheckpointInfo)
+    record = {f.name: getattr(loaded, f.name) for f in dataclasses.fields(CheckpointInfo)}
+    assert record == dataclasses.asdict(listed) | {"manifest": listed.manifest}
+    assert (loaded.step, loaded.epoch, loaded.world_size, loaded.metadata) == (
+        7, 2, 1, {"epoch": 2, "note": "x"})
+    assert loaded.size_bytes == listed.size_bytes > 0 and loaded.manifest is not None
+    assert torch.equal(loaded.state["w"], torch.arange(4.0)) and not loaded.lacked_locally
