@@ -23,7 +23,7 @@ from torch.optim import Optimizer
 from elastic_kit.distributed import unwrap_model
 from elastic_kit.errors import CheckpointMismatchError
 from elastic_kit.state._audit import SampleAudit
-from elastic_kit.store import validate_state
+from elastic_kit.store import is_dtensor, validate_state
 
 __all__ = ["TrainState", "capture_rng_state", "restore_rng_state"]
 
@@ -80,6 +80,27 @@ def _ddp_inner(obj: Any) -> Any:
     other object as it is: an EMA ``AveragedModel`` also has ``.module``, but its own
     state (``n_averaged``) must be kept."""
     return obj.module if isinstance(obj, nn.parallel.DistributedDataParallel) else obj
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether ``model`` holds DTensor parameters (FSDP2's ``fully_shard``, tensor
+    parallelism): its state is then saved and loaded shard by shard."""
+    return any(is_dtensor(p) for p in unwrap_model(model).parameters())
+
+
+def _sharded_state(model: nn.Module, optimizer: Optimizer | None) -> tuple[Any, Any]:
+    """Model and optimizer state of a sharded model, as DTensors (no gather).
+
+    ``torch.distributed.checkpoint.state_dict`` keys the optimizer state by parameter
+    name rather than by position, and gives a fresh optimizer its state tensors (a
+    step with zero gradients and learning rate 0), so that the layout to load into
+    is known before the first step.
+    """
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+    if optimizer is None:
+        return get_model_state_dict(model), None
+    return get_state_dict(model, optimizer)
 
 
 def _check_model_fits(model: nn.Module, saved: Any) -> None:
@@ -172,6 +193,13 @@ class TrainState:
         self.lr_scale = 1.0
 
     @property
+    def sharded(self) -> bool:
+        """True when the model holds DTensor parameters (FSDP2): :meth:`state_dict`
+        then holds DTensors, which :class:`~elastic_kit.CheckpointStore` saves shard by
+        shard from every rank and loads at any world size."""
+        return is_sharded(self.model)
+
+    @property
     def global_step(self) -> int:
         """Alias of :attr:`step`."""
         return self.step
@@ -189,10 +217,15 @@ class TrainState:
             else:
                 validate_state(v, path=f"extras[{k!r}]", root="")
                 extras[k] = v
+        if self.sharded:
+            model_sd, optim_sd = _sharded_state(unwrap_model(self.model), self.optimizer)
+        else:
+            model_sd = unwrap_model(self.model).state_dict()
+            optim_sd = self.optimizer.state_dict() if self.optimizer is not None else None
         sd: dict[str, Any] = {
             "format": STATE_FORMAT,
-            "model": unwrap_model(self.model).state_dict(),
-            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+            "model": model_sd,
+            "optimizer": optim_sd,
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
             "sampler": self.sampler.state_dict() if self.sampler is not None else None,
@@ -250,11 +283,16 @@ class TrainState:
             raise CheckpointMismatchError(
                 f"TrainState checkpoint 'extras' is a {type(saved_extras).__name__}, "
                 "expected a dict")
+        names = ("optimizer", "scheduler", "scaler")
         try:
-            unwrap_model(self.model).load_state_dict(sd["model"])
+            if self.sharded:
+                self._load_sharded(sd)
+                names = ("scheduler", "scaler")
+            else:
+                unwrap_model(self.model).load_state_dict(sd["model"])
         except RuntimeError as e:
             raise CheckpointMismatchError(f"checkpoint does not fit the model: {e}") from e
-        for name in ("optimizer", "scheduler", "scaler"):
+        for name in names:
             obj, part = getattr(self, name), sd.get(name)
             if obj is not None and part is not None:
                 try:
@@ -290,6 +328,22 @@ class TrainState:
         self.lr_scale = float(sd.get("lr_scale", 1.0))
         if restore_rng and sd.get("rng") is not None:
             restore_rng_state(sd["rng"])
+
+    def _load_sharded(self, sd: dict[str, Any]) -> None:
+        """Model and optimizer of a sharded model from DTensors (each rank copies its
+        own shards; the optimizer state is keyed by parameter name)."""
+        from torch.distributed.checkpoint.state_dict import (
+            set_model_state_dict, set_state_dict,
+        )
+
+        model = unwrap_model(self.model)
+        if self.optimizer is not None and sd.get("optimizer") is not None:
+            set_state_dict(model, self.optimizer, model_state_dict=sd["model"],
+                           optim_state_dict=sd["optimizer"])
+        else:
+            if self.optimizer is not None:
+                log.warning("checkpoint has no optimizer state; keeping the fresh optimizer")
+            set_model_state_dict(model, sd["model"])
 
     def run_report(self) -> dict[str, Any]:
         """What happened to this run so far, as JSON-able values for a run summary.

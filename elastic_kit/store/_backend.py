@@ -17,7 +17,7 @@ from typing import IO, Any, Callable, Protocol, TypeVar
 from elastic_kit.errors import CheckpointCorruptError
 from elastic_kit.store._manifest import FileEntry, Manifest
 
-__all__ = ["Backend", "Reader", "PayloadWrite", "Seal", "check_size", "basename"]
+__all__ = ["Backend", "Reader", "PayloadWrite", "Seal", "Fill", "check_size", "basename"]
 
 T = TypeVar("T")
 
@@ -31,6 +31,10 @@ PayloadWrite = Callable[[IO[bytes], str, bool], FileEntry]
 
 #: The manifest that commits a payload: ``seal(name, entry)``.
 Seal = Callable[[str, FileEntry], Manifest]
+
+#: Fills one file of a many-writer checkpoint: ``fill(f)`` writes into the open file
+#: and returns whatever the writer needs afterwards (its index, size and checksum).
+Fill = Callable[[IO[bytes]], T]
 
 
 def basename(path: str) -> str:
@@ -95,6 +99,25 @@ class Backend(Protocol):
         atomic operation. Otherwise nothing in ``directory`` is committed. Returns the
         manifest that was committed; the replaced payload is left for the caller.
         """
+
+    def begin_parts(self, directory: str, *, replacing: bool) -> str:
+        """Where the files of a many-writer (sharded) checkpoint of ``directory`` are
+        written: a fresh temporary directory on a local disk, the step directory
+        itself on an object store or when ``replacing`` (new files get fresh names).
+        Called by the one rank that commits; the others learn the path from it."""
+
+    def write_part(self, staging: str, name: str, fill: Fill[T]) -> T:
+        """Create file ``name`` in ``staging`` (any rank), let ``fill`` write it, and
+        make it durable (fsync, or the completed upload) before returning."""
+
+    def finish_parts(self, staging: str, directory: str, manifest: Manifest, *,
+                     replacing: bool) -> None:
+        """Commit what :meth:`begin_parts` staged: the manifest last (after every
+        part is durable), atomically (rename, ``os.replace``, one PUT)."""
+
+    def abort_parts(self, staging: str, names: list[str], *, replacing: bool) -> None:
+        """Remove a failed many-writer save's files (best effort; never a committed
+        file: ``names`` are only this save's fresh ones)."""
 
     def create_once(self, path: str, data: bytes) -> None:
         """Create a small file unless it exists (the first creator wins where the

@@ -24,10 +24,10 @@ import stat
 import threading
 import time
 import uuid
-from typing import IO
+from typing import IO, TypeVar
 
-from elastic_kit.store._backend import PayloadWrite, Seal, basename, check_size
-from elastic_kit.store._direct import open_direct
+from elastic_kit.store._backend import Fill, PayloadWrite, Seal, basename, check_size
+from elastic_kit.store._direct import DirectFile, open_direct
 from elastic_kit.store._fs import join, write_error
 from elastic_kit.store._manifest import MANIFEST_NAME, Manifest
 from elastic_kit.errors import CheckpointCorruptError
@@ -35,6 +35,8 @@ from elastic_kit.errors import CheckpointCorruptError
 __all__ = ["TMP_PREFIX", "LocalBackend", "fsync_dir", "open_regular_local"]
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 #: Prefix of directories that hold a save in progress or a deletion (local disks).
 #: They start with a dot so that globbing ``step-*`` never sees them.
@@ -229,6 +231,82 @@ class LocalBackend:
                     pass
             raise
         return manifest
+
+    # ------------------------------------------------------------------ many writers
+    def begin_parts(self, directory: str, *, replacing: bool) -> str:
+        """A fresh ``.tmp-step-<n>-...`` directory (kept out of the stale cleanup
+        while this process commits it), or the step directory when ``replacing``."""
+        if replacing:
+            return directory
+        os.makedirs(self.root, mode=0o700 if self.private else 0o777, exist_ok=True)
+        tmp_name = self._tmp_name(basename(directory))
+        with _LIVE_LOCK:
+            _LIVE_TMP.add(tmp_name)
+        tmp = join(self.root, tmp_name)
+        os.mkdir(tmp, 0o700 if self.private else 0o777)
+        return tmp
+
+    def write_part(self, staging: str, name: str, fill: Fill[T]) -> T:
+        """``O_DIRECT`` where the filesystem takes it, then fsync; never replaces a file."""
+        path = join(staging, name)
+        f = open_direct(path, "xb") or open(path, "xb")
+        try:
+            with f:
+                out = fill(f)
+                if isinstance(f, DirectFile):
+                    f.finish(fsync=True)
+                else:
+                    f.flush()
+                    os.fsync(f.fileno())
+            self._restrict(path)
+        except OSError as e:
+            raise write_error(e, path) from e
+        return out
+
+    def finish_parts(self, staging: str, directory: str, manifest: Manifest, *,
+                     replacing: bool) -> None:
+        """Manifest into the staging directory, fsync, rename into place (a re-save:
+        ``os.replace`` of the manifest, as for one writer)."""
+        if replacing:
+            tmp_manifest = join(directory, f".{MANIFEST_NAME}.{uuid.uuid4().hex[:12]}")
+            try:
+                _write_manifest(tmp_manifest, manifest)
+                self._restrict(tmp_manifest)
+                fsync_dir(directory)
+                os.replace(tmp_manifest, join(directory, MANIFEST_NAME))
+                fsync_dir(directory)
+            except BaseException:
+                try:
+                    os.remove(tmp_manifest)
+                except OSError:
+                    pass
+                raise
+            return
+        _write_manifest(join(staging, MANIFEST_NAME), manifest)
+        self._restrict(join(staging, MANIFEST_NAME))
+        fsync_dir(staging)
+        trash = None
+        if os.path.lexists(directory):  # an uncommitted leftover of the same step
+            trash = join(self.root, self._tmp_name("old-" + basename(directory)))
+            os.rename(directory, trash)
+        os.rename(staging, directory)
+        fsync_dir(self.root)
+        with _LIVE_LOCK:
+            _LIVE_TMP.discard(basename(staging))
+        if trash is not None:
+            shutil.rmtree(trash, ignore_errors=True)
+
+    def abort_parts(self, staging: str, names: list[str], *, replacing: bool) -> None:
+        if replacing:
+            for n in names:
+                try:
+                    os.remove(join(staging, n))
+                except OSError:
+                    pass
+            return
+        shutil.rmtree(staging, ignore_errors=True)
+        with _LIVE_LOCK:
+            _LIVE_TMP.discard(basename(staging))
 
     def create_once(self, path: str, data: bytes) -> None:
         """Written under a temporary name and linked into place: ``link`` fails if the

@@ -13,18 +13,20 @@ import errno
 import io
 import logging
 import time
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
 import fsspec
 
 from elastic_kit.errors import CheckpointCorruptError
-from elastic_kit.store._backend import PayloadWrite, Reader, Seal, basename, check_size
+from elastic_kit.store._backend import Fill, PayloadWrite, Reader, Seal, basename, check_size
 from elastic_kit.store._fs import join
 from elastic_kit.store._manifest import MANIFEST_NAME, Manifest
 
 __all__ = ["ObjectBackend"]
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 def entry_time(info: dict[str, Any]) -> float | None:
@@ -160,6 +162,43 @@ class ObjectBackend:
         manifest = seal(name, entry)
         self.fs.pipe_file(join(directory, MANIFEST_NAME), manifest.to_json().encode("utf-8"))
         return manifest
+
+    # ------------------------------------------------------------------ many writers
+    def begin_parts(self, directory: str, *, replacing: bool) -> str:
+        """The step directory itself: nothing is committed before the manifest PUT."""
+        return directory
+
+    def write_part(self, staging: str, name: str, fill: Fill[T]) -> T:
+        """One upload; a failed one is discarded, never completed."""
+        path = join(staging, name)
+        try:
+            f = self.fs.open(path, "wb")
+        except FileNotFoundError:  # a filesystem with real directories (wrapped local)
+            self.fs.makedirs(staging, exist_ok=True)
+            f = self.fs.open(path, "wb")
+        try:
+            out = fill(f)
+            f.close()  # the upload completes here
+        except BaseException:
+            discard_upload(f)
+            try:
+                self.fs.rm_file(path)
+            except Exception:
+                pass
+            raise
+        return out
+
+    def finish_parts(self, staging: str, directory: str, manifest: Manifest, *,
+                     replacing: bool) -> None:
+        """The manifest PUT, after every part's upload completed."""
+        self.fs.pipe_file(join(directory, MANIFEST_NAME), manifest.to_json().encode("utf-8"))
+
+    def abort_parts(self, staging: str, names: list[str], *, replacing: bool) -> None:
+        for n in names:
+            try:
+                self.fs.rm_file(join(staging, n))
+            except Exception:
+                pass
 
     def create_once(self, path: str, data: bytes) -> None:
         """One PUT with ``If-None-Match: *`` (fsspec's ``mode="create"``); where the

@@ -151,6 +151,10 @@ class Layout:
                         give_up=(FileNotFoundError, CheckpointCorruptError, _Vanished,
                                  NotADirectoryError, *give_up))
 
+    def reading(self, fn: Callable[[], Any], what: str) -> Any:
+        """Run the read ``fn`` with the store's retry policy (``what`` names it)."""
+        return self._read(fn, what)
+
     def dir_of(self, step: int) -> StepDir:
         return StepDir(step, join(self.root, step_dir_name(step)))
 
@@ -269,7 +273,12 @@ class Layout:
         source = None
         try:
             for name in m.files:
-                got = self._check_file(d, m, name, deep=deep, keep=keep and name == m.payload)
+                # Loading a sharded checkpoint reads each shard file by ranges, on the
+                # ranks that own them, and verifies what it reads there (chunk
+                # checksums, the global digest): here only their sizes are checked.
+                deep_file = deep and (not keep or m.sharded is None or name == m.payload)
+                got = self._check_file(d, m, name, deep=deep_file,
+                                       keep=keep and name == m.payload)
                 if got is not None:
                     source = got
         except BaseException:
@@ -281,12 +290,16 @@ class Layout:
             return Found(d, m, source)
         return m
 
-    def newest_verified(self) -> Found | None:
+    def newest_verified(self, *, below: int | None = None) -> Found | None:
         """The newest checkpoint that fully verifies; corrupt newer ones are logged and
-        skipped. Rescans when a concurrent save or retention changed what it read."""
+        skipped. Rescans when a concurrent save or retention changed what it read.
+        ``below``: only steps below it (the one before a checkpoint whose shards
+        proved corrupt when read)."""
         for _ in range(20):
             rescan = False
             for d in reversed(self.scan()):
+                if below is not None and d.step >= below:
+                    continue
                 try:
                     found = self.verify(d, deep=True, keep=True)
                     assert isinstance(found, Found)
@@ -326,6 +339,10 @@ class Layout:
                         metadata=metadata,
                         epoch=epoch if type(epoch) is int and epoch >= 0 else None,
                         world_size=world_size, writer=self.writer_id)
+
+    def committed_manifest(self, d: StepDir) -> Manifest | None:
+        """The manifest of ``d`` when it is committed, else None."""
+        return self._committed_manifest(d)
 
     def _committed_manifest(self, d: StepDir) -> Manifest | None:
         try:

@@ -29,7 +29,7 @@ import torch
 from elastic_kit._version import __version__
 from elastic_kit.errors import CheckpointCorruptError
 
-__all__ = ["MANIFEST_NAME", "PAYLOAD_NAME", "FORMAT", "CHECKSUMS", "MAX_MANIFEST_BYTES",
+__all__ = ["MANIFEST_NAME", "PAYLOAD_NAME", "FORMAT", "SHARDED_FORMAT", "CHECKSUMS", "MAX_MANIFEST_BYTES",
            "FileEntry", "Manifest", "check_file_name"]
 
 MANIFEST_NAME = "manifest.json"
@@ -38,11 +38,15 @@ MANIFEST_NAME = "manifest.json"
 PAYLOAD_NAME = "state.pt"
 #: Bumped when the layout changes incompatibly; readers refuse other formats.
 FORMAT = "elastic_kit.checkpoint/1"
+#: The format of a sharded checkpoint (one replicated payload plus tensor files of
+#: shards, indexed by ``sharded``): a reader that knows only :data:`FORMAT` refuses it
+#: rather than loading the payload's placeholders as if they were the state.
+SHARDED_FORMAT = "elastic_kit.checkpoint/1+sharded"
 CHECKSUMS = ("xxh3_128", "crc32", "sha256")
 _DIGEST_LEN = {"xxh3_128": 32, "crc32": 8, "sha256": 64}
 #: A manifest is a few KB; anything far larger is not one of ours (and is not read).
 MAX_MANIFEST_BYTES = 16 << 20
-_MAX_FILES = 64
+_MAX_FILES = 1 << 16  # a sharded checkpoint has a file per writing rank
 _MAX_STEP = 10**12 - 1  # 12 digits: the directory name must stay canonical
 _MAX_SIZE = 1 << 62
 _NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}", re.ASCII)
@@ -100,6 +104,8 @@ class Manifest:
         time: wall time of the commit (seconds since the epoch).
         writer: a random id of the store object that wrote it (two jobs writing one
             URL are told apart by it).
+        sharded: for sharded state, the index of its shards
+            (:class:`~elastic_kit.store._shard_index.ShardIndex`); None otherwise.
     """
 
     step: int
@@ -115,8 +121,11 @@ class Manifest:
     elastic_kit_version: str = field(default_factory=_library_version)
     torch_version: str = field(default_factory=lambda: str(torch.__version__))
     python_version: str = field(default_factory=platform.python_version)
+    sharded: Any = None
 
     def __post_init__(self) -> None:
+        if self.sharded is not None:
+            self.format = SHARDED_FORMAT
         if self.checksum not in CHECKSUMS:
             raise ValueError(f"checksum={self.checksum!r} must be one of {CHECKSUMS}")
         if type(self.step) is not int or not 0 <= self.step <= _MAX_STEP:
@@ -135,6 +144,10 @@ class Manifest:
     def to_json(self) -> str:
         """The manifest as pretty JSON (humans read it when debugging a store)."""
         d = asdict(self)
+        if self.sharded is None:
+            del d["sharded"]  # a replicated checkpoint's manifest is as it always was
+        else:
+            d["sharded"] = self.sharded.to_json()
         return json.dumps(d, indent=2, sort_keys=True, default=str)
 
     @classmethod
@@ -162,8 +175,11 @@ class Manifest:
         if not isinstance(d, dict):
             raise ValueError(f"expected a JSON object, got {type(d).__name__}")
         fmt = d.get("format")
-        if fmt != FORMAT:
-            raise ValueError(f"format {fmt!r:.60}, expected {FORMAT!r}")
+        if fmt not in (FORMAT, SHARDED_FORMAT):
+            raise ValueError(f"format {fmt!r:.60}, expected {FORMAT!r} or {SHARDED_FORMAT!r}")
+        if (fmt == SHARDED_FORMAT) != (d.get("sharded") is not None):
+            raise ValueError(f"format {fmt!r} with{'out' if fmt == SHARDED_FORMAT else ''} "
+                             f"a sharded index")
         checksum = d.get("checksum", "crc32")
         if checksum not in CHECKSUMS:
             raise ValueError(f"checksum={checksum!r:.60} must be one of {CHECKSUMS}")
@@ -204,6 +220,12 @@ class Manifest:
                 if not isinstance(d[key], str):
                     raise ValueError(f"{key}={d[key]!r:.60} must be a string")
                 strings[key] = d[key]
+        sharded = None
+        if d.get("sharded") is not None:
+            from elastic_kit.store._shard_index import ShardIndex  # imports _serialize
+
+            sharded = ShardIndex.from_json(d["sharded"], checksum=checksum,
+                                           files={n: e.size for n, e in files.items()})
         return cls(step=step, files=files, payload=payload, checksum=checksum,
                    metadata=metadata, epoch=epoch, world_size=world_size, time=float(t),
-                   **strings)
+                   sharded=sharded, **strings)

@@ -41,12 +41,13 @@ import torch
 from elastic_kit.store._broadcast import agree_on_holder, broadcast_state, target_device
 from elastic_kit.store._fs import resolve_url
 from elastic_kit.store._identity import ensure_identity, read_identity
-from elastic_kit.store._layout import Found, Layout
+from elastic_kit.store._layout import Found, Layout, StepDir
 from elastic_kit.store._manifest import CHECKSUMS, Manifest
 from elastic_kit.store._serialize import (
     copy_deferred, iter_tensors, load_payload, new_hasher, prepare_state, storage_keys,
     validate_state,
 )
+from elastic_kit.store._sharded import has_sharded, read_sharded, save_sharded
 from elastic_kit.distributed import DistInfo, broadcast_object, get_dist_info, is_dist_ready
 from elastic_kit.errors import (
     CheckpointConflictError, CheckpointCorruptError, CheckpointError, UnsafeCheckpointError,
@@ -281,6 +282,7 @@ class CheckpointStore:
         self._staging: dict[str, torch.Tensor] = {}
         self._staged: threading.Event | None = None  # set when deferred copies are done
         self.last_save_s: float = 0.0  # duration of the last write (writers only)
+        self._said_sharded_blocking = False
 
     # ------------------------------------------------------------------ roles
     @property
@@ -400,6 +402,8 @@ class CheckpointStore:
             raise TypeError(f"metadata={metadata!r} must be JSON-serializable: {e}") from e
         if hasattr(state_dict, "state_dict") and not isinstance(state_dict, dict):
             state_dict = state_dict.state_dict()
+        if has_sharded(state_dict):
+            return self._save_sharded(state_dict, step, metadata, blocking, on_commit)
         validate_state(state_dict)
         if not self.is_writer:
             return SaveHandle(step)
@@ -432,6 +436,50 @@ class CheckpointStore:
         self._pending = self._submit(self._stage_write_retain, deferred, after, event, staged,
                                      step, metadata, world_size, on_commit, handle)
         return handle
+
+    def _save_sharded(self, state: Any, step: int, metadata: dict[str, Any], blocking: bool,
+                      on_commit: Callable[[int, str], None] | None) -> SaveHandle:
+        """Every rank writes its own shards; rank 0 the rest and the manifest (collective)."""
+        if self.node_local:
+            raise ValueError(
+                f"{self!r}: sharded state (DTensors) needs storage every rank can read at "
+                f"load time, expected node_local=False (each rank's shards may be needed "
+                f"by any rank after a change of world size)")
+        if not blocking and not self._said_sharded_blocking:
+            self._said_sharded_blocking = True
+            log.info("sharded state is saved blocking: every rank writes its own shards "
+                     "(a background sharded save is not implemented yet)")
+        self._raise_pending()
+        info = self.info
+        t0 = time.perf_counter()
+        manifest = save_sharded(self._layout, state, step=step, checksum=self.checksum,
+                                metadata=metadata, rank=info.rank,
+                                world_size=info.world_size, gather=self._gather,
+                                broadcast=self._broadcast)
+        self.last_save_s = time.perf_counter() - t0
+        if manifest is not None:
+            self._newest_verified = max(self._newest_verified, step)
+            log.info("sharded checkpoint step %d committed to %s (%.1f MB in %d files, "
+                     "%.2f s)", step, self._layout.dir_of(step).path,
+                     manifest.size_bytes / 1e6, len(manifest.files), self.last_save_s)
+            if on_commit is not None:
+                self._submit(self._committed, on_commit, step)
+            self._submit(self._retain, step)
+        return SaveHandle(step)
+
+    def _gather(self, obj: Any) -> list[Any]:
+        if not (is_dist_ready() and self.info.world_size > 1):
+            return [obj]
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.info.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def _broadcast(self, obj: Any) -> Any:
+        if not (is_dist_ready() and self.info.world_size > 1):
+            return obj
+        return broadcast_object(obj, src=0)
 
     def _stage_write_retain(self, deferred: list[tuple[torch.Tensor, torch.Tensor]], after: Any,
                             staged: threading.Event | None, state: Any, step: int,
@@ -599,16 +647,24 @@ class CheckpointStore:
         return [before[d.step] for d in doomed if d.step in before]
 
     # ------------------------------------------------------------------ reading
-    def _found_to_loaded(self, found: Found, map_location: Any) -> LoadedCheckpoint:
+    def _found_to_loaded(self, found: Found, map_location: Any,
+                         into: Any = None, *, shards: bool = True) -> LoadedCheckpoint:
         d, m = found.dir, found.manifest
         try:
             state = load_payload(found.source, map_location=map_location, where=d.path)
         finally:
             found.source.close()
+        if shards and m.sharded is not None:
+            try:
+                state = read_sharded(self._layout, d, m, state, into=_template(into),
+                                     gather=self._gather)
+            except CheckpointCorruptError as e:
+                raise _ShardsCorrupt(d.step) from e
         self._newest_verified = max(self._newest_verified, d.step)
         return LoadedCheckpoint.from_manifest(d.path, m, state=state)
 
-    def load(self, *, map_location: Any = None) -> LoadedCheckpoint | None:
+    def load(self, *, map_location: Any = None,
+             into: Any = None) -> LoadedCheckpoint | None:
         """The newest checkpoint that verifies, or None. Collective: call on every rank.
 
         Corrupt or partial newer checkpoints are logged (warning) and skipped; a read
@@ -620,6 +676,11 @@ class CheckpointStore:
         Args:
             map_location: as for :func:`torch.load`; with a process group it must be a
                 device, a device string or a ``{"cpu": device}`` dict.
+            into: for sharded checkpoints, the live state tree (or a function that
+                returns it, called only when a sharded checkpoint is found) whose
+                DTensors give the layout to load into: each rank then reads only the
+                byte ranges of its own shards, at any world size. Without it, sharded
+                tensors are loaded whole on every rank. Ignored for replicated state.
 
         Raises:
             CheckpointError: some rank did not call ``load()`` within ``load_timeout``
@@ -635,12 +696,22 @@ class CheckpointStore:
             if err is not None:
                 self._error = err
         info = self.info
-        if not (is_dist_ready() and info.world_size > 1):
-            self._layout.check_root()
-            found = self._layout.newest_verified()
-            return None if found is None else self._found_to_loaded(found, map_location)
-        self._handshake(info)
-        return self._load_distributed(map_location)
+        distributed = is_dist_ready() and info.world_size > 1
+        if distributed:
+            self._handshake(info)
+        below: int | None = None
+        while True:  # a sharded checkpoint found corrupt when read: the one before it
+            try:
+                if distributed:
+                    return self._load_distributed(map_location, into, below)
+                self._layout.check_root()
+                found = self._layout.newest_verified(below=below)
+                return None if found is None else self._found_to_loaded(found, map_location,
+                                                                         into)
+            except _ShardsCorrupt as e:
+                log.warning("skipping checkpoint step %d, falling back to an older one: %s",
+                            e.step, e.__cause__)
+                below = e.step
 
     def _handshake(self, info: DistInfo) -> None:
         """Fail clearly unless every rank is in this load() call (no collective used)."""
@@ -670,7 +741,8 @@ class CheckpointStore:
                 f"{kv.get(f'{key}/abandoned').decode()} gave up waiting in load() call "
                 f"#{_LOAD_SEQ} on {self.url} before this rank ({info.rank}) called it")
 
-    def _load_distributed(self, map_location: Any) -> LoadedCheckpoint | None:
+    def _load_distributed(self, map_location: Any, into: Any,
+                          below: int | None) -> LoadedCheckpoint | None:
         info = self.info
         device = target_device(map_location)
         found: Found | None = None
@@ -678,7 +750,7 @@ class CheckpointStore:
         if self.is_writer:
             try:
                 self._layout.check_root()
-                found = self._layout.newest_verified()
+                found = self._layout.newest_verified(below=below)
             except Exception as e:  # every rank must learn it, in the next collective
                 error = e
         found_step = found.dir.step if found is not None else -1
@@ -699,7 +771,7 @@ class CheckpointStore:
             if info.rank == src:
                 assert found is not None
                 try:
-                    loaded = self._found_to_loaded(found, device)
+                    loaded = self._found_to_loaded(found, device, shards=False)
                     found = None
                     state = loaded.state
                     assert loaded.manifest is not None
@@ -722,6 +794,12 @@ class CheckpointStore:
             path = self._layout.dir_of(step).path
             lacked = found_step < step
         manifest = Manifest.from_json(header["manifest"], where=header["path"])
+        if manifest.sharded is not None:  # every rank reads its own ranges
+            try:
+                state = read_sharded(self._layout, StepDir(step, header["path"]), manifest,
+                                     state, into=_template(into), gather=self._gather)
+            except CheckpointCorruptError as e:  # raised alike on every rank
+                raise _ShardsCorrupt(step) from e
         return LoadedCheckpoint.from_manifest(path, manifest, state=state, lacked_locally=lacked)
 
     def keep_copy(self, loaded: LoadedCheckpoint | None) -> bool:
@@ -755,3 +833,16 @@ class CheckpointStore:
                  self.info.node_rank, loaded.step, path)
         self._retain(loaded.step)
         return True
+
+
+class _ShardsCorrupt(Exception):
+    """A sharded checkpoint's shards proved corrupt when read (on every rank alike)."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(step)
+        self.step = step
+
+
+def _template(into: Any) -> Any:
+    """The state tree to load sharded tensors into: ``into``, or what it returns."""
+    return into() if callable(into) else into

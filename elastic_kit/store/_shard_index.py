@@ -1,0 +1,169 @@
+"""The manifest's index of a sharded checkpoint: which bytes hold which part of what.
+
+A sharded checkpoint is one replicated payload (``state.pt``: everything but the
+DTensors, which are replaced by placeholders) plus one tensor file per writing rank
+(:mod:`._tensorfile`). This index, part of the manifest, says for every sharded
+tensor its key path, dtype, global shape, the placements it was saved with (for
+people and tools; loading does not need them) and its layout-independent digest
+(:mod:`._digest`); and for every saved chunk which tensor it belongs to, its offset
+in the global tensor and where its bytes are (a :class:`TensorEntry`).
+
+Like the rest of the manifest it is input from storage: :meth:`ShardIndex.from_json`
+checks every field and that each tensor's chunks lie inside it and add up to it, so
+that a hostile index fails as :class:`ValueError` (the manifest turns it into
+``CheckpointCorruptError``) and never makes a reader allocate or read out of bounds.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from elastic_kit.store._digest import ALGORITHM
+from elastic_kit.store._tensorfile import TensorEntry, dtype_from_name
+
+__all__ = ["PLACEHOLDER", "placeholder", "placeholder_id", "ShardedTensor", "Chunk",
+           "ShardIndex"]
+
+#: Prefix of the string that stands for sharded tensor ``i`` in the replicated payload.
+PLACEHOLDER = "\x00elastic_kit.sharded:"
+_MAX_TENSORS = 1 << 20
+_MAX_CHUNKS = 1 << 22
+_HEX16 = re.compile(r"[0-9a-f]{16}", re.ASCII)
+
+
+def placeholder(i: int) -> str:
+    return f"{PLACEHOLDER}{i}"
+
+
+def placeholder_id(value: Any) -> int | None:
+    """The tensor id a placeholder names, else None."""
+    if isinstance(value, str) and value.startswith(PLACEHOLDER):
+        tail = value[len(PLACEHOLDER):]
+        if tail.isascii() and tail.isdigit():
+            return int(tail)
+    return None
+
+
+@dataclass(frozen=True)
+class ShardedTensor:
+    """One DTensor of the state, as saved."""
+
+    path: str
+    dtype: str
+    shape: tuple[int, ...]
+    placements: str
+    mesh: tuple[int, ...]
+    digest: str
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One saved shard: tensor ``tensor``'s box at ``offsets``, in ``file``."""
+
+    tensor: int
+    file: str
+    offsets: tuple[int, ...]
+    entry: TensorEntry
+
+
+@dataclass
+class ShardIndex:
+    """Every sharded tensor and every chunk of it (see the module docstring)."""
+
+    tensors: list[ShardedTensor]
+    chunks: list[Chunk]
+    digest: str = ALGORITHM
+    _by_tensor: dict[int, list[Chunk]] = field(default_factory=dict, repr=False,
+                                                 compare=False)
+
+    def chunks_of(self, i: int) -> list[Chunk]:
+        if not self._by_tensor:
+            for c in self.chunks:
+                self._by_tensor.setdefault(c.tensor, []).append(c)
+        return self._by_tensor.get(i, [])
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "digest": self.digest,
+            "tensors": [{"path": t.path, "dtype": t.dtype, "shape": list(t.shape),
+                         "placements": t.placements, "mesh": list(t.mesh),
+                         "digest": t.digest} for t in self.tensors],
+            "chunks": [{"tensor": c.tensor, "file": c.file, "offsets": list(c.offsets),
+                        "entry": c.entry.to_json()} for c in self.chunks],
+        }
+
+    @classmethod
+    def from_json(cls, d: Any, *, files: dict[str, int], checksum: str) -> ShardIndex:
+        """Validate an index read from storage. ``files``: listed file -> size.
+
+        Raises:
+            ValueError: naming the field and what was expected.
+        """
+        if not isinstance(d, dict):
+            raise ValueError(f"sharded must be an object, got {d!r:.60}")
+        if d.get("digest") != ALGORITHM:
+            raise ValueError(f"sharded.digest={d.get('digest')!r:.60}, expected {ALGORITHM!r}")
+        raw_t, raw_c = d.get("tensors"), d.get("chunks")
+        if not isinstance(raw_t, list) or len(raw_t) > _MAX_TENSORS:
+            raise ValueError(f"sharded.tensors must be a list of at most {_MAX_TENSORS}")
+        if not isinstance(raw_c, list) or len(raw_c) > _MAX_CHUNKS:
+            raise ValueError(f"sharded.chunks must be a list of at most {_MAX_CHUNKS}")
+        tensors = [_tensor(t, i) for i, t in enumerate(raw_t)]
+        chunks = [_chunk(c, tensors, files, checksum) for c in raw_c]
+        covered = [0] * len(tensors)
+        for c in chunks:
+            covered[c.tensor] += math.prod(c.entry.shape)
+        for i, t in enumerate(tensors):
+            if covered[i] != math.prod(t.shape):
+                raise ValueError(f"sharded tensor {t.path}: its chunks hold {covered[i]} "
+                                 f"elements, the tensor {math.prod(t.shape)}")
+        return cls(tensors=tensors, chunks=chunks)
+
+
+def _ints(v: Any, what: str, *, max_len: int = 64) -> tuple[int, ...]:
+    if (not isinstance(v, list) or len(v) > max_len
+            or any(type(x) is not int or not 0 <= x < 1 << 50 for x in v)):
+        raise ValueError(f"{what}={v!r:.60} must be a list of at most {max_len} ints >= 0")
+    return tuple(v)
+
+
+def _tensor(d: Any, i: int) -> ShardedTensor:
+    if not isinstance(d, dict):
+        raise ValueError(f"sharded.tensors[{i}] must be an object, got {d!r:.60}")
+    path, placements, digest = d.get("path"), d.get("placements"), d.get("digest")
+    for name, v in (("path", path), ("placements", placements)):
+        if not isinstance(v, str) or len(v) > 4096:
+            raise ValueError(f"sharded.tensors[{i}].{name}={v!r:.60} must be a string")
+    if not isinstance(digest, str) or not _HEX16.fullmatch(digest):
+        raise ValueError(f"sharded.tensors[{i}].digest={digest!r:.60} must be 16 hex digits")
+    dtype_from_name(d.get("dtype"))
+    return ShardedTensor(path=path, dtype=d["dtype"],
+                         shape=_ints(d.get("shape"), f"sharded.tensors[{i}].shape"),
+                         placements=placements,
+                         mesh=_ints(d.get("mesh"), f"sharded.tensors[{i}].mesh"),
+                         digest=digest)
+
+
+def _chunk(d: Any, tensors: list[ShardedTensor], files: dict[str, int],
+           checksum: str) -> Chunk:
+    if not isinstance(d, dict):
+        raise ValueError(f"sharded chunk must be an object, got {d!r:.60}")
+    i, name = d.get("tensor"), d.get("file")
+    if type(i) is not int or not 0 <= i < len(tensors):
+        raise ValueError(f"sharded chunk tensor={i!r:.40} must index sharded.tensors "
+                         f"(0 to {len(tensors) - 1})")
+    if not isinstance(name, str) or name not in files:
+        raise ValueError(f"sharded chunk file={name!r:.60} is not a listed file")
+    entry = TensorEntry.from_json(d.get("entry"), checksum=checksum, file_size=files[name])
+    t = tensors[i]
+    offsets = _ints(d.get("offsets"), "sharded chunk offsets")
+    if entry.dtype != t.dtype:
+        raise ValueError(f"chunk of {t.path} is {entry.dtype}, the tensor {t.dtype}")
+    if len(offsets) != len(t.shape) or len(entry.shape) != len(t.shape) or any(
+            o + s > g for o, s, g in zip(offsets, entry.shape, t.shape)):
+        raise ValueError(f"chunk of {t.path} at {list(offsets)} of shape "
+                         f"{list(entry.shape)} does not lie inside {list(t.shape)}")
+    return Chunk(tensor=i, file=name, offsets=offsets, entry=entry)

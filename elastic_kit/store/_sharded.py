@@ -1,0 +1,393 @@
+"""Sharded state (FSDP2 / DTensor): every rank writes its own shards; any world size loads.
+
+Saving (collective: every rank calls it). The state tree is split into its DTensors
+and the replicated rest, in which each DTensor is replaced by a placeholder string.
+Each rank writes the shards it owns (``to_local()``; of a tensor replicated over
+some mesh dimension only the copy at coordinate 0 there) into one flat tensor file
+(:mod:`._tensorfile`: raw bytes at aligned offsets, ``O_DIRECT`` on a local disk),
+with no gather and no full copy anywhere; rank 0 also writes the replicated rest as
+the usual ``torch.save`` payload. The ranks then exchange their file entries (sizes,
+checksums, which box of which tensor is where, the digest partials) in one
+``all_gather_object`` of a few KB, and rank 0 commits one manifest, last, once every
+file is durable (each rank fsyncs or completes its own upload before the exchange):
+the backends' :meth:`~._backend.Backend.begin_parts` /
+:meth:`~._backend.Backend.finish_parts` keep the store's commit rules (a temporary
+directory renamed into place on a local disk; the manifest PUT last on an object
+store; a re-save switches the manifest atomically and removes the old files after).
+
+Loading (collective). Every rank reads the replicated payload's content (rank 0
+reads, verifies and broadcasts it) and then, for each sharded tensor, *only the byte
+ranges of the saved chunks that overlap the box it owns now* (``pread`` locally, a
+ranged ``cat_file`` on object stores): whatever the saved and current world sizes,
+parameters and optimizer state alike. A chunk read whole is checked against its
+checksum; every tensor's layout-independent digest (:mod:`._digest`) is computed
+from the new shards, summed over ranks and compared with the saved one, so a
+misassembled or corrupt load is :class:`CheckpointCorruptError` on every rank,
+never silent. Tensors the caller's template does not hold as DTensors are read whole
+(full tensors: a sharded checkpoint loads outside the job that saved it, for tools
+and tests).
+
+The reader is written here rather than taken from DCP's planner: the boxes are
+given by ``compute_local_shape_and_global_offset`` (the one function DCP's planner
+uses for DTensors too), and what remains is an intersection of boxes and one
+contiguous byte span per overlap, about a hundred lines. DCP's planner would bring
+its pickled metadata, its own storage layer without the store's commit, checksum
+and retry rules, and reads of whole saved items where a range is enough.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import uuid
+from typing import Any, Callable, Sequence
+
+import torch
+
+from elastic_kit.errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
+from elastic_kit.store._digest import combine, partial
+from elastic_kit.store._fs import is_local, join
+from elastic_kit.store._layout import Layout, StepDir
+from elastic_kit.store._manifest import PAYLOAD_NAME, FileEntry, Manifest, check_file_name
+from elastic_kit.store._serialize import new_hasher, prepare_state, save_into
+from elastic_kit.store._shard_index import (
+    Chunk, ShardedTensor, ShardIndex, placeholder, placeholder_id,
+)
+from elastic_kit.store._tensorfile import (
+    RangeReader, TensorEntry, dtype_from_name, dtype_name, tensor_from_bytes, write_stream,
+)
+from elastic_kit.store._tree import is_dtensor, leaves, map_tree, validate_state
+
+__all__ = ["has_sharded", "split", "local_box", "save_sharded", "read_sharded", "Gather"]
+
+log = logging.getLogger(__name__)
+
+#: ``gather(obj)``: every rank's ``obj``, in rank order (an ``all_gather_object``).
+Gather = Callable[[Any], list[Any]]
+#: ``broadcast(obj)``: rank 0's ``obj`` on every rank.
+Broadcast = Callable[[Any], Any]
+
+
+def has_sharded(state: Any) -> bool:
+    """Whether a state tree holds a DTensor (then it is saved sharded)."""
+    return any(is_dtensor(v) for _, v in leaves(state))
+
+
+def split(state: Any) -> tuple[Any, list[tuple[str, Any]]]:
+    """The replicated tree (each DTensor replaced by a placeholder) and the DTensors
+    with their key paths, in tree order."""
+    found: list[tuple[str, Any]] = []
+
+    def leaf(path: str, value: Any) -> Any:
+        if is_dtensor(value):
+            found.append((path, value))
+            return placeholder(len(found) - 1)
+        return value
+
+    return map_tree(state, leaf), found
+
+
+def local_box(dt: Any) -> tuple[tuple[int, ...], tuple[int, ...], bool]:
+    """This rank's box of a DTensor: ``(local shape, global offsets, owner)``.
+
+    ``owner``: this rank holds the copy that is written and counted in the digest
+    (coordinate 0 on every mesh dimension the tensor is replicated over).
+
+    Raises:
+        ValueError: a ``Partial`` placement (reduce it before saving).
+    """
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    coord = dt.device_mesh.get_coordinate()
+    if coord is None:  # this rank is not in the tensor's mesh
+        return tuple(0 for _ in dt.shape), tuple(0 for _ in dt.shape), False
+    owner = True
+    for i, p in enumerate(dt.placements):
+        if p.is_partial():
+            raise ValueError(f"DTensor with placements {dt.placements} holds partial sums; "
+                             "expected Shard or Replicate placements (reduce it first)")
+        if p.is_replicate() and coord[i] != 0:
+            owner = False
+    shape, offsets = compute_local_shape_and_global_offset(dt.shape, dt.device_mesh,
+                                                           dt.placements)
+    return tuple(shape), tuple(offsets), owner
+
+
+def _shard_name(rank: int, suffix: str) -> str:
+    return f"shards-{rank:05d}{suffix}.bin"
+
+
+def save_sharded(layout: Layout, state: Any, *, step: int, checksum: str,
+                 metadata: dict[str, Any], rank: int, world_size: int,
+                 gather: Gather, broadcast: Broadcast) -> Manifest | None:
+    """Save a state tree holding DTensors as checkpoint ``step`` (collective).
+
+    Returns the committed manifest on rank 0 (None elsewhere); raises the same
+    error on every rank when any rank failed, and nothing is committed then.
+    """
+    replicated, dts = split(state)
+    validate_state(replicated)
+    items: list[tuple[str, torch.Tensor]] = []
+    boxes: list[tuple[int, tuple[int, ...]]] = []
+    partials: list[tuple[int, int]] = []
+    for i, (_, dt) in enumerate(dts):
+        shape, offsets, owner = local_box(dt)
+        local = dt.to_local().detach()
+        if tuple(local.shape) != shape:  # pragma: no cover - a placement we do not know
+            raise ValueError(f"DTensor local shard has shape {tuple(local.shape)}, its "
+                             f"placements {dt.placements} give {shape}")
+        if owner and local.numel():
+            local = local.cpu()
+            items.append((f"{i}@{','.join(map(str, offsets))}", local))
+            boxes.append((i, offsets))
+            partials.append(partial(local, offsets, tuple(dt.shape)))
+        else:
+            partials.append((0, 0))
+    d = layout.dir_of(step)
+    backend = layout.backend
+    header: dict[str, Any] = {}
+    old: Manifest | None = None
+    if rank == 0:
+        try:
+            layout.check_root()
+            old = layout.committed_manifest(d)
+            staging = backend.begin_parts(d.path, replacing=old is not None)
+            header = {"ok": True, "staging": staging, "replacing": old is not None,
+                      "suffix": "" if old is None else "." + uuid.uuid4().hex[:12]}
+        except Exception as e:
+            header = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+            header_error: BaseException | None = e
+        else:
+            header_error = None
+    header = broadcast(header)
+    if not header["ok"]:
+        if rank == 0 and header_error is not None:
+            raise header_error
+        raise CheckpointError(f"rank 0 could not start sharded checkpoint step {step} in "
+                              f"{layout.url}: {header['error']}")
+    staging, replacing, suffix = header["staging"], header["replacing"], header["suffix"]
+    mine: dict[str, Any] = {"ok": True, "file": None, "partials": partials}
+    error: BaseException | None = None
+    try:
+        if items:
+            name = _shard_name(rank, suffix)
+            entries, size, digest = backend.write_part(
+                staging, name, lambda f: write_stream(f, items, checksum=checksum))
+            mine.update(file=name, size=size, checksum=digest,
+                        chunks=[(i, list(o), e.to_json()) for (i, o), e in zip(boxes, entries)])
+    except Exception as e:
+        error = e
+        mine = {"ok": False, "error": f"{type(e).__name__}: {e}", "file": None}
+    everyone = gather(mine)
+    result: dict[str, Any] = {"ok": True}
+    manifest: Manifest | None = None
+    if rank == 0:
+        written = [m["file"] for m in everyone if m.get("file")]
+        try:
+            failed = [(r, m["error"]) for r, m in enumerate(everyone) if not m["ok"]]
+            if failed:
+                raise CheckpointError(f"sharded checkpoint step {step}: rank {failed[0][0]} "
+                                      f"could not write its shards: {failed[0][1]}")
+            payload = PAYLOAD_NAME if not replacing else f"state{suffix}.pt"
+            written.append(payload)
+            manifest = _commit(layout, staging, d, replicated, dts, everyone, payload=payload,
+                               checksum=checksum, metadata=metadata, world_size=world_size,
+                               step=step, replacing=replacing)
+        except Exception as e:
+            backend.abort_parts(staging, written, replacing=replacing)
+            error = error or e
+            result = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        if manifest is not None and old is not None:
+            for name in set(old.files) - set(manifest.files):
+                try:
+                    backend.remove_file(join(d.path, name))
+                except Exception as e:
+                    log.debug("could not remove the replaced %s: %r", name, e)
+    result = broadcast(result)
+    if error is not None:
+        raise error
+    if not result["ok"]:
+        raise CheckpointError(f"sharded checkpoint step {step} in {layout.url} was not "
+                              f"committed: {result['error']}")
+    return manifest
+
+
+def _commit(layout: Layout, staging: str, d: StepDir, replicated: Any,
+            dts: list[tuple[str, Any]], everyone: list[dict[str, Any]], *, payload: str,
+            checksum: str, metadata: dict[str, Any], world_size: int, step: int,
+            replacing: bool) -> Manifest:
+    """Rank 0: the replicated payload, then the manifest, last."""
+    local = is_local(layout.fs)
+    prepared = prepare_state(replicated, copy=False)
+    entry = layout.backend.write_part(
+        staging, payload,
+        lambda f: save_into(f, join(staging, payload), prepared, checksum, fsync=local))
+    files = {payload: entry}
+    chunks = []
+    for m in everyone:
+        if m.get("file"):
+            files[m["file"]] = FileEntry(size=m["size"], checksum=m["checksum"])
+            for i, offsets, e in m["chunks"]:
+                chunks.append(Chunk(tensor=i, file=m["file"], offsets=tuple(offsets),
+                                    entry=TensorEntry.from_json(e, checksum=checksum)))
+    tensors = []
+    for i, (path, dt) in enumerate(dts):
+        tensors.append(ShardedTensor(
+            path=path, dtype=dtype_name(dt.dtype), shape=tuple(dt.shape),
+            placements=",".join(str(p) for p in dt.placements),
+            mesh=tuple(dt.device_mesh.shape),
+            digest=combine([m["partials"][i] for m in everyone])))
+    epoch = metadata.get("epoch")
+    manifest = Manifest(step=step, files=files, payload=payload, checksum=checksum,
+                        metadata=metadata,
+                        epoch=epoch if type(epoch) is int and epoch >= 0 else None,
+                        world_size=world_size, writer=layout.writer_id,
+                        sharded=ShardIndex(tensors=tensors, chunks=chunks))
+    layout.backend.finish_parts(staging, d.path, manifest, replacing=replacing)
+    return manifest
+
+
+# ---------------------------------------------------------------------- loading
+class _Readers:
+    """One range reader per file of a checkpoint, opened when first needed."""
+
+    def __init__(self, layout: Layout, d: StepDir) -> None:
+        self.layout, self.d = layout, d
+        self._open: dict[str, RangeReader] = {}
+
+    def read(self, name: str, start: int, end: int) -> bytearray:
+        path = join(self.d.path, check_file_name(name))
+        r = self._open.get(name)
+        if r is None:
+            if is_local(self.layout.fs):
+                r = self.layout.reading(lambda: RangeReader.local(path), path)
+            else:
+                r = RangeReader(path, fs=self.layout.fs)
+            self._open[name] = r
+        reader = r
+        return self.layout.reading(lambda: reader.read(start, end), path)
+
+    def close(self) -> None:
+        for r in self._open.values():
+            r.close()
+
+
+def _fill(dst: torch.Tensor, dst_offsets: Sequence[int], chunks: list[Chunk],
+          readers: _Readers, checksum: str) -> None:
+    """Copy into ``dst`` (the box at ``dst_offsets``) the overlapping part of every
+    chunk, reading one contiguous byte span of each."""
+    for c in chunks:
+        cshape = c.entry.shape
+        lo = [max(o, co) for o, co in zip(dst_offsets, c.offsets)]
+        hi = [min(o + s, co + cs) for o, s, co, cs in
+              zip(dst_offsets, dst.shape, c.offsets, cshape)]
+        if any(x >= y for x, y in zip(lo, hi)):
+            continue
+        a = [x - co for x, co in zip(lo, c.offsets)]  # the overlap in the chunk
+        b = [x - co for x, co in zip(hi, c.offsets)]
+        strides = [math.prod(cshape[k + 1:]) for k in range(len(cshape))]
+        first = sum(x * s for x, s in zip(a, strides))
+        last = sum((x - 1) * s for x, s in zip(b, strides))
+        dtype = dtype_from_name(c.entry.dtype)
+        item = torch.empty((), dtype=dtype).element_size()
+        start = c.entry.offset + first * item
+        data = readers.read(c.file, start, c.entry.offset + (last + 1) * item)
+        if first == 0 and len(data) == c.entry.nbytes:  # the whole chunk: check it
+            h = new_hasher(checksum)
+            h.update(data)
+            if h.hexdigest() != c.entry.checksum:
+                raise CheckpointCorruptError(
+                    f"{readers.d.path}: {c.file} bytes of {c.entry.key!r} have {checksum} "
+                    f"{h.hexdigest()} but the manifest says {c.entry.checksum}")
+        span = tensor_from_bytes(data, dtype, (len(data) // item,))
+        box = span.as_strided([y - x for x, y in zip(a, b)], strides, 0)
+        dst[tuple(slice(x - o, y - o) for x, y, o in zip(lo, hi, dst_offsets))].copy_(box)
+
+
+def read_sharded(layout: Layout, d: StepDir, manifest: Manifest, replicated: Any, *,
+                 into: Any, gather: Gather) -> Any:
+    """The state of a sharded checkpoint: ``replicated`` (the loaded payload) with
+    its placeholders replaced by tensors read from the shard files (collective).
+
+    ``into``: a state tree whose DTensors say the layout to load into (the live
+    state); a saved tensor at a path where ``into`` holds a DTensor is loaded as a
+    DTensor of the same mesh and placements, reading only this rank's box; any other
+    is loaded whole. None: every tensor whole.
+
+    Raises:
+        CheckpointCorruptError: on every rank, when a chunk's checksum or a tensor's
+            global digest does not match (the state is not returned).
+        CheckpointMismatchError: a saved tensor's shape or dtype differs from the
+            template's.
+        CheckpointError: a rank could not read its ranges (after retries).
+    """
+    index: ShardIndex = manifest.sharded
+    targets = {p: v for p, v in leaves(into) if is_dtensor(v)} if into is not None else {}
+    readers = _Readers(layout, d)
+    filled: dict[int, torch.Tensor] = {}
+    mine: list[tuple[int, int]] = []
+    problem: tuple[str, str] | None = None
+    try:
+        for i, t in enumerate(index.tensors):
+            dtype = dtype_from_name(t.dtype)
+            target = targets.get(t.path)
+            if target is None:
+                full = torch.empty(t.shape, dtype=dtype)
+                _fill(full, (0,) * len(t.shape), index.chunks_of(i), readers, manifest.checksum)
+                if combine([partial(full, (0,) * len(t.shape), t.shape)]) != t.digest:
+                    raise CheckpointCorruptError(f"{d.path}: sharded tensor {t.path} does not "
+                                                 f"match its saved digest {t.digest}")
+                filled[i] = full
+                mine.append((0, 0))
+                continue
+            if tuple(target.shape) != t.shape or target.dtype != dtype:
+                raise CheckpointMismatchError(
+                    f"checkpoint tensor {t.path} is {t.dtype}{list(t.shape)}, the state to "
+                    f"load into has {dtype_name(target.dtype)}{list(target.shape)}; nothing "
+                    f"was loaded")
+            shape, offsets, owner = local_box(target)
+            local = torch.empty(shape, dtype=dtype)
+            _fill(local, offsets, index.chunks_of(i), readers, manifest.checksum)
+            mine.append(partial(local, offsets, t.shape) if owner else (0, 0))
+            from torch.distributed.tensor import DTensor
+
+            filled[i] = DTensor.from_local(local.to(target.to_local().device),
+                                           target.device_mesh, target.placements,
+                                           run_check=False, shape=target.shape,
+                                           stride=target.stride())
+    except CheckpointCorruptError as e:
+        problem = ("corrupt", str(e))
+    except CheckpointMismatchError as e:
+        problem = ("mismatch", str(e))
+    except Exception as e:
+        problem = ("read", f"{type(e).__name__}: {e}")
+    finally:
+        readers.close()
+    everyone = gather({"partials": mine, "problem": problem})
+    problems = [(r, p["problem"]) for r, p in enumerate(everyone) if p["problem"]]
+    if problems:
+        rank, (kind, msg) = problems[0]
+        cls = {"corrupt": CheckpointCorruptError, "mismatch": CheckpointMismatchError}.get(
+            kind, CheckpointError)
+        raise cls(msg if kind != "read" else f"rank {rank} could not read sharded checkpoint "
+                                             f"{d.path}: {msg}")
+    bad = [t.path for i, t in enumerate(index.tensors)
+           if combine([p["partials"][i] for p in everyone]) != t.digest]
+    if bad:
+        raise CheckpointCorruptError(
+            f"{d.path}: the loaded content of {len(bad)} sharded tensor(s) does not match "
+            f"the digest saved with it ({', '.join(bad[:5])}): corrupt shard bytes or a "
+            f"wrong assembly; nothing was loaded")
+
+    def leaf(path: str, value: Any) -> Any:
+        i = placeholder_id(value)
+        if i is None:
+            return value
+        if i not in filled or index.tensors[i].path != path:
+            raise CheckpointCorruptError(f"{d.path}: payload placeholder at {path} names "
+                                         f"sharded tensor {i}, which the manifest does not "
+                                         f"hold at that path")
+        return filled[i]
+
+    return map_tree(replicated, leaf)
+
