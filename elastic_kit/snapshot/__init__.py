@@ -5,8 +5,11 @@ change; the next group resumes from the newest durable checkpoint and redoes the
 steps since. :class:`SnapshotTier` keeps the full training state every few steps in
 node-local shared memory (``/dev/shm``), which belongs to the host rather than to the
 worker processes, so a restarted group finds it and redoes only the steps since
-(every step is snapshotted while that costs under 1% of the training time; less
-often when steps are short or the state large).
+(every step is snapshotted while that takes under 1% of the training thread's time;
+less often when steps are short or the state large). Taking a snapshot costs the
+training thread one copy of the state; the write runs on a background thread, and a
+snapshot taken while the previous one is written waits for it (a newer one replaces
+it), so training never waits for a write.
 
 Layout, on every host (per user: directories 0700, files 0600)::
 
@@ -42,8 +45,9 @@ sampler's position is global, a snapshot taken at one world size restores at any
 """
 
 from elastic_kit.snapshot._tier import (
-    DEFAULT_BUDGET, SnapshotTier, agree_run_identity, default_root, snapshot_dir,
+    DEFAULT_BUDGET, SnapshotTier, agree_run_identity, default_root, interval_for,
+    snapshot_dir,
 )
 
 __all__ = ["DEFAULT_BUDGET", "SnapshotTier", "agree_run_identity", "default_root",
-           "snapshot_dir"]
+           "interval_for", "snapshot_dir"]

@@ -13,6 +13,7 @@ import socket
 import time
 from typing import Any, Callable, Iterable
 
+import fsspec
 import torch
 
 from elastic_kit.store import CheckpointStore, Layout, LoadedCheckpoint, resolve_url
@@ -24,8 +25,11 @@ from elastic_kit.snapshot._private import (
 from elastic_kit.snapshot._replica import (
     REPLICAS, ReplicaReceiver, ReplicaSender, advertised_host,
 )
+from elastic_kit.snapshot._staging import storage_keys
+from elastic_kit.snapshot._writer import Job, SnapshotWriter
 
-__all__ = ["SnapshotTier", "agree_run_identity", "default_root", "snapshot_dir"]
+__all__ = ["SnapshotTier", "agree_run_identity", "default_root", "interval_for",
+           "snapshot_dir"]
 
 log = logging.getLogger(__name__)
 
@@ -38,12 +42,16 @@ NODE_ENV = "ELASTIC_KIT_SNAPSHOT_NODE"
 #: committed snapshot stays until the next one is committed) plus a margin.
 SPACE_FACTOR = 2.2
 _MAX_AUTO_EVERY = 10_000
-#: The share of training time automatic snapshots may cost. With a snapshot costing
-#: ``C`` seconds and failures every ``M`` seconds on average, the interval that loses
-#: the least time (Young's approximation, ``sqrt(2 C M)``) costs ``sqrt(C / 2M)`` of
-#: the time: 1% is that optimum for a 0.5 s snapshot at a failure every ~40 minutes,
-#: and a smaller state at that failure rate would be best snapshotted less often
-#: still; spending more buys back only seconds of redone work per failure.
+#: The share of the training thread's time automatic snapshots may take: what a
+#: snapshot stops training for (building the state dict, the audit's sync, the copy
+#: out of the live tensors, and the wait for the part of that copy overlapped with the
+#: next forward and backward pass), not the write, which runs on a background thread
+#: and never holds training up. With a snapshot costing ``C`` seconds and failures
+#: every ``M`` seconds on average, the interval that loses the least time (Young's
+#: approximation, ``sqrt(2 C M)``) costs ``sqrt(C / 2M)`` of the time: 1% is that
+#: optimum for a 0.5 s snapshot at a failure every ~40 minutes, and a smaller state at
+#: that failure rate would be best snapshotted less often still; spending more buys
+#: back only seconds of redone work per failure.
 DEFAULT_BUDGET = 0.01
 #: Seconds :meth:`SnapshotTier.close` waits for the last snapshot's stream to a peer.
 FLUSH_TIMEOUT_S = 10.0
@@ -98,6 +106,16 @@ def snapshot_dir(root: str, run_id: str, key: str) -> str:
     return os.path.join(root, user_dir_name(), f"{safe}-{digest}")
 
 
+def interval_for(cost_s: float, step_s: float, budget: float) -> int:
+    """The snapshot interval K that keeps snapshots costing the training thread
+    ``cost_s`` seconds each within ``budget`` of steps of ``step_s`` seconds:
+    ``ceil(cost_s / (budget * step_s))``, at least 1 and at most 10,000."""
+    if not (step_s > 0 and 0 < budget < 1 and cost_s >= 0):
+        raise ValueError(f"interval_for(cost_s={cost_s!r}, step_s={step_s!r}, budget={budget!r}): "
+                         "expected cost_s >= 0, step_s > 0 and budget in (0, 1)")
+    return max(1, min(math.ceil(cost_s / (budget * step_s)), _MAX_AUTO_EVERY))
+
+
 def _state_bytes(state: Any) -> int:
     if isinstance(state, torch.Tensor):
         return state.numel() * state.element_size()
@@ -115,12 +133,13 @@ class SnapshotTier:
         key: the durable store's URL (names the snapshot directory).
         info: this worker's :class:`~elastic_kit.DistInfo`.
         every: take a snapshot every this many optimizer steps; ``None`` chooses it
-            from measurements so that taking and writing one costs at most
+            from measurements so that taking one stops training for at most
             ``budget`` of the training time (``K = ceil(cost / (budget * step
-            time))``: every step only while a snapshot costs under ``budget`` of a
-            step).
-        budget: the share of training time snapshots may cost (``every=None``;
-            :data:`DEFAULT_BUDGET`, 1%).
+            time))``, where the cost is the training thread's time per snapshot, see
+            :data:`DEFAULT_BUDGET`: every step only while a snapshot costs the
+            training thread under ``budget`` of a step).
+        budget: the share of the training thread's time snapshots may take
+            (``every=None``; :data:`DEFAULT_BUDGET`, 1%).
         root: the shared-memory directory (default :func:`default_root`).
         replicate: stream each committed snapshot to the next node's memory (see
             :mod:`elastic_kit.snapshot._replica`; from :meth:`connect`, with two nodes
@@ -130,14 +149,23 @@ class SnapshotTier:
             older run of a store deleted or replaced since) is never loaded, and this
             node's are removed when the tier starts. None only for a tier used on its
             own, without a durable store: it then trusts only snapshots without one.
+        filesystem: an fsspec filesystem wrapping the local one for the snapshots'
+            writes (a fault-injecting one in tests); default: the local disk.
 
     The snapshot tree is private to the user (``<root>/elastic_kit-<uid>/``, 0700
     directories, 0600 files); every directory on the way is checked (owner, mode, no
     symlink) and a tree that fails the check switches snapshots off with a warning
     naming the path and the reason.
 
-    Only local rank 0 of each node writes (a non-blocking save: the tensors are copied
-    on a background thread, which the optimizer-step pre-hook waits for).
+    Only local rank 0 of each node writes. Taking a snapshot copies the state's
+    tensors into reused CPU buffers (pinned for CUDA tensors); the parameters and
+    optimizer state may be copied on the writer thread instead, while the next
+    forward and backward pass runs (the optimizer-step pre-hook waits for that copy).
+    The write then runs on the writer thread, and the training thread never waits for
+    it: a snapshot taken while the previous one is being written is queued, and a
+    newer one replaces a queued one that has not started (see
+    :mod:`elastic_kit.snapshot._writer`), so the write's speed bounds how fresh the
+    newest committed snapshot is, not how fast training runs.
 
     .. warning::
         Shared memory is host RAM. A node holds its own snapshot and one peer's
@@ -146,12 +174,15 @@ class SnapshotTier:
         received, before the previous one is deleted. When ``root`` has less free
         space than 2.2 times the state, snapshots are switched off with a warning and
         restarts resume from the durable store; a replica that does not fit is
-        refused (the sender logs a warning once) and the node keeps its own.
+        refused (the sender logs a warning once) and the node keeps its own. The
+        writer also keeps one staging copy of the state in its process memory, and a
+        second while a snapshot waits for the previous one's write.
     """
 
     def __init__(self, key: str, *, info: DistInfo, every: int | None = None,
                  budget: float = DEFAULT_BUDGET, root: str | None = None,
-                 replicate: bool = True, identity: str | None = None) -> None:
+                 replicate: bool = True, identity: str | None = None,
+                 filesystem: fsspec.AbstractFileSystem | None = None) -> None:
         if every is not None and (type(every) is not int or every < 1):
             raise ValueError(f"snapshot every={every!r} must be None (automatic) or an int >= 1")
         if not 0 < budget < 1:
@@ -175,10 +206,11 @@ class SnapshotTier:
         #: which the checkpointer's flag exchange makes every rank adopt at one step)
         self.interval = every or 1
         self._proposed = every or 1  # the K this node's costs last suggested
-        #: the last snapshot's cost in seconds: the training thread's part and the write
+        #: the training thread's time in the last snapshot taken (seconds): taking it
+        #: and waiting for its deferred copy before the optimizer step
         self._cost_s: float | None = None
         self._space_checked = False
-        self._taking_s = 0.0  # the training thread's time in the last snapshot
+        self._writer = SnapshotWriter(self._write)
         self.replicate = replicate
         self._receiver: ReplicaReceiver | None = None
         self._sender: ReplicaSender | None = None
@@ -198,8 +230,9 @@ class SnapshotTier:
         except OSError as e:
             self._disable(f"cannot make the snapshot directory {self.node_dir}: {e!r}")
             return
-        self.store = CheckpointStore(self.node_dir, keep_last=1, node_local=True, info=info,
-                                     private=True)
+        self.store = _TierStore(self.node_dir, keep_last=1, node_local=True, info=info,
+                                private=True, filesystem=filesystem)
+        self.store.writer = self._writer
         if info.local_rank == 0:
             self._remove_unusable()
 
@@ -213,18 +246,26 @@ class SnapshotTier:
     def proposal(self, step_s: float | None) -> int:
         """The interval K this node's snapshots suggest for steps of ``step_s`` seconds.
 
-        A snapshot costs the training thread the time spent taking it (the state dict,
-        staging) and, at most, the background write's duration (it competes for the
-        cores); K spreads both over enough steps to stay within the budget. The step
-        time is the checkpointer's (the one estimate, measured on rank 0, whose
-        proposal every rank adopts); without it, or a snapshot yet, the last proposal.
+        ``K = ceil(cost / (budget * step_s))``, where the cost is what the last
+        snapshot took of the training thread's time (the state dict, the audit's sync,
+        the staging copy, the wait for its deferred part before the optimizer step);
+        the background write is not counted: it never stops training (a snapshot
+        due while one is written is queued), and the CPU time it takes from training,
+        if any, shows in the step time. The step time is the checkpointer's (the one
+        estimate, measured on rank 0, whose proposal every rank adopts); without it,
+        or a snapshot yet, the last proposal.
         """
         if self.every is not None:
             return self.every
         if self._cost_s is not None and step_s is not None and step_s > 0:
-            k = math.ceil(self._cost_s / (self.budget * step_s))
-            self._proposed = max(1, min(k, _MAX_AUTO_EVERY))
+            self._proposed = interval_for(self._cost_s, step_s, self.budget)
         return self._proposed
+
+    @property
+    def cost_s(self) -> float | None:
+        """The training thread's time in the last snapshot taken (seconds; None before
+        the first): what the automatic interval spreads over its steps."""
+        return self._cost_s
 
     def due(self, step: int) -> bool:
         """Whether a snapshot is due at ``step`` by the agreed interval (on every rank
@@ -240,13 +281,23 @@ class SnapshotTier:
     def save(self, state_dict: dict[str, Any] | Callable[[], dict[str, Any]], *, step: int,
              metadata: dict[str, Any], copy_later: Iterable[torch.Tensor] = (),
              started: float | None = None) -> None:
-        """Write a snapshot of ``state_dict`` (or of what the callable returns, called
-        only here: other ranks skip building it) in the background (local rank 0
-        only). ``started``: the ``time.perf_counter()`` at which taking the snapshot
-        began (default: now), for the automatic interval's cost."""
+        """Take a snapshot of ``state_dict`` (or of what the callable returns, called
+        only here: other ranks skip building it) and write it in the background
+        (local rank 0 only). Never waits for an earlier snapshot's write.
+
+        The tensors are copied into staging buffers now, except those in
+        ``copy_later`` (tensors that change only in ``optimizer.step()``), which are
+        copied on the writer thread before :meth:`wait_staged` returns, when the
+        writer is idle. ``started``: the ``time.perf_counter()`` at which taking the
+        snapshot began (default: now), for the automatic interval's cost.
+        """
         if not self.writes:
             return
         t0 = time.perf_counter() if started is None else started
+        err = self._writer.take_error()
+        if err is not None:  # snapshots are an optimisation: never fail training
+            self._disable(f"writing a snapshot to {self.node_dir} failed: {err!r}")
+            return
         if callable(state_dict):
             state_dict = state_dict()
         if not self._space_checked:
@@ -262,23 +313,53 @@ class SnapshotTier:
                               f"need {need / 1e6:.0f} MB")
                 return
         try:
-            self.store.wait()  # the previous snapshot; its duration sets the interval
-            if self.store.last_save_s:
-                self._cost_s = self.store.last_save_s + self._taking_s
+            buffers, idle = self._writer.buffers()
+            # with a write in flight the writer thread cannot copy soon: copy all now
+            later = storage_keys(copy_later) if idle else frozenset()
+            staged = buffers.stage(state_dict, later=later)
             if self.identity is not None:
                 metadata = {**metadata, IDENTITY_KEY: self.identity}
-            # the stream to the peer starts on the store's worker once the write committed
-            self.store.save(state_dict, step=step, metadata=metadata, blocking=False,
-                            copy_later=copy_later,
-                            on_commit=None if self._sender is None else self._sender.offer)
-            self._taking_s = time.perf_counter() - t0
+            self._writer.submit(Job(staged, step, metadata, buffers, taken_at=t0))
+            self._cost_s = time.perf_counter() - t0
         except Exception as e:  # snapshots are an optimisation: never fail training
-            self._disable(f"writing snapshot step {step} to {self.node_dir} failed: {e!r}")
+            self._disable(f"taking snapshot step {step} for {self.node_dir} failed: {e!r}")
+
+    def _write(self, job: Job) -> None:
+        """Write and commit one staged snapshot (on the writer thread)."""
+        assert self.store is not None
+        sender = self._sender
+        # the stream to the peer starts on the store's worker once the write committed
+        self.store.save(job.staged.state, step=job.step, metadata=job.metadata,
+                        blocking=True, on_commit=None if sender is None else sender.offer)
+        self.store.wait_local()  # the previous snapshot's deletion, here, not in training
 
     def wait_staged(self) -> None:
-        """Wait until the in-flight snapshot no longer reads the live tensors."""
-        if self.store is not None:
-            self.store.wait_staged()
+        """Wait until the snapshot taken last no longer reads the live tensors (its
+        deferred copy is done). The wait is part of that snapshot's cost."""
+        t0 = time.perf_counter()
+        if self._writer.wait_staged() and self._cost_s is not None:
+            self._cost_s += time.perf_counter() - t0
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until every snapshot taken so far is written (or replaced by a newer
+        one); whether that happened within ``timeout`` seconds. Not collective."""
+        return self._writer.wait(timeout)
+
+    @property
+    def written(self) -> list[int]:
+        """The steps this node's writer committed, in order (local rank 0)."""
+        return list(self._writer.written)
+
+    @property
+    def replaced(self) -> list[int]:
+        """The steps whose snapshot a newer one replaced while it waited for the
+        previous one's write (it was never written; the newer one was)."""
+        return list(self._writer.replaced)
+
+    @property
+    def commit_latency_s(self) -> float:
+        """Seconds from taking the last written snapshot to its commit."""
+        return self._writer.last_commit_latency_s
 
     # ------------------------------------------------------------------ peers
     def connect(self) -> None:
@@ -474,10 +555,14 @@ class SnapshotTier:
         the worker's exit, and with it the restart."""
         if self.store is not None:
             try:
-                # waits for the snapshot in flight, then stops the store's worker thread
-                # (a process that makes many checkpointers would otherwise keep one
-                # idle thread per tier)
+                # writes the snapshots taken, then stops the writer's and the store's
+                # threads (a process that makes many checkpointers would otherwise keep
+                # idle threads per tier)
+                self._writer.close()
+                err = self._writer.take_error()
                 self.store.close()
+                if err is not None:
+                    raise err
             except Exception as e:
                 log.warning("the last snapshot to %s failed: %r", self.node_dir, e)
         if self._sender is not None:
@@ -493,6 +578,24 @@ class SnapshotTier:
                 os.rmdir(os.path.dirname(self.run_dir))
             except OSError:
                 pass
+
+
+class _TierStore(CheckpointStore):
+    """The tier's node-local store. Snapshots reach it from the tier's writer thread;
+    :meth:`wait` and :meth:`close` first join that thread's snapshots, so they mean
+    here what they mean for any store: every snapshot saved so far is committed."""
+
+    writer: SnapshotWriter | None = None
+
+    def wait(self) -> None:
+        if self.writer is not None:
+            self.writer.wait()
+        super().wait()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        super().close()
 
 
 def _layout(root: str) -> Layout:

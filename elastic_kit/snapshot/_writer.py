@@ -1,0 +1,171 @@
+"""The snapshot writer: one thread that writes staged snapshots, newest first.
+
+The training thread must never wait for a write: a write (serialising the state into
+shared memory, hashing it, committing the manifest, deleting the previous snapshot)
+takes longer than the copy that stages a snapshot, and on a GPU longer than many
+steps. So the writer holds at most one snapshot *in flight* and one *queued*: a
+snapshot taken while another is written waits in the queue, and a newer one taken
+before the queued one started replaces it (its buffers are reused). Each committed
+snapshot is thus the newest state that was staged when the previous write ended.
+
+Two buffer sets rotate between the in-flight and the queued snapshot; the second is
+allocated only the first time a snapshot is taken while another is written.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from elastic_kit.snapshot._staging import StagedState, StagingBuffers
+
+__all__ = ["Job", "SnapshotWriter"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Job:
+    """One snapshot to write: its staged state, step and metadata."""
+
+    staged: StagedState
+    step: int
+    metadata: dict[str, Any]
+    buffers: StagingBuffers
+    #: when it was taken (``time.perf_counter()``), for the commit latency
+    taken_at: float = field(default_factory=time.perf_counter)
+
+
+class SnapshotWriter:
+    """Writes :class:`Job`\\ s on one background thread with ``write(job)``.
+
+    Args:
+        write: writes and commits one job (called on the writer thread); an error
+            it raises is kept and returned once by :meth:`take_error`.
+        name: the thread's name.
+
+    Attributes:
+        written: steps committed, in order.
+        replaced: steps whose queued snapshot a newer one replaced before it was
+            written (the newer one is written instead).
+        last_write_s: seconds the last write took on the writer thread.
+        last_commit_latency_s: seconds from taking the last written snapshot to its
+            commit.
+    """
+
+    def __init__(self, write: Callable[[Job], None], *, name: str = "ek-ckpt-snapshot") -> None:
+        self._write = write
+        self._name = name
+        self._cond = threading.Condition()
+        self._queued: Job | None = None
+        self._inflight: Job | None = None
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._sets = [StagingBuffers()]
+        self.written: list[int] = []
+        self.replaced: list[int] = []
+        self.last_write_s = 0.0
+        self.last_commit_latency_s = 0.0
+
+    # ------------------------------------------------------------ training thread
+    @property
+    def busy(self) -> bool:
+        """Whether a snapshot is being written or waits to be."""
+        with self._cond:
+            return self._inflight is not None or self._queued is not None
+
+    def buffers(self) -> tuple[StagingBuffers, bool]:
+        """The buffers to stage the next snapshot into, and whether the writer is
+        idle (so the snapshot will be written at once and copies may be deferred to
+        the writer thread). A queued snapshot not yet started is taken back: its
+        buffers are reused and the newer snapshot replaces it."""
+        with self._cond:
+            if self._queued is not None:
+                job, self._queued = self._queued, None
+                job.staged.deferred = []  # the newer snapshot copies everything again
+                job.staged.staged.set()
+                self.replaced.append(job.step)
+                log.debug("snapshot step %d is replaced by a newer one before it was "
+                          "written", job.step)
+                return job.buffers, False
+            if self._inflight is None:
+                return self._sets[0], True
+            free = [b for b in self._sets if b is not self._inflight.buffers]
+            if not free:
+                free = [StagingBuffers()]
+                self._sets.append(free[0])
+            return free[0], False
+
+    def submit(self, job: Job) -> None:
+        """Queue ``job`` (staged into the buffers :meth:`buffers` returned)."""
+        with self._cond:
+            self._closed = False
+            self._queued = job
+            self._cond.notify_all()
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=self._name,
+                                                daemon=True)
+                self._thread.start()
+
+    def wait_staged(self) -> bool:
+        """Wait until no snapshot reads the live tensors; whether one did."""
+        with self._cond:
+            jobs = [j for j in (self._inflight, self._queued) if j is not None]
+        waited = False
+        for job in jobs:
+            if not job.staged.staged.is_set():
+                waited = True
+                job.staged.wait_staged()
+        return waited
+
+    def take_error(self) -> BaseException | None:
+        """The error of a failed write since the last call, if any."""
+        with self._cond:
+            err, self._error = self._error, None
+        return err
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until the queued and in-flight snapshots are written; whether they are."""
+        with self._cond:
+            return self._cond.wait_for(
+                lambda: self._inflight is None and self._queued is None, timeout)
+
+    def close(self) -> None:
+        """Write what is queued, then stop the thread (idempotent; the next
+        :meth:`submit` starts a new one)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join()
+
+    # ------------------------------------------------------------ writer thread
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._queued is not None or self._closed)
+                if self._queued is None:
+                    return
+                job, self._queued = self._queued, None
+                self._inflight = job
+            t0 = time.perf_counter()
+            try:
+                job.staged.copy_deferred()
+                self._write(job)
+                done = time.perf_counter()
+                self.last_write_s = done - t0
+                self.last_commit_latency_s = done - job.taken_at
+                self.written.append(job.step)
+            except BaseException as e:  # kept for the training thread, which decides
+                job.staged.staged.set()
+                with self._cond:
+                    self._error = e
+            finally:
+                with self._cond:
+                    self._inflight = None
+                    self._cond.notify_all()
