@@ -13,83 +13,33 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import elastic_kit as ek
 from elastic_kit.testing import spawn_multi_process
+from tests.train_script import TrainConfig, make_dataset, train
 
 N = 50          # not a multiple of any batch used below: the last step is partial
 BATCH = 4       # per rank
 
 
 def _dataset() -> TensorDataset:
-    g = torch.Generator().manual_seed(3)
-    x = torch.randn(N, 5, generator=g)
-    y = (x[:, 0] + x[:, 1] > 0).long()
-    return TensorDataset(x, y)
+    return make_dataset(TrainConfig(dataset_size=N, features=5, target="x0+x1", data_seed=3))
 
 
-def _own_loop(url: str, epochs: int, stop_after: int | None, every: int | None = 3,
-              audit: bool = True, blocking: bool = True) -> dict[str, Any]:
-    """A plain own-loop script made elastic with Checkpointer; 'crashes' (returns without
-    saving) after ``stop_after`` global steps of this life."""
-    torch.set_num_threads(1)
-    info = ek.init_distributed()
-    torch.manual_seed(0)
-    model = ek.wrap_ddp(nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 2)))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 5))
-    ema = torch.optim.swa_utils.AveragedModel(
-        ek.unwrap_model(model), multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9))
-    ds = _dataset()
-    sampler = ek.ElasticDistributedSampler(ds, seed=1)
-    loader = DataLoader(ds, batch_size=BATCH, sampler=sampler)
-    crit = nn.CrossEntropyLoss(reduction="none")
-    state = ek.TrainState(model, opt, scheduler=sched, sampler=sampler,
-                          extras={"ema": ema, "seen": 0})
-    ckpt = ek.Checkpointer(state, url, every_steps=every, audit=audit, blocking=blocking,
-                           handle_signals=False)
-    done = 0
-    lens = []
-    weights_sum = []
-    for epoch in range(ckpt.restore(), epochs):
-        sampler.set_epoch(epoch)
-        for x, y in loader:
-            lens.append((epoch, len(loader)))
-            w = ckpt.sample_weights(len(x))
-            weights_sum.append(float(w.sum()))
-            loss = (crit(model(x), y) * w).sum()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            sched.step()
-            ema.update_parameters(ek.unwrap_model(model))
-            state.extras["seen"] += 1
-            ckpt.step(len(x))
-            done += 1
-            if stop_after is not None and done >= stop_after:
-                ckpt.close()
-                return {"crashed": True, "step": state.step}
-        ckpt.end_epoch()
-    ckpt.close()
-    return {
-        "rank": info.rank,
-        "world": info.world_size,
-        "step": state.step,
-        "epoch": state.epoch,
-        "params": [p.detach().numpy().copy() for p in ek.unwrap_model(model).parameters()],
-        "ema": [p.detach().numpy().copy() for p in ema.module.parameters()],
-        "audit": [(a.epoch, a.count, a.ok) for _, a in sorted(state.audit.epochs.items())],
-        "report": state.run_report(),
-        "lens": lens,
-        "weights_sum": weights_sum,
-        "restored": ckpt.restored_step,
-        "seen": state.extras["seen"],
-    }
+def _own_loop(url: str, epochs: int, stop_after: int | None) -> TrainConfig:
+    """A plain own-loop script made elastic with Checkpointer (a warm-up scheduler, an
+    EMA model and a plain counter in the state, a checkpoint every 3 steps); it
+    'crashes' (closes without saving) after ``stop_after`` global steps of this life."""
+    return TrainConfig(url=url, dataset_size=N, features=5, hidden=8, target="x0+x1",
+                       data_seed=3, sampler_seed=1, scheduler="warmup", ema=True,
+                       extras=True, epochs=epochs, batch_size=BATCH,
+                       checkpoint={"every_steps": 3, "audit": True, "blocking": True},
+                       stop_after=stop_after, stop_how="close")
 
 
 def test_world_size_one_resume_mid_epoch_is_bitwise_equal(tmp_path: Any) -> None:
-    ref = _own_loop(str(tmp_path / "ref"), epochs=2, stop_after=None)
+    ref = train(_own_loop(str(tmp_path / "ref"), epochs=2, stop_after=None))
     url = str(tmp_path / "run")
-    first = _own_loop(url, epochs=2, stop_after=8)   # 13 steps per epoch: stops mid-epoch 0
-    assert first["crashed"] and first["step"] == 8
-    rest = _own_loop(url, epochs=2, stop_after=None)
+    first = train(_own_loop(url, epochs=2, stop_after=8))  # 13 steps per epoch: mid-epoch 0
+    assert first == {"crashed_at": 8}
+    rest = train(_own_loop(url, epochs=2, stop_after=None))
     assert rest["restored"] == 6                       # the newest checkpoint (every 3 steps)
     assert rest["step"] == ref["step"] == 26
     for a, b in zip(rest["params"], ref["params"]):
@@ -97,7 +47,7 @@ def test_world_size_one_resume_mid_epoch_is_bitwise_equal(tmp_path: Any) -> None
     for a, b in zip(rest["ema"], ref["ema"]):          # the EMA model resumed in place
         np.testing.assert_array_equal(a, b)
     assert rest["audit"] == [(0, N, True), (1, N, True)]
-    assert rest["seen"] == ref["seen"] == 26           # plain extras restored too
+    assert rest["extras"]["seen"] == ref["extras"]["seen"] == 26  # plain extras restored too
     # len(loader) is constant while a pass is iterated: 13 batches a full epoch, and
     # the resumed pass of epoch 0 (from sample 24) has 7
     assert sorted(set(rest["lens"])) == [(0, 7), (1, 13)]
@@ -110,7 +60,7 @@ def test_resize_2_to_3_to_2_trains_every_sample_once_per_epoch(tmp_path: Any) ->
     lives = [(2, 4), (3, 5), (2, None)]
     results = []
     for world, stop in lives:
-        results.append(spawn_multi_process(world, _own_loop, url, 3, stop))
+        results.append(spawn_multi_process(world, train, _own_loop(url, 3, stop)))
     final = results[-1]
     assert {r["step"] for r in final} == {final[0]["step"]}
     assert all(r["epoch"] == 3 for r in final)

@@ -15,10 +15,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
 import elastic_kit as ek
 from elastic_kit.testing import spawn_multi_process
+from tests.train_script import TrainConfig, train
 
 N, BATCH, EPOCHS = 32, 4, 2
 STEPS = N // (BATCH * 2)  # per epoch at world size 2
@@ -88,37 +89,18 @@ def _loop_life(url: str, stop_at_epoch_end: bool, forbidden: bool = False) -> di
             "audit": [(a.epoch, a.count, a.ok) for _, a in sorted(state.audit.epochs.items())]}
 
 
-def _own_life(url: str, stop_before_end: bool, forbidden: bool = False) -> dict[str, Any]:
+def _own_life(url: str, stop_before_end: bool, forbidden: bool = False) -> TrainConfig:
     """A script's own loop that probes ``next(iter(loader))`` first (the DDP
-    tutorial); ``stop_before_end``: ``ckpt.save()`` after the last epoch's steps, then
-    lost before ``end_epoch``."""
-    os.environ["ELASTIC_KIT_SNAPSHOT_DIR"] = "/nonexistent"
-    torch.set_num_threads(1)
-    ek.init_distributed()
-    ds = _Data(forbidden)
-    state = _state(ds)
-    sampler = state.sampler
-    loader = DataLoader(ds, batch_size=BATCH, sampler=sampler)
-    crit = nn.CrossEntropyLoss(reduction="none")
-    ckpt = ek.Checkpointer(state, url, audit=True, handle_signals=False, blocking=True,
-                           save_at_epoch_end=False)
-    start = ckpt.restore()
-    for epoch in range(start, EPOCHS):
-        sampler.set_epoch(epoch)
-        assert len(next(iter(loader))[0]) == BATCH
-        for x, y in loader:
-            loss = (crit(state.model(x), y) * ckpt.sample_weights(len(x))).sum()
-            state.optimizer.zero_grad()
-            loss.backward()
-            state.optimizer.step()
-            ckpt.step(len(x))
-        ckpt.save()
-        if stop_before_end and epoch == EPOCHS - 1:
-            return {"lost_at": state.step}
-        ckpt.end_epoch()
-    ckpt.close()
-    return {"start": start, "restored": ckpt.restored_step, "step": state.step,
-            "audit": [(a.epoch, a.count, a.ok) for _, a in sorted(state.audit.epochs.items())]}
+    tutorial) and saves after each epoch's steps; ``stop_before_end``: lost after that
+    save of the last epoch, before ``end_epoch``."""
+    return TrainConfig(url=url, dataset_size=N, target="x0", data_seed=5, sampler_seed=1,
+                       momentum=0.0, epochs=EPOCHS, batch_size=BATCH, probe=True,
+                       checkpoint={"audit": True, "blocking": True, "save_at_epoch_end": False},
+                       epoch_end=("save", "end_epoch"),
+                       stop_at="before_end_epoch" if stop_before_end else None,
+                       stop_epoch=EPOCHS - 1, stop_how="kill",
+                       snapshot_dir="/nonexistent",  # the durable store only
+                       forbid_data=forbidden)
 
 
 def test_elastic_loop_resumes_a_closed_out_epoch_at_the_next_one(tmp_path: Path) -> None:
@@ -141,8 +123,8 @@ def test_a_group_restarted_after_the_end_exits_without_reading_data(tmp_path: Pa
 def test_own_loop_restarted_after_an_unclosed_last_epoch_exits_without_reading_data(
         tmp_path: Path) -> None:
     url = str(tmp_path / "run")
-    lost = spawn_multi_process(2, _own_life, url, True)[0]
-    assert lost == {"lost_at": EPOCHS * STEPS}
-    out = spawn_multi_process(2, _own_life, url, False, True)[0]
+    lost = spawn_multi_process(2, train, _own_life(url, True))[0]
+    assert lost == {"crashed_at": EPOCHS * STEPS}
+    out = spawn_multi_process(2, train, _own_life(url, False, True))[0]
     assert out["start"] == EPOCHS and out["restored"] == out["step"] == EPOCHS * STEPS
     assert out["audit"] == [(0, N, True), (1, N, True)]

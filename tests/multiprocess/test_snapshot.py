@@ -14,66 +14,25 @@ import numpy as np
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
 import elastic_kit as ek
 from elastic_kit.snapshot import SnapshotTier, snapshot_dir
 from elastic_kit.testing import spawn_multi_process
+from tests.train_script import TrainConfig, train
 
 N = 48
 BATCH = 4
 
 
-def _dataset() -> TensorDataset:
-    g = torch.Generator().manual_seed(5)
-    x = torch.randn(N, 5, generator=g)
-    return TensorDataset(x, (x[:, 0] > 0).long())
-
-
 def _life(url: str, shm: str, crash_after: int | None, snapshot_every: int | None = 1,
-          epochs: int = 2) -> dict[str, Any]:
+          epochs: int = 2) -> TrainConfig:
     """An own loop with durable checkpoints far apart (every 10 steps) and a snapshot
     every step; 'crashes' (no close) after ``crash_after`` steps of this life."""
-    os.environ["ELASTIC_KIT_SNAPSHOT_DIR"] = shm.format(node=os.environ.get("GROUP_RANK", "0"))
-    os.environ["ELASTIC_KIT_SNAPSHOT_NODE"] = f"node{os.environ.get('GROUP_RANK', '0')}"
-    torch.set_num_threads(1)
-    info = ek.init_distributed()
-    torch.manual_seed(0)
-    model = ek.wrap_ddp(nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 2)))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    ds = _dataset()
-    sampler = ek.ElasticDistributedSampler(ds, seed=2)
-    crit = nn.CrossEntropyLoss(reduction="none")
-    state = ek.TrainState(model, opt, sampler=sampler)
-    ckpt = ek.Checkpointer(state, url, every_steps=10, audit=True, handle_signals=False,
-                           blocking=True,
-                           snapshot_every=snapshot_every)
-    done = 0
-    for epoch in range(ckpt.restore(), epochs):
-        sampler.set_epoch(epoch)
-        for x, y in DataLoader(ds, batch_size=BATCH, sampler=sampler):
-            loss = (crit(model(x), y) * ckpt.sample_weights(len(x))).sum()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            ckpt.step(len(x))
-            done += 1
-            if crash_after is not None and done == crash_after:
-                if ckpt.snapshots is not None:
-                    # a kill comes after the write and its stream to the peer here
-                    ckpt.snapshots.close(remove=False)
-                    torch.distributed.barrier()  # the peer's stream to us is in, too
-                return {"crashed_at": state.step}
-        ckpt.end_epoch()
-    ckpt.close()
-    return {
-        "step": state.step,
-        "params": [p.detach().numpy().copy() for p in ek.unwrap_model(model).parameters()],
-        "audit": [(a.epoch, a.count, a.ok) for _, a in sorted(state.audit.epochs.items())],
-        "restored": ckpt.restored_step,
-        "restored_from": ckpt.restored_from,
-        "report": state.run_report(),
-    }
+    return TrainConfig(url=url, dataset_size=N, target="x0", data_seed=5, sampler_seed=2,
+                       epochs=epochs, batch_size=BATCH,
+                       checkpoint={"every_steps": 10, "audit": True, "blocking": True,
+                                   "snapshot_every": snapshot_every},
+                       stop_after=crash_after, stop_how="kill", snapshot_dir=shm)
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +40,8 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Rank 0's result of an uninterrupted run (no snapshots, no restarts)."""
     tmp = tmp_path_factory.mktemp("reference")
     (tmp / "shm").mkdir()
-    return spawn_multi_process(2, _life, str(tmp / "ref"), str(tmp / "shm"), None, None)[0]
+    return spawn_multi_process(2, train, _life(str(tmp / "ref"), str(tmp / "shm"), None,
+                                               None))[0]
 
 
 @pytest.fixture()
@@ -94,8 +54,8 @@ def shm(tmp_path: Path) -> str:
 def test_restart_resumes_from_memory_at_the_last_step_and_ends_bitwise_equal(
         tmp_path: Path, shm: str, reference: dict[str, Any]) -> None:
     url = str(tmp_path / "run")
-    spawn_multi_process(2, _life, url, shm, 7, 1)        # durable: none yet (every 10)
-    out = spawn_multi_process(2, _life, url, shm, None, 1)
+    spawn_multi_process(2, train, _life(url, shm, 7, 1))        # durable: none yet (every 10)
+    out = spawn_multi_process(2, train, _life(url, shm, None, 1))
     assert out[0]["restored"] == 7 and out[0]["restored_from"] == "memory"
     assert out[0]["step"] == reference["step"] == 12       # 2 epochs of 6 steps
     for a, b in zip(out[0]["params"], reference["params"]):
@@ -109,17 +69,17 @@ def test_restart_resumes_from_memory_at_the_last_step_and_ends_bitwise_equal(
 def test_a_node_that_lost_its_memory_restores_from_a_peer_and_keeps_a_copy(
         tmp_path: Path, shm: str) -> None:
     url = str(tmp_path / "run")
-    spawn_multi_process(2, _life, url, shm, 9, 1, local_world_size=1)   # two "nodes"
+    spawn_multi_process(2, train, _life(url, shm, 9, 1), local_world_size=1)   # two "nodes"
     run_dir = snapshot_dir(shm, "test", url)
     assert sorted(os.listdir(run_dir)) == ["node0", "node1"]
     shutil.rmtree(os.path.join(run_dir, "node0"))          # rank 0's node was replaced
-    out = spawn_multi_process(2, _life, url, shm, 2, 1, local_world_size=1)
+    out = spawn_multi_process(2, train, _life(url, shm, 2, 1), local_world_size=1)
     assert out[0] == {"crashed_at": 11}
     steps = sorted(os.listdir(os.path.join(run_dir, "node0")))
     assert steps == ["replicas", "step-000000000011"]      # a copy, then its own snapshots
     assert os.listdir(os.path.join(run_dir, "node0", "replicas", "node1")) == [
         "step-000000000011"]                               # and node 1's, streamed here
-    final = spawn_multi_process(2, _life, url, shm, None, 1, local_world_size=1)
+    final = spawn_multi_process(2, train, _life(url, shm, None, 1), local_world_size=1)
     history = final[0]["report"]["world_sizes"]
     assert [h["restored_from"] for h in history] == [None, "peer", "memory"]
     assert [h["restored_step"] for h in history] == [None, 9, 11]
@@ -133,7 +93,7 @@ def _files(d: Path) -> dict[str, bytes]:
 def test_each_node_streams_its_snapshot_into_the_next_nodes_memory(
         tmp_path: Path, shm: str) -> None:
     url = str(tmp_path / "run")
-    spawn_multi_process(2, _life, url, shm, 9, 1, local_world_size=1)   # two "nodes"
+    spawn_multi_process(2, train, _life(url, shm, 9, 1), local_world_size=1)   # two "nodes"
     run = Path(snapshot_dir(shm, "test", url))
     step = "step-000000000009"
     for node, peer in (("node0", "node1"), ("node1", "node0")):
@@ -149,7 +109,7 @@ def test_a_lost_node_is_restored_from_its_replica_on_the_survivor(
     """Node 0 dies with its memory; the survivor's own snapshot is gone (or corrupt),
     so the newest state exists only as node 0's replica in the survivor's memory."""
     url = str(tmp_path / "run")
-    spawn_multi_process(2, _life, url, shm, 9, 1, local_world_size=1)   # durable: none past 0
+    spawn_multi_process(2, train, _life(url, shm, 9, 1), local_world_size=1)  # durable: none past 0
     run = Path(snapshot_dir(shm, "test", url))
     shutil.rmtree(run / "node0")                                         # the lost node
     own = run / "node1" / "step-000000000009"
@@ -160,7 +120,7 @@ def test_a_lost_node_is_restored_from_its_replica_on_the_survivor(
         data = bytearray(payload.read_bytes())
         data[len(data) // 2] ^= 0xFF
         payload.write_bytes(bytes(data))
-    out = spawn_multi_process(2, _life, url, shm, None, 1, local_world_size=1)
+    out = spawn_multi_process(2, train, _life(url, shm, None, 1), local_world_size=1)
     history = out[0]["report"]["world_sizes"]
     assert [(h["restored_step"], h["restored_from"]) for h in history] == [
         (None, None), (9, "peer")]
@@ -173,13 +133,13 @@ def test_a_lost_node_is_restored_from_its_replica_on_the_survivor(
 
 def test_a_corrupt_snapshot_is_skipped_for_the_durable_store(tmp_path: Path, shm: str) -> None:
     url = str(tmp_path / "run")
-    spawn_multi_process(2, _life, url, shm, 11, 1)          # durable step 10, snapshot 11
+    spawn_multi_process(2, train, _life(url, shm, 11, 1))          # durable step 10, snapshot 11
     run_dir = snapshot_dir(shm, "test", url)
     payload = Path(run_dir, "node0", "step-000000000011", "state.pt")
     data = bytearray(payload.read_bytes())
     data[len(data) // 2] ^= 0xFF
     payload.write_bytes(bytes(data))
-    out = spawn_multi_process(2, _life, url, shm, None, 1)
+    out = spawn_multi_process(2, train, _life(url, shm, None, 1))
     assert out[0]["restored"] == 10 and out[0]["restored_from"] == "store"
     assert out[0]["audit"] == [(0, N, True), (1, N, True)]
 
@@ -191,8 +151,9 @@ def test_a_node_without_shared_memory_turns_snapshots_off_for_every_rank(
     (tmp_path / "shm0").mkdir()
     shm = str(tmp_path / "shm{node}")                     # shm1 does not exist
     url = str(tmp_path / "run")
-    spawn_multi_process(2, _life, url, shm, 9, 1, local_world_size=1, timeout=60)
-    out = spawn_multi_process(2, _life, url, shm, None, 1, local_world_size=1, timeout=60)
+    spawn_multi_process(2, train, _life(url, shm, 9, 1), local_world_size=1, timeout=60)
+    out = spawn_multi_process(2, train, _life(url, shm, None, 1), local_world_size=1,
+                              timeout=60)
     history = out[0]["report"]["world_sizes"]
     assert [(h["restored_step"], h["restored_from"]) for h in history] == [
         (None, None), (6, "store")]                       # the epoch-end save

@@ -20,7 +20,7 @@ A SIGTERM (torchrun stopping the group) ends a rank's hold at once: the rank wri
 ``sigterm-rank<R>`` and passes the signal on to the handler that was installed (the
 library's), which then stops training as it would without the hold.
 
-``_worker.py`` calls :func:`hold_point` from its ``on_step_end``. Any other script built
+``tests/train_script.py`` calls :func:`hold_point` from its ``on_step_end``. Any other script built
 on ``elastic_kit.ElasticLoop`` (the ImageNet example) is run through this file,
 ``python _hold.py SCRIPT ARGS...``: it chains :func:`hold_point` after the script's own
 ``on_step_end`` and runs SCRIPT as ``__main__``.

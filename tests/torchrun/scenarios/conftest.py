@@ -2,7 +2,7 @@
 
 Every cluster a test creates is closed by a finalizer (agents, workers and orphans are
 killed) even when the test fails, and every test gets fresh rendezvous ids and ports.
-The uninterrupted reference run (``_worker.py`` on two nodes: the library's loop,
+The uninterrupted reference run (``tests/train_script.py`` on two nodes: the library's loop,
 sampler and checkpoint store, no fault, no resize) is computed once per session and
 shared.
 """

@@ -12,7 +12,7 @@ on timing. Nothing here sleeps for a guessed duration: every wait polls an event
 a generous but bounded timeout and gives up early when every agent has exited.
 
 The training script is abstracted by :class:`TrainingScript` so the same scenarios
-run on ``tests/torchrun/scenarios/_worker.py`` (a tiny float64 MLP trained with the library's
+run on ``tests/train_script.py`` (a tiny float64 MLP trained with the library's
 ``ElasticLoop``, ``CheckpointStore`` and sampler: seconds per run) or on the ImageNet
 example; both are built on the library and write the same summary keys.
 """
@@ -32,7 +32,7 @@ import pytest
 from elastic_kit.testing import LocalCluster, wait_for
 
 REPO = Path(__file__).resolve().parents[3]
-WORKER = Path(__file__).resolve().parent / "_worker.py"
+WORKER = REPO / "tests" / "train_script.py"
 
 HOLD = Path(__file__).resolve().parent / "_hold.py"
 #: A committed-or-not checkpoint directory of the library's store (``step-000000000012``);

@@ -2,7 +2,7 @@
 
 Unlike c10d, the rendezvous lives outside the agents, so the *first* agent may die,
 and with it global rank 0: the only rank that writes the (shared) CheckpointStore and
-reads it on restore. The scenario runs ``_worker.py`` (the library's ElasticLoop,
+reads it on restore. The scenario runs ``tests/train_script.py`` (the library's ElasticLoop,
 fixed_global sampler, CheckpointStore): the survivors must restore the newest
 committed checkpoint under new ranks, keep the sample audit exact, and end where the
 never-resized reference ends, up to float summation order.

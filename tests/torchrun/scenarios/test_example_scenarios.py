@@ -1,6 +1,6 @@
 """The headline scenarios again, on the real ImageNet example (``examples/imagenet/main.py``).
 
-The other integration modules run the rest of the scenarios on ``_worker.py``, a
+The other integration modules run the rest of the scenarios on ``tests/train_script.py``, a
 tiny training script built on the same library pieces (seconds of training per run);
 these two check that the shipped example, built on the library's loop, sampler and
 checkpoint store (run through ``_hold.py``, so the fault is injected while every rank

@@ -3,7 +3,7 @@
 (A SIGKILLed worker at a fixed world size is scenario 1 in test_example_scenarios.py,
 on the real example.)
 
-Both run ``_worker.py``, a training script built on the library's ``ElasticLoop``,
+Both run ``tests/train_script.py``, a training script built on the library's ``ElasticLoop``,
 ``CheckpointStore`` and sampler, so what is tested is the library's behaviour: the
 loop's SIGTERM handling (agree across ranks, blocking checkpoint, exit 143) and the
 store's commit protocol (the manifest is written last; a step directory without one
@@ -79,8 +79,8 @@ def test_crash_during_s3_checkpoint_write_resumes_from_previous(
         new_job: Callable[..., Job], reference_run: Reference, s3_bucket: tuple[str, dict[str, Any]],
         tmp_path: Path) -> None:
     """Scenario 7: rank 0 dies inside the store's S3 write of step 6, after the payload
-    is uploaded and before the manifest (the worker wraps ``Manifest.to_json``, which
-    the real writer calls right before committing).
+    is uploaded and before the manifest (the worker's store writes through a
+    ``FaultFileSystem`` whose rule ends the process on the PUT of step 6's manifest).
 
     The half-written checkpoint must be skipped on load: the group resumes from the
     previous committed one (step 4), later commits step 6 for real, and at a fixed

@@ -2,7 +2,7 @@
 node-local checkpoints that a late node does not have. (Scale down is scenario 2 in
 test_example_scenarios.py, on the real example; etcd in test_etcd_rendezvous.py.)
 
-Both run ``_worker.py``, which trains with the library's ``ElasticLoop`` (fixed_global
+Both run ``tests/train_script.py``, which trains with the library's ``ElasticLoop`` (fixed_global
 policy: its ``ElasticDistributedSampler`` deals the same global batches to 1, 2 or 3
 ranks, with micro-batch accumulation and a padded last step), ``CheckpointStore`` and
 ``TrainState``. Each join makes torchrun SIGTERM the workers: the loop's SIGTERM
