@@ -26,6 +26,8 @@ from elastic_kit.checkpointer._lifecycle import Lifecycle
 from elastic_kit.checkpointer._progress import Progress
 from elastic_kit.checkpointer._store_like import StoreLike
 from elastic_kit.distributed import DistInfo, get_dist_info
+from elastic_kit.health import DEFAULT_TIMEOUT_S as DEFAULT_HEARTBEAT_TIMEOUT_S
+from elastic_kit.health import Heartbeat, start_heartbeat
 from elastic_kit.snapshot import DEFAULT_BUDGET, SnapshotTier
 from elastic_kit.state import EpochAudit
 from elastic_kit.store import LoadedCheckpoint
@@ -63,7 +65,7 @@ class Checkpointer(Lifecycle):
             ``None`` (no checkpoints; steps, audit and SIGTERM handling still work).
         every_steps, every_seconds, keep_last, blocking, save_at_epoch_end, audit,
             overlap_staging, handle_signals, exit_code, snapshot_every,
-            snapshot_budget: the options, as documented (and validated) by
+            snapshot_budget, heartbeat_timeout: the options, as documented (and validated) by
             :class:`~elastic_kit.CheckpointerConfig`; ``audit`` is off by default.
         node_local / storage_options: passed to the store made from a URL.
         info: this worker's :class:`~elastic_kit.DistInfo`; read from the environment
@@ -92,6 +94,7 @@ class Checkpointer(Lifecycle):
                  storage_options: dict[str, Any] | None = None,
                  snapshot_every: int | str | None = "auto",
                  snapshot_budget: float = DEFAULT_BUDGET,
+                 heartbeat_timeout: float | None = DEFAULT_HEARTBEAT_TIMEOUT_S,
                  info: DistInfo | None = None) -> None:
         if not hasattr(state, "state_dict") or not hasattr(state, "load_state_dict"):
             raise TypeError(f"state={state!r} must be an ek.TrainState (state_dict/load_state_dict)")
@@ -101,7 +104,7 @@ class Checkpointer(Lifecycle):
             blocking=blocking, save_at_epoch_end=save_at_epoch_end, audit=audit,
             overlap_staging=overlap_staging, handle_signals=handle_signals,
             exit_code=exit_code, snapshot_every=snapshot_every,
-            snapshot_budget=snapshot_budget)
+            snapshot_budget=snapshot_budget, heartbeat_timeout=heartbeat_timeout)
         self.state = state
         self.store, self._owns_store = _saving.open_store(
             store, info, keep_last=keep_last, node_local=node_local,
@@ -125,6 +128,7 @@ class Checkpointer(Lifecycle):
         self._cadence = Cadence(state, self.info, self._hooks.stop, self.every_seconds,
                                 tier=lambda: self.snapshots)
         self._progress = Progress(state)  # the sample position and the audit
+        self._heartbeat: Heartbeat | None = None  # beats to other nodes (from restore())
 
     def restore(self, *, map_location: Any = None) -> int:
         """Load the newest checkpoint into the state; return the epoch to start.
@@ -145,10 +149,12 @@ class Checkpointer(Lifecycle):
         info = self.info = self._cadence.info = self._given_info or get_dist_info()
         state = self.state
         _restore.check_sampler(state.sampler, info)
+        sharded = bool(getattr(state, "sharded", False))
         self.snapshots = _restore.make_snapshots(self.store, info, self.snapshot_every,
-                                                 self.snapshot_budget)
-        loaded, self.restored_from = _restore.load_newest(self.store, self.snapshots, info,
-                                                          map_location)
+                                                 self.snapshot_budget, sharded=sharded)
+        loaded, self.restored_from = _restore.load_newest(
+            self.store, self.snapshots, info, map_location,
+            into=state.state_dict if sharded else None)
         if loaded is not None:
             state.load_state_dict(loaded.state)
             self.loaded, self.restored_step = loaded, int(loaded.step)
@@ -160,6 +166,7 @@ class Checkpointer(Lifecycle):
                             optimizer=state.optimizer if staging else None,
                             wait_staged=lambda *_: _saving.wait_staged(self.store, self.snapshots))
         self._cadence.saved()
+        self._heartbeat = start_heartbeat(info, timeout_s=self.config.heartbeat_timeout)
         return int(state.epoch)
 
     def sample_weights(self, n: int, *, device: Any = None,

@@ -60,14 +60,26 @@ def resume(state: TrainState, info: DistInfo, loaded: LoadedCheckpoint | None,
     log_restore(state, info, loaded, restored_from, tier)
 
 
+_SAID_SHARDED = False
+
+
 def make_snapshots(store: StoreLike | None, info: DistInfo, every: int | str | None,
-                   budget: float) -> SnapshotTier | None:
+                   budget: float, *, sharded: bool = False) -> SnapshotTier | None:
     """The in-memory snapshot tier, or None where it is off (collective).
 
     ``"auto"`` is on only under torchrun: outside it nothing restarts the workers,
-    so there is nothing for memory to outlive.
+    so there is nothing for memory to outlive. Sharded state (FSDP2) is kept in the
+    durable store only for now: this is the hook where a tier that holds shards
+    plugs in.
     """
+    global _SAID_SHARDED
     if store is None or every in (None, 0):
+        return None
+    if sharded:
+        if not _SAID_SHARDED and info.is_main:
+            _SAID_SHARDED = True
+            log.info("sharded state: in-memory snapshots are off, checkpoints go to the "
+                     "durable store only (each rank writes its own shards)")
         return None
     if every == "auto":
         if not info.under_torchrun:
@@ -90,17 +102,20 @@ def make_snapshots(store: StoreLike | None, info: DistInfo, every: int | str | N
 
 
 def load_newest(store: StoreLike | None, tier: SnapshotTier | None, info: DistInfo,
-                map_location: Any) -> tuple[LoadedCheckpoint | None, str | None]:
+                map_location: Any, *, into: Any = None
+                ) -> tuple[LoadedCheckpoint | None, str | None]:
     """The newest state in any tier and where it came from (``"memory"``,
     ``"peer"``, ``"store"`` or None).
 
     Every rank learns the newest snapshot step any node holds and the newest
     durable step, and all take the same branch (the loads are collective).
+    ``into``: the live state (or a function giving it) that a sharded checkpoint is
+    loaded into (:meth:`CheckpointStore.load`).
     """
     if store is None:
         return None, None
     if tier is None:
-        loaded = load_durable(store, map_location)
+        loaded = load_durable(store, map_location, into)
         return loaded, "store" if loaded is not None else None
     tier.connect()
     mine = tier.newest_local()
@@ -121,7 +136,7 @@ def load_newest(store: StoreLike | None, tier: SnapshotTier | None, info: DistIn
             # replica a peer streamed here
             held = all_reduce_max(int(info.rank == 0 and tier.loaded_own))
             return loaded, "memory" if held else "peer"
-    loaded = load_durable(store, map_location)
+    loaded = load_durable(store, map_location, into)
     return loaded, "store" if loaded is not None else None
 
 
@@ -185,11 +200,14 @@ def newest_key(store: StoreLike) -> tuple[int, int, int]:
     return key(infos[-1].step, infos[-1].metadata) if infos else (-1, -1, -1)
 
 
-def load_durable(store: StoreLike, map_location: Any) -> LoadedCheckpoint | None:
+def load_durable(store: StoreLike, map_location: Any,
+                 into: Any = None) -> LoadedCheckpoint | None:
     """Load the store's newest checkpoint; a node-local store's node that lacked it
     then keeps the broadcast copy (a store-like wrapper without ``keep_copy`` only
-    loads)."""
-    loaded = store.load(map_location=map_location)
+    loads). ``into`` is passed only when given (sharded state), so store-likes
+    without it keep working for replicated state."""
+    kw = {"into": into} if into is not None else {}
+    loaded = store.load(map_location=map_location, **kw)
     keep_copy = getattr(store, "keep_copy", None)
     if keep_copy is not None:
         keep_copy(loaded)
