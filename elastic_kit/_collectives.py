@@ -29,6 +29,7 @@ __all__ = [
     "all_reduce_",
     "all_reduce_sum",
     "all_reduce_sum_async",
+    "all_gather_object",
     "broadcast_object",
     "broadcast_tensors",
     "hold_collective_tensor",
@@ -130,6 +131,35 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
            else torch.empty(int(size.item()), dtype=torch.uint8, device=dev))
     _broadcast_(buf, src)
     return obj if mine else pickle.loads(buf.cpu().numpy().tobytes())
+
+
+def all_gather_object(obj: Any) -> list[Any]:
+    """Every rank's small picklable ``obj``, in rank order (``[obj]`` when alone).
+
+    For metadata only (addresses, ids). Not ``dist.all_gather_object``, whose tensors
+    are made here but not held (see :func:`hold_collective_tensor`).
+    """
+    if not is_dist_ready():
+        return [obj]
+    dev = _collective_device()
+    data = pickle.dumps(obj)
+    world = dist.get_world_size()
+    size = torch.tensor([len(data)], dtype=torch.int64, device=dev)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(world)]
+    _all_gather_(sizes, size)
+    longest = max(int(s.item()) for s in sizes)
+    mine = torch.zeros(longest, dtype=torch.uint8, device=dev)
+    mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev)
+    bufs = [torch.empty(longest, dtype=torch.uint8, device=dev) for _ in range(world)]
+    _all_gather_(bufs, mine)
+    return [pickle.loads(b[:int(n.item())].cpu().numpy().tobytes()) for b, n in zip(bufs, sizes)]
+
+
+def _all_gather_(out: list[torch.Tensor], tensor: torch.Tensor) -> None:
+    work = dist.all_gather(out, tensor, async_op=True)
+    for t in (*out, tensor):
+        hold_collective_tensor(t)
+    work.wait()
 
 
 def broadcast_tensors(tensors: Sequence[torch.Tensor], src: int = 0) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from elastic_kit._collectives import (
-    EXIT_SETTLE_S, all_reduce_, all_reduce_max, all_reduce_sum, all_reduce_sum_async, barrier,
+    EXIT_SETTLE_S, all_gather_object, all_reduce_, all_reduce_max, all_reduce_sum, all_reduce_sum_async, barrier,
     broadcast_object, broadcast_tensors, hold_collective_tensor, is_dist_ready,
     settle_collectives,
 )
@@ -45,7 +46,9 @@ __all__ = [
     "all_reduce_",
     "hold_collective_tensor",
     "settle_collectives",
+    "all_gather_object",
     "broadcast_object",
+    "side_channel_host",
     "broadcast_tensors",
     "DEFAULT_TIMEOUT",
 ]
@@ -409,3 +412,29 @@ def unwrap_model(model: nn.Module) -> nn.Module:
         if not isinstance(inner, nn.Module):
             return model
         model = inner
+
+
+#: Environment variable naming the address this node's side channels (the snapshot
+#: replicas, the heartbeats) listen on.
+SIDE_CHANNEL_ADDR_ENV = "ELASTIC_KIT_SNAPSHOT_ADDR"
+
+
+def side_channel_host() -> str:
+    """The address this node's side channels listen on: ``$ELASTIC_KIT_SNAPSHOT_ADDR``,
+    else the local address of the route to ``MASTER_ADDR`` (the interface the process
+    group already uses), else the host name's address."""
+    given = os.environ.get(SIDE_CHANNEL_ADDR_ENV)
+    if given:
+        return given
+    master = os.environ.get("MASTER_ADDR")
+    if master:
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                s.connect((master, int(os.environ.get("MASTER_PORT") or 29500)))  # no packet
+                return str(s.getsockname()[0])
+        except OSError:
+            pass
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"

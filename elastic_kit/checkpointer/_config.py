@@ -10,6 +10,7 @@ from __future__ import annotations
 import operator
 from dataclasses import dataclass
 
+from elastic_kit.health import DEFAULT_TIMEOUT_S as DEFAULT_HEARTBEAT_TIMEOUT_S
 from elastic_kit.snapshot import DEFAULT_BUDGET
 
 __all__ = ["CheckpointerConfig", "AUDIT_MODES"]
@@ -59,6 +60,12 @@ class CheckpointerConfig:
         snapshot_budget: the share of training time automatic snapshots may cost, in
             (0, 1) (1%: Young's optimal interval for a 0.5 s snapshot and a failure
             every ~40 minutes; more buys back only seconds of redone work per failure).
+        heartbeat_timeout: seconds of silence after which a worker of another node
+            counts as lost (a frozen or unreachable host; see
+            :mod:`elastic_kit.health`): the survivors exit at once so torchrun
+            re-forms the group, instead of waiting in their collective for the process
+            group's timeout. Only in groups of two nodes or more; ``None`` or ``0``:
+            off; ``$ELASTIC_KIT_HEARTBEAT_TIMEOUT`` overrides it.
 
     Example::
 
@@ -79,6 +86,7 @@ class CheckpointerConfig:
     exit_code: int = 143
     snapshot_every: int | str | None = "auto"
     snapshot_budget: float = DEFAULT_BUDGET
+    heartbeat_timeout: float | None = DEFAULT_HEARTBEAT_TIMEOUT_S
 
     def __post_init__(self) -> None:
         def bad(name: str, expected: str) -> ValueError:
@@ -113,6 +121,10 @@ class CheckpointerConfig:
             raise bad("exit_code", "an int in [1, 255]")
         if not (isinstance(self.snapshot_budget, (int, float)) and 0 < self.snapshot_budget < 1):
             raise bad("snapshot_budget", "a number in (0, 1)")
+        beat = self.heartbeat_timeout
+        if beat is not None and (isinstance(beat, bool) or not isinstance(beat, (int, float))
+                                 or beat < 0):
+            raise bad("heartbeat_timeout", "None, 0 (off) or a number of seconds > 0")
 
     def audit_mode(self, default: str = "off") -> str:
         """``"off"``, ``"warn"`` or ``"error"``; ``default`` when ``audit`` is None."""

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from elastic_kit.checkpointer._hooks import Hooks
     from elastic_kit.checkpointer._store_like import StoreLike
     from elastic_kit.distributed import DistInfo
+    from elastic_kit.health import Heartbeat
     from elastic_kit.snapshot import SnapshotTier
 
 __all__ = ["Lifecycle"]
@@ -36,6 +37,7 @@ class Lifecycle:
     _last_saved_step: int | None
     _hooks: Hooks
     _cadence: Cadence
+    _heartbeat: Heartbeat | None
 
     @property
     def stop_requested(self) -> bool:
@@ -63,6 +65,7 @@ class Lifecycle:
     def _close(self, *, remove_snapshots: bool) -> None:
         if not self._hooks.close():
             return
+        self._stop_heartbeat()
         if is_dist_ready():
             self._cadence.resolve()
         if self.store is not None:
@@ -76,8 +79,15 @@ class Lifecycle:
         ``with Checkpointer(...)`` runs when its block raises."""
         if not self._hooks.close():
             return
+        self._stop_heartbeat()
         self._cadence.abandon()
         _saving.abandon(self.store, self.snapshots)
+
+    def _stop_heartbeat(self) -> None:
+        # a goodbye first: a peer that finished (or failed in Python) is not silent
+        if self._heartbeat is not None:
+            self._heartbeat.close()
+            self._heartbeat = None
 
     def __enter__(self: _Self) -> _Self:
         return self

@@ -24,10 +24,11 @@ PKG = ROOT / "elastic_kit"
 
 #: What each unit may import (besides itself and the base modules).
 ALLOWED: dict[str, frozenset[str]] = {
-    "loop": frozenset({"checkpointer", "snapshot", "store", "state", "sampler",
+    "loop": frozenset({"checkpointer", "health", "snapshot", "store", "state", "sampler",
                        "distributed", "errors"}),
-    "checkpointer": frozenset({"snapshot", "store", "state", "sampler", "distributed",
+    "checkpointer": frozenset({"health", "snapshot", "store", "state", "sampler", "distributed",
                                "errors"}),
+    "health": frozenset({"distributed", "errors"}),
     "snapshot": frozenset({"store", "distributed", "errors"}),
     "store": frozenset({"distributed", "errors"}),
     "state": frozenset({"store", "distributed", "errors"}),

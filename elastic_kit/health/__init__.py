@@ -1,0 +1,20 @@
+"""Departures noticed and planned: heartbeats that find a silent host in seconds.
+
+The process group notices a peer that died at once (its kernel resets the
+connections) but waits for a peer that went silent until its timeout.
+:func:`start_heartbeat` gives every worker of a multi-node group a side channel of
+beats to its ring neighbour, so a frozen or unreachable host is noticed in a few
+seconds and the survivors leave the hung collective (see
+:mod:`elastic_kit.health._heartbeat`).
+"""
+
+from elastic_kit.health._heartbeat import (
+    DEFAULT_INTERVAL_S, DEFAULT_TIMEOUT_S, HELLO_TIMEOUT_S, MAX_PENDING,
+    SILENT_PEER_EXIT_CODE, TIMEOUT_ENV, Heartbeat, hello_mac, start_heartbeat,
+    timeout_from_env,
+)
+
+__all__ = [
+    "DEFAULT_INTERVAL_S", "DEFAULT_TIMEOUT_S", "HELLO_TIMEOUT_S", "Heartbeat", "MAX_PENDING",
+    "SILENT_PEER_EXIT_CODE", "TIMEOUT_ENV", "hello_mac", "start_heartbeat", "timeout_from_env",
+]

@@ -1,0 +1,145 @@
+"""Heartbeats: a silent peer is noticed, a beating or departed one never is, and no
+other local user can forge beats or stall their reading (real loopback sockets)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+
+from elastic_kit.health import MAX_PENDING, Heartbeat, hello_mac
+
+TOKEN, LABEL = b"k" * 32, "run|0"
+
+
+class Silences:
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, float]] = []
+        self.event = threading.Event()
+
+    def __call__(self, rank: int, seconds: float) -> None:
+        self.calls.append((rank, seconds))
+        self.event.set()
+
+
+def _pair(timeout_s: float, interval_s: float) -> tuple[Heartbeat, Heartbeat, Silences]:
+    """Rank 1 watches rank 0; rank 0 beats to rank 1."""
+    silences = Silences()
+    watcher = Heartbeat(rank=1, send_to=None, watch=0, token=TOKEN, label=LABEL,
+                        timeout_s=timeout_s, interval_s=interval_s, on_silent=silences,
+                        host="127.0.0.1").start()
+    beater = Heartbeat(rank=0, send_to=(1, watcher.address), watch=None, token=TOKEN,
+                       label=LABEL, timeout_s=timeout_s, interval_s=interval_s,
+                       host="127.0.0.1").start()
+    return watcher, beater, silences
+
+
+def _hello(src: int, dst: int, token: bytes = TOKEN) -> bytes:
+    return src.to_bytes(4, "big", signed=True) + hello_mac(token, LABEL, src, dst)
+
+
+def test_a_beating_peer_is_never_silent_and_its_goodbye_ends_the_watch() -> None:
+    watcher, beater, silences = _pair(timeout_s=0.6, interval_s=0.02)
+    try:
+        first = time.monotonic()
+        time.sleep(0.9)  # longer than the timeout: beats keep arriving
+        assert silences.calls == [] and watcher.silent is None
+        assert watcher.last_beat > first
+        beater.close()
+        time.sleep(0.9)  # a goodbye is not silence
+        assert watcher.said_bye and silences.calls == [] and not watcher.lost_connection
+    finally:
+        beater.close()
+        watcher.close()
+
+
+def test_a_peer_that_authenticates_then_goes_silent_is_reported_once() -> None:
+    silences = Silences()
+    watcher = Heartbeat(rank=1, send_to=None, watch=0, token=TOKEN, label=LABEL,
+                        timeout_s=0.4, interval_s=0.02, on_silent=silences,
+                        host="127.0.0.1").start()
+    try:
+        with socket.create_connection(watcher.address) as frozen:
+            frozen.sendall(_hello(0, 1) + b"...")
+            assert silences.event.wait(10.0)
+            time.sleep(0.3)
+        assert [rank for rank, _ in silences.calls] == [0] and watcher.silent == 0
+        assert silences.calls[0][1] > 0.4
+    finally:
+        watcher.close()
+
+
+def test_a_peer_that_never_connects_is_silent_after_a_grace_of_one_timeout() -> None:
+    silences = Silences()
+    started = time.monotonic()
+    watcher = Heartbeat(rank=1, send_to=None, watch=0, token=TOKEN, label=LABEL,
+                        timeout_s=0.3, on_silent=silences, host="127.0.0.1").start()
+    try:
+        assert silences.event.wait(10.0)
+        assert time.monotonic() - started >= 0.6 and silences.calls[0][0] == 0
+    finally:
+        watcher.close()
+
+
+def test_a_connection_that_ends_without_goodbye_is_left_to_the_process_group() -> None:
+    silences = Silences()
+    watcher = Heartbeat(rank=1, send_to=None, watch=0, token=TOKEN, label=LABEL,
+                        timeout_s=0.3, interval_s=0.02, on_silent=silences,
+                        host="127.0.0.1").start()
+    try:
+        with socket.create_connection(watcher.address) as dying:
+            dying.sendall(_hello(0, 1) + b".")
+            time.sleep(0.1)
+        time.sleep(0.6)
+        assert watcher.lost_connection and silences.calls == []
+    finally:
+        watcher.close()
+
+
+@pytest.mark.parametrize("hello", [_hello(0, 1, token=b"w" * 32),   # another group's token
+                                   _hello(2, 1),                     # not the watched rank
+                                   b"x" * 36],                       # noise
+                         ids=["wrong-token", "wrong-rank", "noise"])
+def test_a_forged_hello_is_refused_and_its_beats_do_not_count(hello: bytes) -> None:
+    silences = Silences()
+    watcher = Heartbeat(rank=1, send_to=None, watch=0, token=TOKEN, label=LABEL,
+                        timeout_s=0.5, interval_s=0.02, on_silent=silences,
+                        host="127.0.0.1").start()
+    try:
+        with socket.create_connection(watcher.address) as forger:
+            forger.sendall(hello)
+            deadline = time.monotonic() + 5.0
+            while watcher.refused == 0 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert watcher.refused == 1
+            with pytest.raises(OSError):
+                for _ in range(50):  # the watcher closed it: writes fail soon
+                    forger.sendall(b"." * 1024)
+                    time.sleep(0.01)
+        assert silences.event.wait(10.0) and silences.calls[0][0] == 0
+    finally:
+        watcher.close()
+
+
+def test_idle_connections_from_another_user_neither_stall_nor_hide_the_real_beats() -> None:
+    watcher, beater, silences = _pair(timeout_s=1.0, interval_s=0.02)
+    idle = []
+    try:
+        for _ in range(4 * MAX_PENDING):  # connect, send nothing, keep the socket open
+            idle.append(socket.create_connection(watcher.address))
+        mark = time.monotonic()
+        time.sleep(1.3)
+        assert silences.calls == [] and watcher.last_beat > mark + 1.0
+        assert watcher.refused >= 3 * MAX_PENDING  # the flood was dropped, oldest first
+    finally:
+        for s in idle:
+            s.close()
+        beater.close()
+        watcher.close()
+
+
+def test_a_timeout_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="timeout_s=0"):
+        Heartbeat(rank=0, send_to=None, watch=None, token=TOKEN, label=LABEL, timeout_s=0)
