@@ -15,17 +15,16 @@ copied later, on the writer thread, overlapping the next forward and backward pa
 
 from __future__ import annotations
 
-import collections
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 import torch
 
+from elastic_kit.store import map_tree
+
 __all__ = ["StagingBuffers", "StagedState", "storage_keys"]
 
-#: The mappings a checkpoint may hold (what the store's weights-only validator accepts).
-_MAPPINGS = (dict, collections.OrderedDict, collections.Counter)
 
 
 def storage_keys(tensors: Iterable[torch.Tensor]) -> frozenset[int]:
@@ -41,7 +40,7 @@ class StagedState:
 
     Attributes:
         state: the state dict to write, with CPU tensors in place of the live ones.
-        deferred: ``(live, buffer)`` pairs still to copy (:meth:`copy_deferred`).
+        deferred: ``(live, buffer)`` pairs to copy later (:meth:`copy_deferred`).
         after: a CUDA event recorded when the snapshot was taken: deferred CUDA
             copies wait for it, so they see every update issued before.
         copied: a CUDA event marking the end of the copies issued at staging time
@@ -56,15 +55,40 @@ class StagedState:
     copied: Any = None
     staged: threading.Event = field(default_factory=threading.Event)
     nbytes: int = 0
+    _cond: threading.Condition = field(default_factory=threading.Condition, repr=False)
+    _next: int = field(default=0, repr=False)  # the next deferred CPU pair to copy
+    _active: int = field(default=0, repr=False)  # CPU pairs being copied now
+
+    def _cpu_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [p for p in self.deferred if p[0].device.type != "cuda"]
+
+    def _copy_cpu(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Copy deferred CPU pairs not yet taken, one at a time; the writer thread and
+        a training thread waiting in :meth:`wait_staged` share the work."""
+        while True:
+            with self._cond:
+                if self._next >= len(pairs):
+                    return
+                src, dst = pairs[self._next]
+                self._next += 1
+                self._active += 1
+            try:
+                dst.copy_(src)
+            finally:
+                with self._cond:
+                    self._active -= 1
+                    self._cond.notify_all()
 
     def copy_deferred(self) -> None:
         """Fill the buffers left empty, then mark the state staged (on the writer
         thread; also on failure, so that no training thread waits forever)."""
         try:
-            cuda = [p for p in self.deferred if p[0].device.type == "cuda"]
-            for src, dst in self.deferred:
-                if src.device.type != "cuda":
-                    dst.copy_(src)
+            deferred = self.deferred
+            cpu = [p for p in deferred if p[0].device.type != "cuda"]
+            cuda = [p for p in deferred if p[0].device.type == "cuda"]
+            self._copy_cpu(cpu)
+            with self._cond:  # a pair the training thread took may still be copied
+                self._cond.wait_for(lambda: self._active == 0)
             if cuda:
                 stream = torch.cuda.Stream(device=cuda[0][0].device)
                 if self.after is not None:
@@ -76,11 +100,30 @@ class StagedState:
             if self.copied is not None:
                 self.copied.synchronize()
         finally:
-            self.deferred = []
             self.staged.set()
 
+    def discard(self) -> None:
+        """Give up the deferred copies (a newer snapshot replaces this one before it
+        was written, and copies everything again into the same buffers)."""
+        with self._cond:
+            self._next = len(self.deferred)
+            self._cond.wait_for(lambda: self._active == 0)
+        self.staged.set()
+
     def wait_staged(self) -> None:
-        """Return once nothing reads the live tensors any more."""
+        """Return once nothing reads the live tensors any more.
+
+        The caller (the training thread, before the optimizer step) copies deferred
+        CPU tensors the writer thread has not reached yet instead of waiting for it:
+        on a busy machine the writer may get little CPU, and the wait stays bounded
+        by one copy of what is left."""
+        if not self.staged.is_set():
+            cpu = self._cpu_pairs()
+            self._copy_cpu(cpu)
+            if len(cpu) == len(self.deferred) and self.copied is None:
+                with self._cond:  # no CUDA part: done once the last copy ends
+                    self._cond.wait_for(lambda: self._active == 0)
+                self.staged.set()
         self.staged.wait()
 
 
@@ -101,7 +144,7 @@ class StagingBuffers:
         state to write. Buffers of keys that disappeared are freed."""
         used: dict[str, torch.Tensor] = {}
         out = StagedState(state=None)
-        out.state = self._walk(state, "", later, used, out)
+        out.state = map_tree(state, lambda path, x: self._leaf(path, x, later, used, out))
         self._pool = used
         if any(src.device.type == "cuda" for src, _ in out.deferred):
             out.after = torch.cuda.Event()
@@ -114,34 +157,25 @@ class StagingBuffers:
             out.staged.set()
         return out
 
-    def _walk(self, x: Any, path: str, later: frozenset[int],
+    def _leaf(self, path: str, x: Any, later: frozenset[int],
               used: dict[str, torch.Tensor], out: StagedState) -> Any:
-        if isinstance(x, torch.Tensor):
-            t = x.detach()
-            if t.layout != torch.strided:
-                return t.to("cpu", copy=True)
-            buf = self._pool.get(path)
-            if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-                buf = torch.empty(t.shape, dtype=t.dtype, device="cpu",
-                                  pin_memory=t.device.type == "cuda")
-            used[path] = buf
-            out.nbytes += buf.numel() * buf.element_size()
-            if later and t.untyped_storage().data_ptr() in later:
-                out.deferred.append((t, buf))
-            elif t.device.type == "cuda":
-                if out.copied is None:
-                    out.copied = torch.cuda.Event()
-                buf.copy_(t, non_blocking=True)
-            else:
-                buf.copy_(t)
-            return buf
-        t = type(x)
-        if t in _MAPPINGS:
-            d = t()
-            for k, v in x.items():
-                d[k] = self._walk(v, f"{path}[{k!r}]", later, used, out)
-            return d
-        if t in (list, tuple):
-            items = [self._walk(v, f"{path}[{i}]", later, used, out) for i, v in enumerate(x)]
-            return items if t is list else tuple(items)
-        return x  # primitives; anything else the store's validator refuses, naming it
+        if not isinstance(x, torch.Tensor):
+            return x  # primitives; anything else the store's validator refuses, naming it
+        t = x.detach()
+        if t.layout != torch.strided:
+            return t.to("cpu", copy=True)
+        buf = self._pool.get(path)
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+            buf = torch.empty(t.shape, dtype=t.dtype, device="cpu",
+                              pin_memory=t.device.type == "cuda")
+        used[path] = buf
+        out.nbytes += buf.numel() * buf.element_size()
+        if later and t.untyped_storage().data_ptr() in later:
+            out.deferred.append((t, buf))
+        elif t.device.type == "cuda":
+            if out.copied is None:
+                out.copied = torch.cuda.Event()
+            buf.copy_(t, non_blocking=True)
+        else:
+            buf.copy_(t)
+        return buf

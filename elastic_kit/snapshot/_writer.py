@@ -86,8 +86,7 @@ class SnapshotWriter:
         with self._cond:
             if self._queued is not None:
                 job, self._queued = self._queued, None
-                job.staged.deferred = []  # the newer snapshot copies everything again
-                job.staged.staged.set()
+                job.staged.discard()  # the newer snapshot copies everything again
                 self.replaced.append(job.step)
                 log.debug("snapshot step %d is replaced by a newer one before it was "
                           "written", job.step)

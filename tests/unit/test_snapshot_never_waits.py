@@ -168,3 +168,25 @@ def test_the_proposal_counts_the_training_threads_time_not_the_writes(shm: str) 
     assert tier.wait(timeout=60) and tier.written == [1, 2]
     assert tier.cost_s == cost and tier.proposal(0.05) == k  # the write added nothing
     tier.close(remove=True)
+
+
+def test_the_training_thread_copies_what_the_writer_has_not_reached_instead_of_waiting(
+        ) -> None:
+    """On a busy machine the writer thread may get no CPU before the optimizer step:
+    the step's wait for the deferred copy then does the copy itself (bounded by one
+    copy), here with no writer thread at all."""
+    from elastic_kit.snapshot._staging import StagingBuffers, storage_keys
+
+    live = {"w": torch.arange(1000.0), "b": torch.ones(10), "n": 3}
+    staged = StagingBuffers().stage(live, later=storage_keys([live["w"], live["b"]]))
+    assert not staged.staged.is_set()
+    done = threading.Event()
+    waiter = threading.Thread(target=lambda: (staged.wait_staged(), done.set()))
+    waiter.start()
+    waiter.join(timeout=60)
+    assert done.is_set(), "wait_staged waited for a writer thread that never ran"
+    live["w"].fill_(-1.0)                       # the optimizer step, after staging
+    assert torch.equal(staged.state["w"], torch.arange(1000.0))
+    assert torch.equal(staged.state["b"], torch.ones(10)) and staged.state["n"] == 3
+    staged.copy_deferred()                      # the writer, late: nothing left to copy
+    assert torch.equal(staged.state["w"], torch.arange(1000.0))
