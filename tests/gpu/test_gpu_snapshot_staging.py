@@ -1,0 +1,92 @@
+"""Staging CUDA tensors in pinned memory: a synchronous save's copy to the CPU, and a
+snapshot's (taken now, or deferred to the writer thread until the optimizer step),
+including a snapshot taken while the previous one is still being written.
+
+Skipped without CUDA; run by ``scripts/gpu-check``.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import fsspec
+import pytest
+import torch
+
+import elastic_kit as ek
+from elastic_kit.snapshot import SnapshotTier
+from elastic_kit.snapshot._staging import StagingBuffers
+from elastic_kit.store._serialize import prepare_state
+from elastic_kit.testing import FaultFileSystem
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available")
+
+
+def _cuda_state(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {f"w{i}": torch.randn(1 << 18, generator=g).cuda() for i in range(4)}
+
+
+def test_a_synchronous_save_copies_cuda_tensors_into_pinned_memory(tmp_path: Path) -> None:
+    state = _cuda_state()
+    staged = prepare_state(state, copy=False)
+    assert all(v.device.type == "cpu" and v.is_pinned() for v in staged.values())
+    expected = {k: v.cpu() for k, v in state.items()}
+    with ek.CheckpointStore(str(tmp_path / "ck"), info=ek.DistInfo()) as store:
+        store.save(state, step=1)                  # blocking
+        loaded = store.load(map_location="cpu")
+    assert loaded is not None and loaded.step == 1
+    for k, v in expected.items():
+        assert torch.equal(loaded.state[k], v), k
+
+
+def test_snapshot_staging_is_pinned_and_sees_work_queued_before_it() -> None:
+    state = _cuda_state()
+    for v in state.values():
+        v.mul_(3.0)                                # queued, not synchronized
+    expected = {k: v.cpu() for k, v in state.items()}
+    later = [state["w0"], state["w1"]]
+    from elastic_kit.snapshot._staging import storage_keys
+
+    staged = StagingBuffers().stage(state, later=storage_keys(later))
+    assert not staged.staged.is_set()              # w0, w1 wait for the writer thread
+    staged.copy_deferred()
+    assert staged.staged.is_set()
+    for v in later:
+        v.sub_(100.0)                              # the "optimizer step": after staging
+    for k, v in expected.items():
+        got = staged.state[k]
+        assert got.is_pinned() and torch.equal(got, v), k
+
+
+def test_a_cuda_snapshot_taken_during_a_write_is_queued_and_written_next(
+        tmp_path: Path) -> None:
+    fs = FaultFileSystem(fsspec.filesystem("file"))
+    opened, entered = threading.Event(), threading.Event()
+
+    def hold(path: str) -> None:
+        entered.set()
+        opened.wait(60)
+
+    fs.add("pipe", match="manifest.json", before=hold, times=1)
+    root = tmp_path / "shm"
+    root.mkdir()
+    tier = SnapshotTier("run", info=ek.DistInfo(run_id="t"), every=1, root=str(root),
+                        filesystem=fs)
+    live = _cuda_state()
+    tier.save(live, step=1, metadata={}, copy_later=list(live.values()))
+    tier.wait_staged()
+    assert entered.wait(60)
+    for v in live.values():
+        v.fill_(2.0)
+    tier.save(live, step=2, metadata={}, copy_later=list(live.values()))
+    tier.wait_staged()                             # queued: copied at once, not deferred
+    for v in live.values():
+        v.fill_(-1.0)
+    opened.set()
+    assert tier.wait(timeout=60) and tier.written == [1, 2]
+    loaded = tier.load(map_location="cpu")
+    assert loaded is not None and loaded.step == 2
+    assert all(torch.equal(v, torch.full_like(v, 2.0)) for v in loaded.state.values())
+    tier.close(remove=True)
