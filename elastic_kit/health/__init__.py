@@ -5,9 +5,16 @@ connections) but waits for a peer that went silent until its timeout.
 :func:`start_heartbeat` gives every worker of a multi-node group a side channel of
 beats to its ring neighbour, so a frozen or unreachable host is noticed in a few
 seconds and the survivors leave the hung collective (see
-:mod:`elastic_kit.health._heartbeat`).
+:mod:`elastic_kit.health._heartbeat`). A :class:`PreemptionWatcher` reads the cloud's
+preemption notice (GCE, AWS, Azure metadata) or the scheduler's signal, so the
+checkpointer can turn an announced departure into a planned leave with nothing lost
+(see :mod:`elastic_kit.health._preemption`).
 """
 
+from elastic_kit.health._preemption import (
+    CLOUD_ENV, METADATA_URL_ENV, SIGNALS_ENV, PreemptionWatcher, detect_cloud,
+    notice_from_metadata, preemption_signals,
+)
 from elastic_kit.health._heartbeat import (
     DEFAULT_INTERVAL_S, DEFAULT_TIMEOUT_S, HELLO_TIMEOUT_S, MAX_PENDING,
     SILENT_PEER_EXIT_CODE, TIMEOUT_ENV, Heartbeat, hello_mac, start_heartbeat,
@@ -15,6 +22,8 @@ from elastic_kit.health._heartbeat import (
 )
 
 __all__ = [
+    "CLOUD_ENV", "METADATA_URL_ENV", "SIGNALS_ENV", "PreemptionWatcher", "detect_cloud",
+    "notice_from_metadata", "preemption_signals",
     "DEFAULT_INTERVAL_S", "DEFAULT_TIMEOUT_S", "HELLO_TIMEOUT_S", "Heartbeat", "MAX_PENDING",
     "SILENT_PEER_EXIT_CODE", "TIMEOUT_ENV", "hello_mac", "start_heartbeat", "timeout_from_env",
 ]

@@ -8,6 +8,8 @@ with ``pip install elastic_kit[testing]``; ``import elastic_kit`` needs none of 
   each rank's result (:func:`free_port`, :func:`torchrun_env`, :class:`MultiProcessError`).
 - :class:`LocalCluster` / :class:`Agent`: several torchrun agents on one machine, each one
   "node"; :class:`EtcdServer`: a throw-away etcd for the ``etcd-v2`` rendezvous.
+- :class:`FakeMetadataServer`: a GCE, AWS or Azure metadata service on 127.0.0.1 that
+  announces a preemption on cue.
 - :func:`make_imagefolder`: a small deterministic ImageNet-style folder of real JPEGs
   (``python -m elastic_kit.testing.make_imagefolder OUT --classes 10 --per-class 64``).
 
@@ -62,9 +64,10 @@ from elastic_kit.testing._cluster import Agent, LocalCluster
 from elastic_kit.testing._etcd import EtcdServer
 from elastic_kit.testing._imagefolder import make_imagefolder
 from elastic_kit.testing._faultfs import FaultFileSystem
+from elastic_kit.testing._metadata import FakeMetadataServer
 
 __all__ = [
     "spawn_multi_process", "MultiProcessError", "free_port", "torchrun_env",
     "Agent", "LocalCluster", "EtcdServer", "wait_for", "kill_process_tree", "MARKER_ENV",
-    "make_imagefolder", "FaultFileSystem",
+    "make_imagefolder", "FaultFileSystem", "FakeMetadataServer",
 ]
