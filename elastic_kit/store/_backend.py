@@ -106,9 +106,12 @@ class Backend(Protocol):
         itself on an object store or when ``replacing`` (new files get fresh names).
         Called by the one rank that commits; the others learn the path from it."""
 
-    def write_part(self, staging: str, name: str, fill: Fill[T]) -> T:
+    def write_part(self, staging: str, name: str, fill: Fill[T], *,
+                   size_hint: int | None = None) -> T:
         """Create file ``name`` in ``staging`` (any rank), let ``fill`` write it, and
-        make it durable (fsync, or the completed upload) before returning."""
+        make it durable (fsync, or the completed upload) before returning.
+        ``size_hint``: about how many bytes ``fill`` writes (a small file then gets
+        small staging buffers)."""
 
     def finish_parts(self, staging: str, directory: str, manifest: Manifest, *,
                      replacing: bool) -> None:

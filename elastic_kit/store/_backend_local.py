@@ -27,7 +27,7 @@ import uuid
 from typing import IO, TypeVar
 
 from elastic_kit.store._backend import Fill, PayloadWrite, Seal, basename, check_size
-from elastic_kit.store._direct import DirectFile, open_direct
+from elastic_kit.store._direct import ALIGN, BUFFER_SIZE, DirectFile, open_direct
 from elastic_kit.store._fs import join, write_error
 from elastic_kit.store._manifest import MANIFEST_NAME, Manifest
 from elastic_kit.errors import CheckpointCorruptError
@@ -246,10 +246,16 @@ class LocalBackend:
         os.mkdir(tmp, 0o700 if self.private else 0o777)
         return tmp
 
-    def write_part(self, staging: str, name: str, fill: Fill[T]) -> T:
-        """``O_DIRECT`` where the filesystem takes it, then fsync; never replaces a file."""
+    def write_part(self, staging: str, name: str, fill: Fill[T], *,
+                   size_hint: int | None = None) -> T:
+        """``O_DIRECT`` where the filesystem takes it, then fsync; never replaces a file.
+        A file smaller than one staging buffer gets buffers of its size (rounded up to
+        a power of two), so a small shard costs no 16 MiB buffers."""
         path = join(staging, name)
-        f = open_direct(path, "xb") or open(path, "xb")
+        kw = {}
+        if size_hint is not None and size_hint < BUFFER_SIZE:
+            kw["buffer_size"] = max(ALIGN, 1 << max(size_hint - 1, 1).bit_length())
+        f = open_direct(path, "xb", **kw) or open(path, "xb")
         try:
             with f:
                 out = fill(f)

@@ -168,7 +168,8 @@ class ObjectBackend:
         """The step directory itself: nothing is committed before the manifest PUT."""
         return directory
 
-    def write_part(self, staging: str, name: str, fill: Fill[T]) -> T:
+    def write_part(self, staging: str, name: str, fill: Fill[T], *,
+                   size_hint: int | None = None) -> T:
         """One upload; a failed one is discarded, never completed."""
         path = join(staging, name)
         try:

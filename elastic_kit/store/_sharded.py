@@ -54,9 +54,9 @@ from elastic_kit.store._shard_index import (
     Chunk, ShardedTensor, ShardIndex, placeholder, placeholder_id,
 )
 from elastic_kit.store._tensorfile import (
-    RangeReader, TensorEntry, dtype_from_name, dtype_name, tensor_from_bytes, write_stream,
+    RangeReader, TensorEntry, dtype_from_name, dtype_name, plan, tensor_from_bytes, write_stream,
 )
-from elastic_kit.store._tree import is_dtensor, leaves, map_tree, validate_state
+from elastic_kit.store._tree import is_dtensor, leaves, map_tree, state_nbytes, validate_state
 
 __all__ = ["has_sharded", "split", "local_box", "save_sharded", "read_sharded", "Gather"]
 
@@ -172,7 +172,8 @@ def save_sharded(layout: Layout, state: Any, *, step: int, checksum: str,
         if items:
             name = _shard_name(rank, suffix)
             entries, size, digest = backend.write_part(
-                staging, name, lambda f: write_stream(f, items, checksum=checksum))
+                staging, name, lambda f: write_stream(f, items, checksum=checksum),
+                size_hint=plan(items)[1])
             mine.update(file=name, size=size, checksum=digest,
                         chunks=[(i, list(o), e.to_json()) for (i, o), e in zip(boxes, entries)])
     except Exception as e:
@@ -221,7 +222,8 @@ def _commit(layout: Layout, staging: str, d: StepDir, replicated: Any,
     prepared = prepare_state(replicated, copy=False)
     entry = layout.backend.write_part(
         staging, payload,
-        lambda f: save_into(f, join(staging, payload), prepared, checksum, fsync=local))
+        lambda f: save_into(f, join(staging, payload), prepared, checksum, fsync=local),
+        size_hint=state_nbytes(prepared) + (64 << 10))
     files = {payload: entry}
     chunks = []
     for m in everyone:
@@ -255,7 +257,7 @@ class _Readers:
         self.layout, self.d = layout, d
         self._open: dict[str, RangeReader] = {}
 
-    def read(self, name: str, start: int, end: int) -> bytearray:
+    def _reader(self, name: str) -> tuple[RangeReader, str]:
         path = join(self.d.path, check_file_name(name))
         r = self._open.get(name)
         if r is None:
@@ -264,8 +266,19 @@ class _Readers:
             else:
                 r = RangeReader(path, fs=self.layout.fs)
             self._open[name] = r
-        reader = r
+        return r, path
+
+    def read(self, name: str, start: int, end: int) -> bytearray:
+        reader, path = self._reader(name)
         return self.layout.reading(lambda: reader.read(start, end), path)
+
+    def read_into(self, name: str, start: int, out: torch.Tensor) -> None:
+        """Read ``out.nbytes`` bytes from ``start`` straight into the contiguous ``out``."""
+        reader, path = self._reader(name)
+        mv = (memoryview(out.reshape(-1).view(torch.uint8).numpy()).cast("B")
+              if out.numel() else None)
+        if mv is not None:
+            self.layout.reading(lambda: reader.read_into(start, mv), path)
 
     def close(self) -> None:
         for r in self._open.values():
@@ -291,17 +304,31 @@ def _fill(dst: torch.Tensor, dst_offsets: Sequence[int], chunks: list[Chunk],
         dtype = dtype_from_name(c.entry.dtype)
         item = torch.empty((), dtype=dtype).element_size()
         start = c.entry.offset + first * item
+        target = dst[tuple(slice(x - o, y - o) for x, y, o in zip(lo, hi, dst_offsets))]
+        if last + 1 - first == target.numel() and target.is_contiguous():
+            # the overlap is one contiguous run on both sides (whole rows of a dim-0
+            # sharding, the usual case): read straight into the destination
+            readers.read_into(c.file, start, target)
+            if first == 0 and target.numel() * item == c.entry.nbytes:
+                _check(readers, c, checksum, memoryview(
+                    target.reshape(-1).view(torch.uint8).numpy()).cast("B"))
+            continue
         data = readers.read(c.file, start, c.entry.offset + (last + 1) * item)
         if first == 0 and len(data) == c.entry.nbytes:  # the whole chunk: check it
-            h = new_hasher(checksum)
-            h.update(data)
-            if h.hexdigest() != c.entry.checksum:
-                raise CheckpointCorruptError(
-                    f"{readers.d.path}: {c.file} bytes of {c.entry.key!r} have {checksum} "
-                    f"{h.hexdigest()} but the manifest says {c.entry.checksum}")
+            _check(readers, c, checksum, data)
         span = tensor_from_bytes(data, dtype, (len(data) // item,))
         box = span.as_strided([y - x for x, y in zip(a, b)], strides, 0)
-        dst[tuple(slice(x - o, y - o) for x, y, o in zip(lo, hi, dst_offsets))].copy_(box)
+        target.copy_(box)
+
+
+def _check(readers: _Readers, c: Chunk, checksum: str, data: Any) -> None:
+    """A chunk read whole must match its checksum."""
+    h = new_hasher(checksum)
+    h.update(data)
+    if h.hexdigest() != c.entry.checksum:
+        raise CheckpointCorruptError(
+            f"{readers.d.path}: {c.file} bytes of {c.entry.key!r} have {checksum} "
+            f"{h.hexdigest()} but the manifest says {c.entry.checksum}")
 
 
 def read_sharded(layout: Layout, d: StepDir, manifest: Manifest, replicated: Any, *,

@@ -296,6 +296,25 @@ class RangeReader:
                                          f"{len(data)} bytes (the file is shorter)")
         return data
 
+    def read_into(self, start: int, out: memoryview) -> None:
+        """Fill ``out`` with the bytes from ``start`` on (``preadv`` straight into it on
+        a local file: no intermediate buffer).
+
+        Raises:
+            CheckpointCorruptError: the file is shorter.
+        """
+        n = out.nbytes
+        if self._fd is None:
+            out[:] = self.read(start, start + n)
+            return
+        got = 0
+        while got < n:
+            k = os.preadv(self._fd, [out[got:]], start + got)
+            if k <= 0:
+                raise CheckpointCorruptError(f"{self.path}: bytes [{start}, {start + n}) "
+                                             f"gave {got} bytes (the file is shorter)")
+            got += k
+
     def close(self) -> None:
         if self._fd is not None:
             os.close(self._fd)

@@ -49,6 +49,9 @@ HEADLINE: dict[str, tuple[str, ...]] = {
         "ratio_param_drift_ours_vs_naive", "ratio_loss_drift_ours_vs_naive"),
     "bench_restore_broadcast.py": ("ratio_time_ours_vs_blob", "ratio_peak_rss_vs_state_ours"),
     "bench_sampler.py": ("ratio_time_ours_vs_torch", "ratio_mem_ours_vs_torch"),
+    "bench_sharded.py": ("ratio_save_ours_vs_dcp", "ratio_load_ours_vs_dcp",
+                         "ratio_written_per_rank_ours_vs_dcp",
+                         "ratio_save_peak_rss_vs_shard_ours", "ratio_load_peak_rss_vs_shard_ours"),
     "bench_snapshot.py": (
         "ratio_ek_vs_plain", "ratio_blocked_vs_copy", "ratio_max_blocked_vs_two_copies",
         "ratio_dcp_vs_plain", "ratio_restore_vs_h2d"),
