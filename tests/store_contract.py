@@ -16,9 +16,8 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from elastic_kit.store import CheckpointStore
-from elastic_kit.store._layout import step_dir_name
-from elastic_kit.store._manifest import MANIFEST_NAME, PAYLOAD_NAME
+from elastic_kit.store import MANIFEST_NAME, CheckpointStore, step_dir_name
+from elastic_kit.store._manifest import PAYLOAD_NAME
 
 LOG = "elastic_kit.store"
 

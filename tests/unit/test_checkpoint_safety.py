@@ -12,8 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from elastic_kit.store import CheckpointStore, load_checkpoint, save_checkpoint
-from elastic_kit.store._manifest import MANIFEST_NAME, PAYLOAD_NAME, Manifest
+from elastic_kit.store import (
+    MANIFEST_NAME, CheckpointStore, Manifest, load_checkpoint, save_checkpoint,
+)
+from elastic_kit.store._manifest import PAYLOAD_NAME
 from elastic_kit.store._serialize import new_hasher
 from elastic_kit.errors import CheckpointError, UnsafeCheckpointError
 from elastic_kit.testing import FaultFileSystem
@@ -121,27 +123,40 @@ def test_background_failure_surfaces_on_next_save(tmp_path):
         store.save({"w": torch.ones(3)}, step=2, blocking=False)
 
 
-def test_second_nonblocking_save_waits_for_the_first(tmp_path, monkeypatch):
+def test_second_nonblocking_save_waits_for_the_first(tmp_path):
+    """Each write, from opening its payload to writing its manifest (the commit), is
+    slowed down; a second non-blocking save must not start writing before the first
+    committed."""
+    import posixpath
     import threading
     import time
 
-    store = CheckpointStore(str(tmp_path / "ck"), keep_last=None)
-    real, running, overlaps = store._layout.commit, threading.Semaphore(1), []
+    lock, writing, overlaps = threading.Lock(), set(), []
 
-    def slow(*a, **k):
-        if not running.acquire(blocking=False):
-            overlaps.append(k["step"])
+    def payload_opened(path: str) -> None:
+        step_dir = posixpath.dirname(path)
+        with lock:
+            if step_dir in writing:  # the same write, opening again once its directory exists
+                return
+            if writing:
+                overlaps.append((sorted(writing), step_dir))
+            writing.add(step_dir)
         time.sleep(0.2)
-        try:
-            return real(*a, **k)
-        finally:
-            running.release()
 
-    monkeypatch.setattr(store._layout, "commit", slow)
+    def committed(path: str) -> None:
+        with lock:
+            writing.discard(posixpath.dirname(path))
+
+    ffs = FaultFileSystem(fsspec.filesystem("file"))
+    ffs.add("open", match=PAYLOAD_NAME, mode="wb", before=payload_opened, times=None)
+    ffs.add("pipe", match=MANIFEST_NAME, before=committed, times=None)
+    store = CheckpointStore(str(tmp_path / "ck"), keep_last=None, filesystem=ffs)
     for step in range(3):
         store.save({"w": torch.full((4,), float(step))}, step=step, blocking=False)
     store.close()
+    assert ffs.fired("pipe") == 3  # every save committed through the hook
     assert overlaps == [] and [i.step for i in store.list()] == [0, 1, 2]
+    assert store.load().state["w"].tolist() == [2.0] * 4
 
 
 def test_views_of_large_storages_are_saved_small(tmp_path):
