@@ -40,6 +40,7 @@ from __future__ import annotations
 import logging
 import math
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
 import torch
@@ -130,6 +131,7 @@ def save_sharded(layout: Layout, state: Any, *, step: int, checksum: str,
     items: list[tuple[str, torch.Tensor]] = []
     boxes: list[tuple[int, tuple[int, ...]]] = []
     partials: list[tuple[int, int]] = []
+    digests: list[tuple[int, torch.Tensor, tuple[int, ...], tuple[int, ...]]] = []
     for i, (_, dt) in enumerate(dts):
         shape, offsets, owner = local_box(dt)
         local = dt.to_local().detach()
@@ -140,9 +142,12 @@ def save_sharded(layout: Layout, state: Any, *, step: int, checksum: str,
             local = local.cpu()
             items.append((f"{i}@{','.join(map(str, offsets))}", local))
             boxes.append((i, offsets))
-            partials.append(partial(local, offsets, tuple(dt.shape)))
-        else:
-            partials.append((0, 0))
+            digests.append((i, local, offsets, tuple(dt.shape)))
+        partials.append((0, 0))
+    # The digest (numpy dot products, which release the GIL) runs beside the write.
+    digesting = ThreadPoolExecutor(1, thread_name_prefix="ek-digest")
+    digested = digesting.submit(lambda: [(i, partial(t, o, s)) for i, t, o, s in digests])
+    digesting.shutdown(wait=False)
     d = layout.dir_of(step)
     backend = layout.backend
     header: dict[str, Any] = {}
@@ -159,8 +164,13 @@ def save_sharded(layout: Layout, state: Any, *, step: int, checksum: str,
             header_error: BaseException | None = e
         else:
             header_error = None
-    header = broadcast(header)
+    try:
+        header = broadcast(header)
+    except BaseException:
+        digested.result()
+        raise
     if not header["ok"]:
+        digested.result()
         if rank == 0 and header_error is not None:
             raise header_error
         raise CheckpointError(f"rank 0 could not start sharded checkpoint step {step} in "
@@ -176,6 +186,8 @@ def save_sharded(layout: Layout, state: Any, *, step: int, checksum: str,
                 size_hint=plan(items)[1])
             mine.update(file=name, size=size, checksum=digest,
                         chunks=[(i, list(o), e.to_json()) for (i, o), e in zip(boxes, entries)])
+        for i, p in digested.result():
+            partials[i] = p
     except Exception as e:
         error = e
         mine = {"ok": False, "error": f"{type(e).__name__}: {e}", "file": None}
