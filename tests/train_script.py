@@ -88,10 +88,14 @@ class TrainConfig:
             to ``handle_signals=False``).
         store: CheckpointStore options of the ElasticLoop's store (``keep_last``,
             ``node_local``, ``storage_options``).
-        epoch_end: the own loop's calls after each epoch's steps, in order.
-        stop_after: steps of this life after which it stops.
-        stop_at: ``"before_end_epoch"`` (right before the ``end_epoch`` call) or
-            ``"after_epoch"`` (after every ``epoch_end`` call): where it stops ...
+        epoch_end: the own loop's calls after each epoch's steps, in order. With the
+            ElasticLoop, ``("save", "end_epoch")`` is a ``loop.save()`` from the step
+            hook at each epoch's last step, before the loop's end-of-epoch work.
+        stop_after: steps of this life after which it stops (own loop).
+        stop_at: ``"before_end_epoch"`` (right before the ``end_epoch`` call; with the
+            ElasticLoop: lost during its end-of-epoch work, an ``on_epoch_end`` that
+            raises) or ``"after_epoch"`` (after every ``epoch_end`` call; own loop):
+            where it stops ...
         stop_epoch: ... in this epoch (None: the first epoch of this life).
         stop_how: ``"close"`` (``ckpt.close()``, an orderly end) or ``"kill"`` (no
             close: a process killed after its snapshot reached this node's memory and
@@ -158,6 +162,13 @@ class TrainConfig:
         if not set(self.epoch_end) <= set(EPOCH_END_CALLS) or "end_epoch" not in self.epoch_end:
             raise ValueError(f"epoch_end={self.epoch_end!r} must name end_epoch once and "
                              f"otherwise only {EPOCH_END_CALLS}")
+        if self.loop == "elastic" and (
+                self.epoch_end not in (("end_epoch",), ("save", "end_epoch"))
+                or self.stop_at == "after_epoch" or self.stop_after is not None):
+            raise ValueError(f"loop='elastic' takes epoch_end=('end_epoch',) or ('save', "
+                             f"'end_epoch') and stop_at=None or 'before_end_epoch', not "
+                             f"epoch_end={self.epoch_end!r}, stop_at={self.stop_at!r}, "
+                             f"stop_after={self.stop_after!r} (use max_steps)")
         if self.crash_in_save_at_step is not None and not self.crash_marker:
             raise ValueError("crash_in_save_at_step needs crash_marker")
 
@@ -167,6 +178,10 @@ class TrainConfig:
 
 
 # ---------------------------------------------------------------------- data and model
+class _Stopped(Exception):
+    """The ElasticLoop's life ends on purpose (``stop_at``)."""
+
+
 class _Forbidden(Dataset):
     """A dataset whose every read fails: a group restarted after the end must not read."""
 
@@ -346,6 +361,8 @@ def _elastic_loop(cfg: TrainConfig, info: ek.DistInfo, model: nn.Module, opt: An
 
     def on_step_end(st: ek.TrainState, step: Any) -> None:
         log_restored()
+        if cfg.epoch_end[0] == "save" and st.sampler.remaining == 0:
+            loop.save()  # the epoch's last step, before the loop's end-of-epoch work
         if "seen" in extras:
             extras["seen"] += 1
         if cfg.log_steps and info.is_main:
@@ -357,6 +374,8 @@ def _elastic_loop(cfg: TrainConfig, info: ek.DistInfo, model: nn.Module, opt: An
             hold_point(step.step, step.world_size, info.rank)
 
     def on_epoch_end(st: ek.TrainState, summary: Any) -> None:
+        if cfg.stop_at == "before_end_epoch" and cfg.stop_epoch in (None, summary.epoch):
+            raise _Stopped()  # the group is lost during its end-of-epoch work
         if "seen_epochs" in extras:
             extras["seen_epochs"] += 1
 
@@ -379,6 +398,8 @@ def _elastic_loop(cfg: TrainConfig, info: ek.DistInfo, model: nn.Module, opt: An
                       restart=info.restart_count, step=state.step, code=e.code,
                       pid=os.getpid())
         raise
+    except _Stopped:
+        return {"crashed_at": state.step}
     log_restored()
     _append_event(cfg.events, event="exit", rank=info.rank, world_size=info.world_size,
                   restart=info.restart_count, step=state.step, code=0, pid=os.getpid())

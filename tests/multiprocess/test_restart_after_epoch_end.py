@@ -9,15 +9,8 @@ training finished exits at once and never touches its data.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
-from typing import Any
 
-import torch
-from torch import nn
-from torch.utils.data import Dataset
-
-import elastic_kit as ek
 from elastic_kit.testing import spawn_multi_process
 from tests.train_script import TrainConfig, train
 
@@ -25,68 +18,17 @@ N, BATCH, EPOCHS = 32, 4, 2
 STEPS = N // (BATCH * 2)  # per epoch at world size 2
 
 
-class _Data(Dataset):
-    """Deterministic pairs; ``forbidden``: any access raises (a finished job's data)."""
-
-    def __init__(self, forbidden: bool = False) -> None:
-        g = torch.Generator().manual_seed(5)
-        self.x = torch.randn(N, 5, generator=g)
-        self.y = (self.x[:, 0] > 0).long()
-        self.forbidden = forbidden
-
-    def __len__(self) -> int:
-        return N
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.forbidden:
-            raise AssertionError(f"sample {i} read by a group restarted after the end")
-        return self.x[i], self.y[i]
-
-
-class _LostDuringEpochEnd(Exception):
-    pass
-
-
-def _state(ds: Dataset) -> ek.TrainState:
-    torch.manual_seed(0)
-    model = ek.wrap_ddp(nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 2)))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    return ek.TrainState(model, opt, sampler=ek.ElasticDistributedSampler(ds, seed=1))
-
-
-def _loop_life(url: str, stop_at_epoch_end: bool, forbidden: bool = False) -> dict[str, Any]:
+def _loop_life(url: str, stop_at_epoch_end: bool, forbidden: bool = False) -> TrainConfig:
     """ElasticLoop; ``stop_at_epoch_end``: a save from the step hook at epoch 0's last
     step, then the group is lost during its end-of-epoch work."""
-    os.environ["ELASTIC_KIT_SNAPSHOT_DIR"] = "/nonexistent"  # the durable store only
-    torch.set_num_threads(1)
-    ek.init_distributed()
-    ds = _Data(forbidden)
-    state = _state(ds)
-    loop: ek.ElasticLoop
-
-    def on_step_end(st: ek.TrainState, info: Any) -> None:
-        if stop_at_epoch_end and st.sampler.remaining == 0:
-            loop.save()
-
-    def on_epoch_end(st: ek.TrainState, summary: Any) -> None:
-        if stop_at_epoch_end:
-            raise _LostDuringEpochEnd()
-
-    loop = ek.ElasticLoop(
-        state, ds, loss_fn=lambda m, b: nn.functional.cross_entropy(m(b[0]), b[1],
-                                                                    reduction="none"),
-        store=ek.CheckpointStore(url), on_step_end=on_step_end, on_epoch_end=on_epoch_end,
-        config=ek.LoopConfig(epochs=EPOCHS, global_batch_size=BATCH * 2,
-                             micro_batch_size=BATCH,
-                             checkpoint=ek.CheckpointerConfig(blocking=True,
-                                                              handle_signals=False)))
-    try:
-        loop.run()
-    except _LostDuringEpochEnd:
-        return {"lost_at": state.step}
-    return {"restored": loop.restored_step, "step": state.step,
-            "epochs": [(s.epoch, s.steps) for s in loop.summaries],
-            "audit": [(a.epoch, a.count, a.ok) for _, a in sorted(state.audit.epochs.items())]}
+    return TrainConfig(url=url, loop="elastic", dataset_size=N, target="x0", data_seed=5,
+                       loop_seed=1, momentum=0.0, epochs=EPOCHS, global_batch_size=BATCH * 2,
+                       micro_batch_size=BATCH,
+                       checkpoint={"blocking": True, "handle_signals": False},
+                       epoch_end=("save", "end_epoch") if stop_at_epoch_end else ("end_epoch",),
+                       stop_at="before_end_epoch" if stop_at_epoch_end else None,
+                       snapshot_dir="/nonexistent",  # the durable store only
+                       forbid_data=forbidden)
 
 
 def _own_life(url: str, stop_before_end: bool, forbidden: bool = False) -> TrainConfig:
@@ -105,19 +47,20 @@ def _own_life(url: str, stop_before_end: bool, forbidden: bool = False) -> Train
 
 def test_elastic_loop_resumes_a_closed_out_epoch_at_the_next_one(tmp_path: Path) -> None:
     url = str(tmp_path / "run")
-    assert spawn_multi_process(2, _loop_life, url, True)[0] == {"lost_at": STEPS}
-    out = spawn_multi_process(2, _loop_life, url, False)[0]
+    assert spawn_multi_process(2, train, _loop_life(url, True))[0] == {"crashed_at": STEPS}
+    out = spawn_multi_process(2, train, _loop_life(url, False))[0]
     assert out["restored"] == STEPS
-    assert out["epochs"] == [(1, STEPS)]          # no empty epoch 0 trained again
+    assert out["epochs_trained"] == [(1, STEPS)]  # no empty epoch 0 trained again
     assert out["step"] == EPOCHS * STEPS
     assert out["audit"] == [(0, N, True), (1, N, True)]
 
 
 def test_a_group_restarted_after_the_end_exits_without_reading_data(tmp_path: Path) -> None:
     url = str(tmp_path / "run")
-    spawn_multi_process(2, _loop_life, url, False)
-    out = spawn_multi_process(2, _loop_life, url, False, True)[0]
-    assert (out["restored"], out["step"], out["epochs"]) == (EPOCHS * STEPS, EPOCHS * STEPS, [])
+    spawn_multi_process(2, train, _loop_life(url, False))
+    out = spawn_multi_process(2, train, _loop_life(url, False, True))[0]
+    assert (out["restored"], out["step"], out["epochs_trained"]) == (
+        EPOCHS * STEPS, EPOCHS * STEPS, [])
 
 
 def test_own_loop_restarted_after_an_unclosed_last_epoch_exits_without_reading_data(
