@@ -39,13 +39,15 @@ class Flags(NamedTuple):
 
     ``stop``: a rank received SIGTERM; ``save_due``: rank 0's clock says a timed save
     is due; ``snapshot_every`` and ``exchange_every``: rank 0's proposed intervals
-    (the other ranks send zeros, so the sum is rank 0's proposal; 0: no proposal).
+    (the other ranks send zeros, so the sum is rank 0's proposal; 0: no proposal);
+    ``leave``: ranks told their node will go (a preemption notice: a planned leave).
     """
 
     stop: float = 0.0
     save_due: float = 0.0
     snapshot_every: float = 0.0
     exchange_every: float = 0.0
+    leave: float = 0.0
 
 
 #: No flags: what the steps between two exchanges see.
@@ -63,16 +65,19 @@ class Cadence:
         every_seconds: the timed save interval (rank 0's clock decides), or None.
         tier: the snapshot tier whose interval the exchanges set, or None; asked at
             each use, as its owner sets it up (or replaces it) after construction.
+        leaving: whether this rank was told its node will go.
     """
 
     def __init__(self, state: TrainState, info: DistInfo, stop: TerminationFlag,
                  every_seconds: float | None, *,
-                 tier: Callable[[], SnapshotTier | None] = lambda: None) -> None:
+                 tier: Callable[[], SnapshotTier | None] = lambda: None,
+                 leaving: Callable[[], bool] = lambda: False) -> None:
         self.state = state
         self.info = info
         self.every_seconds = every_seconds
         self._tier = tier
         self._stop = stop
+        self._leaving = leaving
         self._flags: Any = None  # the previous exchange's async all-reduce (see poll)
         self.exchange_every = 1  # steps between exchanges, agreed by all ranks
         self._until_exchange = 1
@@ -174,7 +179,7 @@ class Cadence:
             exchange_every = max(1, min(MAX_EXCHANGE_EVERY, int(
                 EXCHANGE_PERIOD_S / self.step_s))) if self.step_s else 1
         return Flags(float(self._stop.is_set()), float(time_due), float(snap_every),
-                     float(exchange_every))
+                     float(exchange_every), float(self._leaving()))
 
     def exclude_time(self, seconds: float) -> None:
         """Keep ``seconds`` (spent in a user hook: validation, logging) out of the

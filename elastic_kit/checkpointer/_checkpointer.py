@@ -9,7 +9,6 @@ the audit), ``_saving`` (writing the state), ``_hooks`` (what it installs) and
 from __future__ import annotations
 
 import contextlib
-import logging
 import operator
 import os
 import time
@@ -17,17 +16,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from elastic_kit._console import say
 from elastic_kit.checkpointer import _restore, _saving
 from elastic_kit.checkpointer._cadence import Cadence, Flags
 from elastic_kit.checkpointer._config import CheckpointerConfig
+from elastic_kit.checkpointer._departure import Departure
 from elastic_kit.checkpointer._hooks import Hooks
 from elastic_kit.checkpointer._lifecycle import Lifecycle
 from elastic_kit.checkpointer._progress import Progress
 from elastic_kit.checkpointer._store_like import StoreLike
 from elastic_kit.distributed import DistInfo, get_dist_info
-from elastic_kit.health import DEFAULT_TIMEOUT_S as DEFAULT_HEARTBEAT_TIMEOUT_S
-from elastic_kit.health import Heartbeat, start_heartbeat
+import elastic_kit.health as health
 from elastic_kit.snapshot import DEFAULT_BUDGET, SnapshotTier
 from elastic_kit.state import EpochAudit
 from elastic_kit.store import LoadedCheckpoint
@@ -36,8 +34,6 @@ if TYPE_CHECKING:
     from elastic_kit.state import TrainState
 
 __all__ = ["Checkpointer", "StoreLike"]
-
-log = logging.getLogger(__name__)
 
 
 class Checkpointer(Lifecycle):
@@ -64,9 +60,9 @@ class Checkpointer(Lifecycle):
             is made, with ``keep_last``, ``node_local`` and ``storage_options``), or
             ``None`` (no checkpoints; steps, audit and SIGTERM handling still work).
         every_steps, every_seconds, keep_last, blocking, save_at_epoch_end, audit,
-            overlap_staging, handle_signals, exit_code, snapshot_every,
-            snapshot_budget, heartbeat_timeout: the options, as documented (and validated) by
-            :class:`~elastic_kit.CheckpointerConfig`; ``audit`` is off by default.
+            overlap_staging, handle_signals, exit_code, snapshot_every, snapshot_budget,
+            heartbeat_timeout, handle_preemption: the options, as documented (and
+            validated) by :class:`~elastic_kit.CheckpointerConfig` (``audit`` off here).
         node_local / storage_options: passed to the store made from a URL.
         info: this worker's :class:`~elastic_kit.DistInfo`; read from the environment
             and process group by :meth:`restore` when None.
@@ -94,17 +90,14 @@ class Checkpointer(Lifecycle):
                  storage_options: dict[str, Any] | None = None,
                  snapshot_every: int | str | None = "auto",
                  snapshot_budget: float = DEFAULT_BUDGET,
-                 heartbeat_timeout: float | None = DEFAULT_HEARTBEAT_TIMEOUT_S,
-                 info: DistInfo | None = None) -> None:
+                 heartbeat_timeout: float | None = health.DEFAULT_TIMEOUT_S,
+                 handle_preemption: bool = True, info: DistInfo | None = None) -> None:
         if not hasattr(state, "state_dict") or not hasattr(state, "load_state_dict"):
             raise TypeError(f"state={state!r} must be an ek.TrainState (state_dict/load_state_dict)")
         #: the options, validated (:class:`CheckpointerConfig`)
+        given = locals()  # every option is a keyword of the same name
         self.config = config = CheckpointerConfig(
-            every_steps=every_steps, every_seconds=every_seconds, keep_last=keep_last,
-            blocking=blocking, save_at_epoch_end=save_at_epoch_end, audit=audit,
-            overlap_staging=overlap_staging, handle_signals=handle_signals,
-            exit_code=exit_code, snapshot_every=snapshot_every,
-            snapshot_budget=snapshot_budget, heartbeat_timeout=heartbeat_timeout)
+            **{name: given[name] for name in CheckpointerConfig.__dataclass_fields__})
         self.state = state
         self.store, self._owns_store = _saving.open_store(
             store, info, keep_last=keep_last, node_local=node_local,
@@ -125,10 +118,11 @@ class Checkpointer(Lifecycle):
         self._last_saved_step: int | None = None
         self._hooks = Hooks()  # the SIGTERM flag and the optimizer's pre-hook
         # the flag exchange, the one step-time estimate, the save and snapshot intervals
+        self._departure = Departure(enabled=config.handle_preemption)  # a planned leave
         self._cadence = Cadence(state, self.info, self._hooks.stop, self.every_seconds,
-                                tier=lambda: self.snapshots)
+                                tier=lambda: self.snapshots, leaving=self._departure.noticed)
         self._progress = Progress(state)  # the sample position and the audit
-        self._heartbeat: Heartbeat | None = None  # beats to other nodes (from restore())
+        self._heartbeat: health.Heartbeat | None = None  # beats to other nodes (from restore())
 
     def restore(self, *, map_location: Any = None) -> int:
         """Load the newest checkpoint into the state; return the epoch to start.
@@ -166,7 +160,8 @@ class Checkpointer(Lifecycle):
                             optimizer=state.optimizer if staging else None,
                             wait_staged=lambda *_: _saving.wait_staged(self.store, self.snapshots))
         self._cadence.saved()
-        self._heartbeat = start_heartbeat(info, timeout_s=self.config.heartbeat_timeout)
+        self._heartbeat = health.start_heartbeat(info, timeout_s=self.config.heartbeat_timeout)
+        self._departure.start(info)
         return int(state.epoch)
 
     def sample_weights(self, n: int, *, device: Any = None,
@@ -220,6 +215,10 @@ class Checkpointer(Lifecycle):
         take a snapshot when due (see :meth:`Cadence.due`)."""
         sampler = self.state.sampler
         epoch_done = sampler is not None and sampler.remaining == 0
+        if flags.leave > 0:  # a node was told it will go: a planned leave, now or at the
+            self._departure.pending = True  # epoch's end (one step, one state)
+            if not epoch_done:
+                self._leave()
         if flags.stop > 0:
             if not epoch_done:
                 self._exit_after_save()
@@ -244,14 +243,6 @@ class Checkpointer(Lifecycle):
         """
         return self._cadence.paused()
 
-    def _exit_after_save(self) -> None:
-        self.save(blocking=True)
-        if self.info.is_main:
-            say(log, "SIGTERM: checkpoint step %d saved; exiting with status %d so "
-                        "torchrun restarts the group", self.state.step, self.exit_code)
-        self._close(remove_snapshots=False)  # the next group resumes from them
-        raise SystemExit(self.exit_code)
-
     def end_epoch(self) -> None:
         """Close the epoch: check the audit, move to the next epoch, save.
 
@@ -266,6 +257,8 @@ class Checkpointer(Lifecycle):
         self._progress.next_epoch()
         if stop:
             self._exit_after_save()
+        if self._departure.pending:
+            self._leave()
         self._take(*self._cadence.at_epoch_end(self.save_at_epoch_end))
 
     def finish_audit(self) -> EpochAudit | None:

@@ -66,6 +66,11 @@ class CheckpointerConfig:
             re-forms the group, instead of waiting in their collective for the process
             group's timeout. Only in groups of two nodes or more; ``None`` or ``0``:
             off; ``$ELASTIC_KIT_HEARTBEAT_TIMEOUT`` overrides it.
+        handle_preemption: turn a preemption notice (the cloud's metadata service, read
+            only on GCE, AWS or Azure hosts; SIGUSR1, SLURM's ``--signal``) into a
+            planned leave: every rank snapshots the same step, the snapshot reaches a
+            peer node's memory, the announced node leaves and the others restart
+            without it, with nothing redone (see :mod:`elastic_kit.health`).
 
     Example::
 
@@ -87,6 +92,7 @@ class CheckpointerConfig:
     snapshot_every: int | str | None = "auto"
     snapshot_budget: float = DEFAULT_BUDGET
     heartbeat_timeout: float | None = DEFAULT_HEARTBEAT_TIMEOUT_S
+    handle_preemption: bool = True
 
     def __post_init__(self) -> None:
         def bad(name: str, expected: str) -> ValueError:

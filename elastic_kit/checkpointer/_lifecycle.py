@@ -1,6 +1,6 @@
-"""How a checkpointer ends: on request (SIGTERM or :meth:`request_stop`),
-collectively when training is over, or on one rank alone while an exception
-propagates.
+"""How a checkpointer ends: on request (SIGTERM or :meth:`request_stop`: save and
+exit), by a planned leave (a preemption notice), collectively when training is over,
+or on one rank alone while an exception propagates.
 
 The last two differ in the one thing that matters on a failing group: whether a
 collective may run. Kept apart from the training-time methods so that difference is
@@ -9,20 +9,27 @@ read in one place.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, TypeVar
+import logging
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
+
+from elastic_kit._console import say
 
 from elastic_kit.checkpointer import _saving
 from elastic_kit.distributed import is_dist_ready
 
 if TYPE_CHECKING:
     from elastic_kit.checkpointer._cadence import Cadence
+    from elastic_kit.checkpointer._departure import Departure
     from elastic_kit.checkpointer._hooks import Hooks
     from elastic_kit.checkpointer._store_like import StoreLike
     from elastic_kit.distributed import DistInfo
     from elastic_kit.health import Heartbeat
     from elastic_kit.snapshot import SnapshotTier
+    from elastic_kit.state import TrainState
 
 __all__ = ["Lifecycle"]
+
+log = logging.getLogger(__name__)
 
 _Self = TypeVar("_Self", bound="Lifecycle")
 
@@ -38,6 +45,11 @@ class Lifecycle:
     _hooks: Hooks
     _cadence: Cadence
     _heartbeat: Heartbeat | None
+    _departure: Departure
+    state: TrainState
+    exit_code: int
+    save: Callable[..., None]  # the Checkpointer's methods
+    snapshot: Callable[[], None]
 
     @property
     def stop_requested(self) -> bool:
@@ -83,11 +95,29 @@ class Lifecycle:
         self._cadence.abandon()
         _saving.abandon(self.store, self.snapshots)
 
+    def _exit_after_save(self) -> None:
+        self.save(blocking=True)
+        if self.info.is_main:
+            say(log, "SIGTERM: checkpoint step %d saved; exiting with status %d so "
+                        "torchrun restarts the group", self.state.step, self.exit_code)
+        self._close(remove_snapshots=False)  # the next group resumes from them
+        raise SystemExit(self.exit_code)
+
+    def _leave(self) -> None:
+        def snapshot() -> bool:
+            self.snapshot()
+            return self.snapshots is not None and self.snapshots.enabled
+
+        self._departure.leave(self.info, self.state.step, snapshot=snapshot, save=self.save,
+                              close=lambda: self._close(remove_snapshots=False),
+                              exit_code=self.exit_code)
+
     def _stop_heartbeat(self) -> None:
         # a goodbye first: a peer that finished (or failed in Python) is not silent
         if self._heartbeat is not None:
             self._heartbeat.close()
             self._heartbeat = None
+        self._departure.close()
 
     def __enter__(self: _Self) -> _Self:
         return self

@@ -1,0 +1,119 @@
+"""A planned leave: an announced departure costs no step.
+
+When a node is told it will go (a cloud's preemption notice, the scheduler's signal;
+see :class:`~elastic_kit.health.PreemptionWatcher`), its ranks raise the ``leave``
+flag of the next exchange, so every rank learns it at the same step. There:
+
+1. the ranks learn which nodes leave (one small gather);
+2. the state of that step goes into memory: a snapshot on every node, each streamed
+   to the next node as always; the close that follows waits until this node's
+   snapshot is written and its stream has landed in the peer's memory, and its
+   barrier lets no rank go on before every node got that far. Without snapshots, or
+   when every node leaves (no memory survives), a durable checkpoint instead;
+3. the leaving ranks exit 0 and local rank 0 of a leaving node sends SIGTERM to its
+   torchrun agent, which then stops without closing the rendezvous (a finished
+   agent would close it, ending the job for everyone); its keep-alives stop, so the
+   rendezvous drops the node;
+4. the staying ranks exit with the checkpointer's ``exit_code``, torchrun restarts
+   them without the leaving node, and the restore finds the step just taken in their
+   own memory: nothing is redone.
+
+torchrun counts the survivors' restart against ``--max-restarts``, as every
+scale-down: its agents restart a healthy group only for a node that joins.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from typing import Callable, NoReturn
+
+from elastic_kit._console import say
+from elastic_kit.distributed import DistInfo, all_gather_object, is_dist_ready
+from elastic_kit.health import PreemptionWatcher
+
+__all__ = ["Departure"]
+
+log = logging.getLogger(__name__)
+
+
+class Departure:
+    """This rank's preemption watcher and the leave it leads to.
+
+    Args:
+        enabled: watch for notices at all (``CheckpointerConfig.handle_preemption``).
+    """
+
+    def __init__(self, *, enabled: bool) -> None:
+        self.enabled = enabled
+        self.notice: str | None = None
+        self._noticed = threading.Event()
+        self._watcher: PreemptionWatcher | None = None
+        #: a leave agreed at an epoch's last step waits for the epoch's end
+        self.pending = False
+
+    def start(self, info: DistInfo) -> None:
+        """Start watching (each node's local rank 0 polls the metadata service; every
+        rank catches the notice signals)."""
+        if not self.enabled or self._watcher is not None:
+            return
+        try:
+            self._watcher = PreemptionWatcher(self._on_notice,
+                                              poll_metadata=info.local_rank == 0).start()
+        except ValueError as e:  # a bad ELASTIC_KIT_* setting: say so, train on
+            log.warning("preemption notices are not watched: %s", e)
+
+    def _on_notice(self, what: str) -> None:
+        self.notice = what
+        self._noticed.set()
+
+    def noticed(self) -> bool:
+        """Whether this rank was told its node will go (the exchange's ``leave`` flag)."""
+        return self._noticed.is_set()
+
+    def close(self) -> None:
+        if self._watcher is not None:
+            self._watcher.close()
+            self._watcher = None
+
+    def leave(self, info: DistInfo, step: int, *, snapshot: Callable[[], bool],
+              save: Callable[[], None], close: Callable[[], None], exit_code: int) -> NoReturn:
+        """Carry out the agreed leave at ``step`` (collective: every rank, at the same step).
+
+        ``snapshot`` takes one now and says whether snapshots are on; ``save`` saves
+        durably; ``close`` closes the checkpointer (waits for the writes and the
+        replica streams; a barrier).
+        """
+        notices = all_gather_object((info.node_rank, self.notice)) if is_dist_ready() else [
+            (info.node_rank, self.notice)]
+        leaving = sorted({node for node, what in notices if what is not None})
+        what = next(w for _, w in notices if w is not None)
+        everyone = set(leaving) >= {node for node, _ in notices}
+        if everyone or not snapshot():
+            save()
+        close()
+        step_kept = "a durable checkpoint" if everyone else "memory on the nodes that stay"
+        if info.node_rank in leaving:
+            if info.is_local_main:
+                say(log, "this node leaves at step %d (%s): the state is in %s%s", step, what,
+                    step_kept, "; stopping its torchrun agent" if info.under_torchrun else "")
+                _stop_agent(info)
+            raise SystemExit(exit_code if everyone else 0)
+        if info.is_main:
+            say(log, "node(s) %s leave at step %d (%s): the state is in %s; restarting "
+                "without them (status %d)", leaving, step, what, step_kept, exit_code)
+        raise SystemExit(exit_code)
+
+
+def _stop_agent(info: DistInfo) -> None:
+    """SIGTERM this worker's torchrun agent (its parent): it stops its workers and
+    exits without closing the rendezvous, and its keep-alives end."""
+    agent = os.getppid()
+    if not info.under_torchrun or agent <= 1:
+        return
+    try:
+        os.kill(agent, signal.SIGTERM)
+    except OSError as e:
+        log.warning("could not stop the torchrun agent (pid %d): %r", agent, e)

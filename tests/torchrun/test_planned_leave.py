@@ -1,0 +1,73 @@
+"""An announced preemption is a planned leave with nothing redone (real torchrun
+agents, a fake GCE metadata server on 127.0.0.1, gloo, CPU).
+
+Two agents train the own-loop example; the second one's host is a "GCE Spot VM"
+whose metadata server announces a preemption 30 s ahead. At the next exchange every
+rank snapshots the same step, the snapshot reaches the other node's memory, the
+announced node stops its agent and leaves, and the survivor restarts alone and
+resumes from its own memory at exactly the step the group left: no step redone, every
+sample counted once.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from elastic_kit.testing import FakeMetadataServer, LocalCluster, wait_for
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+TRAIN = ROOT / "examples" / "own_loop" / "train.py"
+SIZE, BATCH, EPOCHS = 320, 8, 6
+FAST_RDZV = "join_timeout=60,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"
+_LINE = re.compile(r"Epoch: \[0\] \[(\d+)/\d+\] loss")
+_LEAVE = re.compile(r"node\(s\) \[1\] leave at step (\d+) \(GCE: instance/preempted is TRUE\)")
+
+
+def test_an_announced_preemption_leaves_with_no_step_redone(tmp_path: Path) -> None:
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    args = [str(TRAIN), "--synthetic", str(SIZE), "--image-size", "32", "--epochs",
+            str(EPOCHS), "-b", str(BATCH), "-j", "0", "-p", "1", "--seed", "3",
+            "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "1000",
+            "--snapshot-every", "1000", "--audit",
+            "--summary-json", str(tmp_path / "summary.json")]
+    env = {"OMP_NUM_THREADS": "1", "ELASTIC_KIT_SNAPSHOT_DIR": str(shm)}
+    with FakeMetadataServer("gce") as gce, LocalCluster(
+            args, nnodes="1:2", nproc_per_node=1, max_restarts=3, rdzv_conf=FAST_RDZV,
+            env=env, log_dir=tmp_path / "logs") as cluster:
+        first = cluster.add_agent(env={"ELASTIC_KIT_CLOUD": "none"})
+        second = cluster.add_agent(env={"ELASTIC_KIT_CLOUD": "gce",
+                                        "ELASTIC_KIT_METADATA_URL": gce.url})
+
+        def steps_of_two() -> int:
+            log = first.read_log()
+            start = log.find("world size 2 on")
+            return 0 if start < 0 else len(_LINE.findall(log[start:]))
+
+        wait_for(lambda: steps_of_two() >= 5, 120, interval=0.02, what="5 steps at world size 2",
+                 abort_if=cluster.all_exited)
+        gce.announce(lead_s=30)
+        announced = time.monotonic()
+        wait_for(lambda: not second.alive, 30, interval=0.05, what="the announced node leaving")
+        left_s = time.monotonic() - announced
+        wait_for(lambda: "world size 1 on" in first.read_log(), 60, interval=0.05,
+                 what="the survivor's group of one", abort_if=lambda: not first.alive)
+        code = first.proc.wait(timeout=180)
+        log, gone = first.read_log(), second.read_log()
+    assert code == 0, log[-20000:]
+    assert "this node leaves at step" in gone and "stopping its torchrun agent" in gone, gone[-8000:]
+    assert left_s < 30.0, left_s  # within the notice
+    (left_at,) = map(int, _LEAVE.findall(log))
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    resumed = summary["world_sizes"][-1]
+    assert resumed["world_size"] == 1 and resumed["restored_from"] == "memory", summary
+    assert resumed["restored_step"] == left_at, (left_at, summary["world_sizes"])  # none redone
+    assert summary["audit"] == [{"epoch": e, "count": SIZE, "expected": SIZE, "ok": True}
+                                for e in range(EPOCHS)]
