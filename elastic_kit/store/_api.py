@@ -63,7 +63,9 @@ def load_checkpoint(state: Any, url_or_store: str | os.PathLike[str] | Checkpoin
 
     ``state`` is updated with ``load_state_dict`` when it has one, with ``dict.update``
     when it is a dict, and left alone when None. Collective, like
-    :meth:`CheckpointStore.load`; ``kw`` holds store options and ``map_location``.
+    :meth:`CheckpointStore.load`; ``kw`` holds store options and ``map_location``. A
+    sharded checkpoint is loaded into ``state``'s own layout (the DTensors of an FSDP2
+    model's :class:`~elastic_kit.TrainState`, or of a dict).
 
     Example::
 
@@ -72,6 +74,10 @@ def load_checkpoint(state: Any, url_or_store: str | os.PathLike[str] | Checkpoin
     """
     store, owned = _store(url_or_store, dict(kw))
     load_kw = {k: v for k, v in kw.items() if k not in _STORE_OPTIONS}
+    if "into" not in load_kw and getattr(state, "sharded", False):
+        load_kw["into"] = state.state_dict  # a sharded state loads into its own layout
+    elif "into" not in load_kw and isinstance(state, dict):
+        load_kw["into"] = state
     try:
         loaded = store.load(**load_kw)
         store.keep_copy(loaded)

@@ -86,8 +86,11 @@ def _load_job(url: str, storage_options: dict | None, seed: int, then_save: int 
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     state = ek.TrainState(model, opt)
     store = ek.CheckpointStore(url, storage_options=storage_options)
-    loaded = store.load(into=state.state_dict)
-    state.load_state_dict(loaded.state)
+    if info.world_size == 1:  # the function form finds the layout in the TrainState
+        loaded = ek.load_checkpoint(state, store)
+    else:
+        loaded = store.load(into=state.state_dict)
+        state.load_state_dict(loaded.state)
     full = _full(model, opt)
     if then_save is not None:
         state.step = then_save
