@@ -230,3 +230,127 @@ def test_resharded_restore_from_an_object_store(s3_bucket) -> None:  # noqa: F81
     got = spawn_multi_process(3, _load_job, f"{url}/run", opts, 1, None)
     assert [r["step"] for r in got] == [3, 3, 3]
     assert got[0]["full"] == saved[0]["full"]
+
+
+# ---------------------------------------------------------------------- placements
+def _tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(11)
+    return {"a": torch.randn(7, 10, generator=g), "b": torch.randn(5, 9, generator=g),
+            "c": torch.arange(12, dtype=torch.int64).reshape(3, 4),
+            "d": torch.randn(6, generator=g).to(torch.bfloat16)}
+
+
+def _placements_job(url: str, layout: dict[str, str], save: bool) -> dict:
+    """Save (or load) DTensors of ``_tensors()`` with the placements ``layout`` names."""
+    import elastic_kit as ek
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    info = ek.init_distributed()
+    mesh = init_device_mesh("cpu", (info.world_size,))
+    kinds = {"S0": Shard(0), "S1": Shard(1), "R": Replicate()}
+    full = _tensors()
+    state = {"t": {k: distribute_tensor(v if save else torch.zeros_like(v), mesh,
+                                        [kinds[layout[k]]]) for k, v in full.items()},
+             "plain": torch.ones(2), "n": 3}
+    store = ek.CheckpointStore(url)
+    if save:
+        store.save(state, step=1)
+        return {}
+    loaded = store.load(into=state)
+    got = loaded.state["t"]
+    return {"equal": {k: torch.equal(got[k].full_tensor(), full[k]) for k in full},
+            "placements": {k: str(got[k].placements[0]) for k in full},
+            "plain": loaded.state["plain"].tolist(), "n": loaded.state["n"]}
+
+
+def test_any_placement_loads_into_any_other(tmp_path) -> None:
+    url = str(tmp_path / "ckpt")
+    spawn_multi_process(2, _placements_job, url, {"a": "S1", "b": "R", "c": "S0", "d": "S0"},
+                        True)
+    m = json.loads((tmp_path / "ckpt" / "step-000000000001" / "manifest.json").read_text())
+    b = [c for c in m["sharded"]["chunks"] if m["sharded"]["tensors"][c["tensor"]]["path"]
+         == "['t']['b']"]
+    assert [c["file"] for c in b] == ["shards-00000.bin"]  # a replicated tensor: written once
+    # column shards read into row shards and back, a replicated one into shards
+    got = spawn_multi_process(3, _placements_job, url,
+                              {"a": "S0", "b": "S1", "c": "S1", "d": "R"}, False)
+    for r in got:
+        assert r["equal"] == {"a": True, "b": True, "c": True, "d": True}
+        assert r["placements"] == {"a": "S(0)", "b": "S(1)", "c": "S(1)", "d": "R"}
+        assert r["plain"] == [1.0, 1.0] and r["n"] == 3
+
+
+# ---------------------------------------------------------------------- faults
+def _faulty_job(root: str) -> dict:
+    import errno
+
+    import fsspec
+
+    import elastic_kit as ek
+    from elastic_kit.testing import FaultFileSystem
+
+    info = ek.init_distributed()
+    model = _model(1)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    _train(model, opt, 1, 1)
+    state = ek.TrainState(model, opt)
+    ffs = FaultFileSystem(fsspec.filesystem("file"))
+    store = ek.CheckpointStore(root, filesystem=ffs)
+    store.save(state.state_dict(), step=1)
+    if info.rank == 1:  # this rank's disk fills up half way through its shards
+        ffs.add("write", match="shards-00001", after_bytes=100,
+                error=OSError(errno.ENOSPC, "No space left on device"))
+    _train(model, opt, 1, 2)
+    try:
+        store.save(state.state_dict(), step=2)
+        raised = None
+    except Exception as e:
+        raised = f"{type(e).__name__}: {e}"
+    steps = [i.step for i in store.list()]
+    loaded = store.load(into=state.state_dict)
+    return {"raised": raised, "steps": steps, "loaded": loaded.step}
+
+
+def test_a_rank_that_cannot_write_its_shards_fails_the_save_on_every_rank(tmp_path) -> None:
+    root = tmp_path / "ckpt"
+    got = spawn_multi_process(2, _faulty_job, str(root))
+    assert "No space left" in got[1]["raised"]
+    assert "rank 1 could not write its shards" in got[0]["raised"]
+    for r in got:
+        assert r["steps"] == [1] and r["loaded"] == 1  # nothing of step 2 committed
+    assert not (root / "step-000000000002" / "manifest.json").exists()
+    assert not list(root.glob("step-000000000002/shards-*"))  # its files removed
+
+
+def _resave_job(root: str) -> dict:
+    import elastic_kit as ek
+
+    ek.init_distributed()
+    model = _model(1)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    state = ek.TrainState(model, opt)
+    store = ek.CheckpointStore(root, keep_last=1)
+    _train(model, opt, 1, 1)
+    store.save(state.state_dict(), step=1)
+    first = sorted(store.list()[-1].manifest.files)
+    _train(model, opt, 1, 2)
+    store.save(state.state_dict(), step=1)  # the same step again: replaced, never uncommitted
+    second = sorted(store.list()[-1].manifest.files)
+    resaved = _full(model, opt)
+    store.load(into=state.state_dict)  # reads the replacement
+    again = _full(model, opt)
+    _train(model, opt, 1, 3)
+    store.save(state.state_dict(), step=2)
+    store.close()
+    return {"first": first, "second": second, "same": resaved == again,
+            "steps": [i.step for i in store.list()]}
+
+
+def test_a_resaved_step_switches_to_new_files_and_retention_keeps_the_newest(tmp_path) -> None:
+    got = spawn_multi_process(2, _resave_job, str(tmp_path / "ckpt"))[0]
+    assert got["first"] == ["shards-00000.bin", "shards-00001.bin", "state.pt"]
+    assert len(got["second"]) == 3 and not set(got["second"]) & set(got["first"])
+    assert got["same"] is True
+    assert got["steps"] == [2]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-000000000002"]
