@@ -17,6 +17,17 @@ after training resumed from the previous event, plus a random fraction of a step
 2. ``kill_node``: SIGKILL agent 1 and everything below it (a lost node); W=2 -> 1;
 3. ``add_node``: start a new agent (a node joins); W=1 -> 2.
 
+Departures (``--events preempt_node,add_node,freeze_node``; each acts on the newest
+agent but the first, which hosts the rendezvous):
+
+4. ``preempt_node``: that agent's own fake GCE metadata server
+   (:class:`elastic_kit.testing.FakeMetadataServer`) announces a preemption 30 s
+   ahead; 30 s later the agent and its workers are SIGKILLed if still there (the VM
+   goes); ``leave_s``: announcement -> the agent gone; ``after_leave_s``: agent gone
+   -> the survivors' first step;
+5. ``freeze_node``: SIGSTOP that agent and its workers (a frozen VM, a kernel hang,
+   a partition: sockets stay open).
+
 Variants, interleaved (each repeat runs every variant with the same random moments):
 
 - ``ours``: exactly the README's launch settings, ``--rdzv-conf=`` :data:`RDZV_CONF`
@@ -26,6 +37,9 @@ Variants, interleaved (each repeat runs every variant with the same random momen
 - ``ours_fork``: the same, launched the README's fast-restart way: ``python -m
   elastic_kit.run --preload torchvision ... --start-method=fork --run-path`` (workers
   forked from the agent, which has torch, ``torch._dynamo`` and torchvision imported);
+- ``ours_no_departures``: ``ours`` without heartbeats or preemption notices
+  (``ELASTIC_KIT_HEARTBEAT_TIMEOUT=0``, ``ELASTIC_KIT_CLOUD=none``): the library before
+  it handled departures, the baseline of events 4 and 5;
 - ``baseline``: what a user would otherwise run: torchrun's default rendezvous
   settings (30 s last call, keep-alive 5 s x 3, no ``--rdzv-conf``) and a checkpoint
   at the end of each epoch only (the pytorch/elastic example's frequency, no
@@ -60,6 +74,8 @@ Usage::
     .venv/bin/python benchmarks/bench_recovery.py            # 3 variants x 3 events, twice
     .venv/bin/python benchmarks/bench_recovery.py --quick    # 3 variants x 3 events, once
     .venv/bin/python benchmarks/bench_recovery.py --smoke    # ours + baseline, kill_worker only
+    .venv/bin/python benchmarks/bench_recovery.py --quick --variants ours,ours_no_departures \
+        --events preempt_node,add_node,freeze_node              # departures vs before
 """
 
 from __future__ import annotations
@@ -90,13 +106,18 @@ GOAL_S = 10.0
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "ours": {"rdzv_conf": RDZV_CONF, "checkpoint_every": CHECKPOINT_EVERY, "fork": False,
-             "snapshot_every": "auto"},
+             "snapshot_every": "auto", "departures": True},
     "ours_fork": {"rdzv_conf": RDZV_CONF, "checkpoint_every": CHECKPOINT_EVERY, "fork": True,
-                  "snapshot_every": "auto"},
+                  "snapshot_every": "auto", "departures": True},
+    "ours_no_departures": {"rdzv_conf": RDZV_CONF, "checkpoint_every": CHECKPOINT_EVERY,
+                           "fork": False, "snapshot_every": "auto", "departures": False},
     # torchrun's defaults; only the epoch-end checkpoint (a period longer than an epoch)
-    "baseline": {"rdzv_conf": "", "checkpoint_every": 10**6, "fork": False},
+    "baseline": {"rdzv_conf": "", "checkpoint_every": 10**6, "fork": False,
+                 "departures": False},
 }
 EVENTS = ("kill_worker", "kill_node", "add_node")
+DEPARTURES = ("preempt_node", "freeze_node")
+NOTICE_S = 30.0  # GCE Spot's notice
 
 PAT = {
     "failed": re.compile(r"Worker group FAILED|Detected \d+ new nodes"),
@@ -217,7 +238,7 @@ def run_once(work: Path, data: Path, *, variant: dict[str, Any], events: tuple[s
     to wait after training resumed before event ``i``. The run ends ``settle_steps``
     past the last event, or at ``until_step`` when given (the time it is logged is
     ``t_end``)."""
-    from elastic_kit.testing import LocalCluster
+    from elastic_kit.testing import FakeMetadataServer, LocalCluster
 
     ckpt = work / "ckpt"
     argv = [str(EXAMPLE), str(data), "-a", "tinycnn", "--image-size", "32", "-j", "0",
@@ -242,9 +263,37 @@ def run_once(work: Path, data: Path, *, variant: dict[str, Any], events: tuple[s
                            torchrun_args=["--start-method=fork", "--run-path"] if fork else (),
                            launcher="elastic_kit.run" if fork else "torch.distributed.run",
                            launcher_args=["--preload", "torchvision"] if fork else ())
+    servers: dict[int, Any] = {}  # agent index -> its own metadata server
+
+    def add_agent() -> Any:
+        server = FakeMetadataServer("gce").start()
+        env = {"ELASTIC_KIT_CLOUD": "gce", "ELASTIC_KIT_METADATA_URL": server.url}
+        if not variant.get("departures", True):
+            env = {"ELASTIC_KIT_CLOUD": "none", "ELASTIC_KIT_HEARTBEAT_TIMEOUT": "0"}
+        agent = cluster.add_agent(env=env)
+        servers[agent.index] = server
+        return agent
+
+    def newest() -> Any:  # the newest agent alive but the first (the rendezvous host)
+        return max((a for a in cluster.alive_agents() if a.index != 0), key=lambda a: a.index)
+
+    gone: dict[int, float] = {}
+
+    def preempt() -> None:
+        agent = newest()
+        servers[agent.index].announce(NOTICE_S)
+
+        def vm_goes() -> None:  # the agent leaves, or the VM goes at the notice's end
+            try:
+                agent.proc.wait(timeout=NOTICE_S)
+            except subprocess.TimeoutExpired:
+                cluster.kill_agent(agent)
+            gone[agent.index] = time.monotonic() - t0
+        threading.Thread(target=vm_goes, daemon=True).start()
+
     try:
-        cluster.add_agent()
-        cluster.add_agent()
+        add_agent()
+        add_agent()
         _wait(lambda: watcher.world_size() == 2 and watcher.last_step() >= 2, 240,
               "a 2-worker group training", cluster)
 
@@ -263,13 +312,16 @@ def run_once(work: Path, data: Path, *, variant: dict[str, Any], events: tuple[s
                                      for e2, _, k2, _ in watcher.snapshot())),
                   240, f"training at W={w_after} after {name}", cluster)
             marks.append({"event": name, "t": t, "step_at_event": step_at,
-                          "survivors": survivors, "w_after": w_after})
+                          "survivors": survivors, "w_after": w_after,
+                          "agent": max(gone, default=None) if name == "preempt_node" else None})
 
         a1 = cluster.agents[1]
         actions = {
             "kill_worker": (lambda: cluster.kill_worker(a1, sig=signal.SIGKILL), {0, 1}, 2),
             "kill_node": (lambda: cluster.kill_agent(a1), {0}, 1),
-            "add_node": (lambda: cluster.add_agent(), {0}, 2),
+            "add_node": (add_agent, {0}, 2),
+            "preempt_node": (preempt, {0}, 1),
+            "freeze_node": (lambda: cluster.kill_agent(newest(), signal.SIGSTOP), {0}, 1),
         }
         for i, name in enumerate(events):
             action, survivors, w_after = actions[name]
@@ -285,6 +337,8 @@ def run_once(work: Path, data: Path, *, variant: dict[str, Any], events: tuple[s
     finally:
         cluster.close()
         watcher.stop()
+        for server in servers.values():
+            server.close()
         shutil.rmtree(shm, ignore_errors=True)
         if keep_logs is not None:
             shutil.copytree(log_dir, keep_logs, dirs_exist_ok=True)
@@ -295,7 +349,12 @@ def run_once(work: Path, data: Path, *, variant: dict[str, Any], events: tuple[s
         regain = _regain(evs, m)
         assert regain is not None, f"no step past {m['step_at_event']} after {m['event']}"
         restored, t_regain = regain
-        out.append({"event": m["event"], "w_after": m["w_after"],
+        extra = {}
+        if m["event"] == "preempt_node" and m["agent"] is not None:
+            t_gone = gone[m["agent"]]
+            extra = {"leave_s": round(t_gone - m["t"], 3),
+                     "after_leave_s": round(m["t"] + ph["total"] - t_gone, 3)}
+        out.append({"event": m["event"], "w_after": m["w_after"], **extra,
                     "step_at_event": m["step_at_event"], "restored_step": restored,
                     "steps_redone": max(m["step_at_event"] - restored, 0),
                     **{k: round(v, 3) for k, v in ph.items()},
@@ -375,14 +434,16 @@ def main() -> None:
     repeats = args.repeats or (1 if args.quick or args.smoke else 2)
     variants = (args.variants or ("ours,baseline" if args.smoke else ",".join(VARIANTS))).split(",")
     events = tuple((args.events or ("kill_worker" if args.smoke else ",".join(EVENTS))).split(","))
+    known = EVENTS + DEPARTURES
     for v in variants:
         if v not in VARIANTS:
             ap.error(f"--variants: {v!r} is not one of {', '.join(VARIANTS)}")
-    if "ours" not in variants or "baseline" not in variants:
-        ap.error("--variants must include ours and baseline (the ratios compare them)")
+    if "ours" not in variants or not {"baseline", "ours_no_departures"} & set(variants):
+        ap.error("--variants must include ours and baseline or ours_no_departures "
+                 "(the ratios compare them)")
     for e in events:
-        if e not in EVENTS:
-            ap.error(f"--events: {e!r} is not one of {', '.join(EVENTS)}")
+        if e not in known:
+            ap.error(f"--events: {e!r} is not one of {', '.join(known)}")
     max_offset = CHECKPOINT_EVERY if args.smoke else EPOCH_STEPS
     load0 = _common.load_avg()
     base = Path(tempfile.mkdtemp(prefix="ek-bench-recovery-"))
@@ -420,7 +481,9 @@ def main() -> None:
     keys = ("detect", "rendezvous", "worker_start", "restore", "first_step", "total",
             "steps_redone", "regain")
     summary = {v: {e: {k: round(statistics.median(r["events"][j][k] for r in runs[v]), 3)
-                       for k in keys} for j, e in enumerate(events)} for v in variants}
+                       for k in keys + ("leave_s", "after_leave_s")
+                       if all(k in r["events"][j] for r in runs[v])}
+                   for j, e in enumerate(events)} for v in variants}
 
     def ratio(num: str, den: str, key: str) -> dict[str, float | None]:
         if num not in summary or den not in summary:
@@ -445,6 +508,8 @@ def main() -> None:
         "ratio_total_baseline_vs_ours": ratio("baseline", "ours", "total"),
         "ratio_regain_baseline_vs_ours": ratio("baseline", "ours", "regain"),
         "ratio_total_ours_vs_ours_fork": ratio("ours", "ours_fork", "total"),
+        "ratio_total_before_vs_ours": ratio("ours_no_departures", "ours", "total"),
+        "ratio_regain_before_vs_ours": ratio("ours_no_departures", "ours", "regain"),
         "goal_total_s": GOAL_S,
         "kill_worker_total_s": summary["ours"].get("kill_worker", {}).get("total"),
         "kill_worker_under_goal": all(e["total"] < GOAL_S for r in runs["ours"]

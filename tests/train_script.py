@@ -40,6 +40,7 @@ import hashlib
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -108,6 +109,9 @@ class TrainConfig:
             worker's plumbing (see the module docstring).
         crash_in_save_at_step, crash_marker: the injected store fault (once: the
             marker file records that it happened).
+        notice_after, notice_rank: rank ``notice_rank`` sends itself SIGUSR1 (a
+            preemption notice) after that many steps of this life; the life then ends
+            with the planned leave's exit: ``{"left_at": step, "code": status}``.
     """
 
     url: str | None = None
@@ -150,6 +154,8 @@ class TrainConfig:
     log_steps: bool = False
     crash_in_save_at_step: int | None = None
     crash_marker: str | None = None
+    notice_after: int | None = None
+    notice_rank: int = 0
 
     def __post_init__(self) -> None:
         for name, value, allowed in (
@@ -313,10 +319,19 @@ def _own_loop(cfg: TrainConfig, info: ek.DistInfo, model: nn.Module, opt: Any, s
                 extras["ema"].update_parameters(ek.unwrap_model(model))
             if "seen" in extras:
                 extras["seen"] += 1
-            ckpt.step(len(x))
+            try:
+                ckpt.step(len(x))
+            except SystemExit as e:
+                if cfg.notice_after is None:
+                    raise
+                return {"left_at": state.step, "code": e.code}
             done += 1
+            if cfg.step_delay:
+                time.sleep(cfg.step_delay)
             if cfg.stop_after is not None and done >= cfg.stop_after:
                 return stop()
+            if done == cfg.notice_after and info.rank == cfg.notice_rank:
+                os.kill(os.getpid(), signal.SIGUSR1)
         stopping = cfg.stop_epoch is None or cfg.stop_epoch == epoch
         for call in cfg.epoch_end:
             if call == "end_epoch" and stopping and cfg.stop_at == "before_end_epoch":

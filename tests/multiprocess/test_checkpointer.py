@@ -260,3 +260,21 @@ def test_step_time_leaves_out_the_time_spent_in_hooks(monkeypatch: pytest.Monkey
     clock[0] += 0.4  # the next window has no hooks: the excluded time was reset
     cadence.local_flags()
     assert cadence.step_s == pytest.approx(0.04)
+
+
+def test_a_preemption_signal_on_one_rank_leaves_every_rank_at_one_saved_step(
+        tmp_path: Any) -> None:
+    # one node: every node leaves, so the step goes to the durable store and the
+    # ranks exit with the SIGTERM status; the next life resumes exactly there
+    url = str(tmp_path / "run")
+    # steps of 10 ms: the ranks exchange their flags every ~20 steps (0.2 s of training)
+    cfg = TrainConfig(url=url, dataset_size=200, features=5, target="x0+x1", data_seed=3,
+                      epochs=2, batch_size=BATCH, checkpoint={"every_steps": 1000, "audit": True},
+                      notice_after=3, notice_rank=1, step_delay=0.01)
+    left = spawn_multi_process(2, train, cfg)
+    step = left[0]["left_at"]
+    assert left == [{"left_at": step, "code": 143}] * 2 and step >= 3
+    assert ek.CheckpointStore(url).latest_step() == step  # the leave's own checkpoint
+    rest = spawn_multi_process(2, train, TrainConfig(**{**cfg.__dict__, "notice_after": None}))
+    assert [r["restored"] for r in rest] == [step, step]
+    assert rest[0]["audit"] == [(0, 200, True), (1, 200, True)]
