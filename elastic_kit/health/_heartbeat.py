@@ -335,11 +335,24 @@ def start_heartbeat(info: DistInfo, *, timeout_s: float | None = DEFAULT_TIMEOUT
     timeout_s = timeout_from_env(timeout_s)
     if not timeout_s or not is_dist_ready() or info.num_nodes < 2:
         return None
-    hb = Heartbeat(rank=info.rank, send_to=None, watch=None, token=b"", label="",
-                   timeout_s=timeout_s, on_silent=on_silent)
+    hb: Heartbeat | None = None
+    try:
+        hb = Heartbeat(rank=info.rank, send_to=None, watch=None, token=b"", label="",
+                       timeout_s=timeout_s, on_silent=on_silent)
+    except OSError as e:  # no address to listen on: every rank learns it below
+        log.warning("rank %d cannot listen for heartbeats on %s: %r", info.rank,
+                    side_channel_host(), e)
     token = secrets.token_bytes(32) if info.rank == 0 else None
     token = broadcast_object(token, src=0)
-    everyone = all_gather_object((info.node_rank, info.local_rank, hb.address))
+    everyone = all_gather_object((info.node_rank, info.local_rank,
+                                  None if hb is None else hb.address))
+    if hb is None or any(addr is None for _, _, addr in everyone):
+        if hb is not None:
+            hb.close()
+        if info.is_main:
+            log.warning("heartbeats are off: a rank could not listen for them (see its log); "
+                        "a frozen host is noticed at the process group's timeout")
+        return None
     where = {(node, local): (rank, addr) for rank, (node, local, addr) in enumerate(everyone)}
     nodes = sorted({node for node, _, _ in everyone})
     at = nodes.index(info.node_rank)

@@ -1,0 +1,44 @@
+"""The heartbeat ring forms from the process group: each worker beats to the same local
+rank on the next node and watches the previous one; one node has no heartbeat."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import elastic_kit as ek
+from elastic_kit.distributed import barrier
+from elastic_kit.health import start_heartbeat
+from elastic_kit.testing import spawn_multi_process
+
+
+def _ring() -> dict[str, Any]:
+    info = ek.init_distributed()
+    hb = start_heartbeat(info, timeout_s=2.0)
+    if hb is None:
+        return {"rank": info.rank, "heartbeat": None}
+    time.sleep(0.6)
+    beating = hb.last_beat > time.monotonic() - 0.5 and hb.silent is None
+    barrier()
+    if info.node_rank == 1:
+        hb.close()  # a goodbye, then the process group's barrier
+    barrier()
+    time.sleep(0.3)
+    out = {"rank": info.rank, "node": info.node_rank, "watch": hb.watch, "beating": beating,
+           "said_bye": hb.said_bye, "silent": hb.silent}
+    hb.close()
+    return out
+
+
+def test_each_worker_watches_its_local_rank_on_the_previous_node() -> None:
+    out = spawn_multi_process(4, _ring, local_world_size=2)  # two nodes of two
+    assert [(o["rank"], o["node"], o["watch"]) for o in out] == [
+        (0, 0, 2), (1, 0, 3), (2, 1, 0), (3, 1, 1)]
+    assert all(o["beating"] and o["silent"] is None for o in out)
+    # node 1 said goodbye: node 0 stops watching it and never calls it silent
+    assert [o["said_bye"] for o in out] == [True, True, False, False]
+
+
+def test_one_node_has_no_heartbeat() -> None:
+    out = spawn_multi_process(2, _ring, local_world_size=2)
+    assert out == [{"rank": 0, "heartbeat": None}, {"rank": 1, "heartbeat": None}]
