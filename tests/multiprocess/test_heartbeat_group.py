@@ -42,3 +42,27 @@ def test_each_worker_watches_its_local_rank_on_the_previous_node() -> None:
 def test_one_node_has_no_heartbeat() -> None:
     out = spawn_multi_process(2, _ring, local_world_size=2)
     assert out == [{"rank": 0, "heartbeat": None}, {"rank": 1, "heartbeat": None}]
+
+
+def _long_step_and_slow_collective() -> dict[str, Any]:
+    """Node 1 spends 3 s (three timeouts) in one long compute step while node 0 waits
+    for it in a collective: neither is taken for a silent host."""
+    import torch
+
+    info = ek.init_distributed()
+    silent: list[int] = []
+    hb = start_heartbeat(info, timeout_s=1.0, on_silent=lambda rank, s: silent.append(rank))
+    assert hb is not None
+    if info.node_rank == 1:
+        a = torch.randn(600, 600)
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 3.0:  # a long step: torch ops and Python, no pause
+            a = torch.tanh(a @ a / 600)
+    barrier()  # node 0 waits here for the whole step: a slow collective
+    hb.close()
+    return {"rank": info.rank, "silent": silent}
+
+
+def test_a_long_step_or_a_slow_collective_is_not_a_silent_host() -> None:
+    out = spawn_multi_process(2, _long_step_and_slow_collective, local_world_size=1)
+    assert out == [{"rank": 0, "silent": []}, {"rank": 1, "silent": []}]
