@@ -120,8 +120,11 @@ class StagedState:
         if not self.staged.is_set():
             cpu = self._cpu_pairs()
             self._copy_cpu(cpu)
-            if len(cpu) == len(self.deferred) and self.copied is None:
-                with self._cond:  # no CUDA part: done once the last copy ends
+            if len(cpu) == len(self.deferred):
+                # no deferred CUDA copy: done once the last CPU copy ends (copies
+                # issued at staging time run on the caller's stream, ahead of any
+                # later update; only the writer waits for them)
+                with self._cond:
                     self._cond.wait_for(lambda: self._active == 0)
                 self.staged.set()
         self.staged.wait()
