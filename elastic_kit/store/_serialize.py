@@ -42,8 +42,8 @@ from elastic_kit.store._tree import (
 from elastic_kit.store._manifest import FileEntry
 from elastic_kit.errors import UnsafeCheckpointError
 
-__all__ = ["save_into", "WRITEBACK_EVERY", "prepare_state", "validate_state", "storage_keys",
-           "copy_deferred", "HashingWriter", "iter_tensors", "torch_zip_crc_off", "new_hasher",
+__all__ = ["save_into", "WRITEBACK_EVERY", "prepare_state", "stage_tensor", "validate_state",
+           "storage_keys", "copy_deferred", "HashingWriter", "iter_tensors", "torch_zip_crc_off", "new_hasher",
            "hash_stream", "load_payload", "pinned_copy"]
 
 _ASYNC_MIN = 1 << 16  # smaller chunks are copied: cheaper than locating their memory
@@ -83,8 +83,8 @@ def prepare_state(state: Any, *, copy: bool, path: str = "",
     """
     def leaf(p: str, value: Any) -> Any:
         if type(value) in TENSOR_TYPES:
-            return _prepare_tensor(value, p, copy=copy, pool=pool, used=used, later=later,
-                                   deferred=deferred)
+            return stage_tensor(value, p, copy=copy, pool=pool, used=used, later=later,
+                                deferred=deferred)
         if type(value) in PRIMITIVES:
             return value
         raise refuse(value, p)
@@ -92,10 +92,11 @@ def prepare_state(state: Any, *, copy: bool, path: str = "",
     return map_tree(state, leaf, path=path)
 
 
-def _prepare_tensor(x: torch.Tensor, path: str, *, copy: bool,
-                    pool: dict[str, torch.Tensor] | None, used: dict[str, torch.Tensor] | None,
-                    later: frozenset[int],
-                    deferred: list[tuple[torch.Tensor, torch.Tensor]] | None) -> torch.Tensor:
+def stage_tensor(x: torch.Tensor, path: str, *, copy: bool,
+                 pool: dict[str, torch.Tensor] | None, used: dict[str, torch.Tensor] | None,
+                 later: frozenset[int] = frozenset(),
+                 deferred: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> torch.Tensor:
+    """One tensor of :func:`prepare_state` (its arguments, for the tensor at ``path``)."""
     x = x.detach()
     defer = (copy and deferred is not None and x.layout == torch.strided
              and x.untyped_storage().data_ptr() in later)

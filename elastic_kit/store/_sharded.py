@@ -1,8 +1,9 @@
 """Sharded state (FSDP2 / DTensor): every rank writes its own shards; any world size loads.
 
-Saving (collective: every rank calls it). The state tree is split into its DTensors
-and the replicated rest, in which each DTensor is replaced by a placeholder string.
-Each rank writes the shards it owns (``to_local()``; of a tensor replicated over
+Saving (every rank calls it; collective when blocking, exchanged through the
+key-value store by :mod:`._exchange` when it runs in the background). The state tree
+is split into its DTensors and the replicated rest, in which each DTensor is
+replaced by a placeholder string. Each rank writes the shards it owns (``to_local()``; of a tensor replicated over
 some mesh dimension only the copy at coordinate 0 there) into one flat tensor file
 (:mod:`._tensorfile`: raw bytes at aligned offsets, ``O_DIRECT`` on a local disk),
 with no gather and no full copy anywhere; rank 0 also writes the replicated rest as
@@ -50,16 +51,19 @@ from elastic_kit.store._digest import combine, partial
 from elastic_kit.store._fs import is_local, join
 from elastic_kit.store._layout import Layout, StepDir
 from elastic_kit.store._manifest import PAYLOAD_NAME, FileEntry, Manifest, check_file_name
-from elastic_kit.store._serialize import new_hasher, prepare_state, save_into
+from elastic_kit.store._serialize import new_hasher, prepare_state, save_into, stage_tensor
 from elastic_kit.store._shard_index import (
     Chunk, ShardedTensor, ShardIndex, placeholder, placeholder_id,
 )
 from elastic_kit.store._tensorfile import (
     RangeReader, TensorEntry, dtype_from_name, dtype_name, plan, tensor_from_bytes, write_stream,
 )
-from elastic_kit.store._tree import is_dtensor, leaves, map_tree, state_nbytes, validate_state
+from elastic_kit.store._tree import (
+    PRIMITIVES, TENSOR_TYPES, is_dtensor, leaves, map_tree, refuse, state_nbytes, validate_state,
+)
 
-__all__ = ["has_sharded", "split", "local_box", "save_sharded", "read_sharded", "Gather"]
+__all__ = ["has_sharded", "split", "local_box", "StagedShard", "stage", "save_sharded",
+           "read_sharded", "Gather"]
 
 log = logging.getLogger(__name__)
 
@@ -74,13 +78,53 @@ def has_sharded(state: Any) -> bool:
     return any(is_dtensor(v) for _, v in leaves(state))
 
 
+class StagedShard:
+    """A CPU copy of a DTensor's local shard with what saving it needs (mesh,
+    placements, global shape): what a background save writes while training changes
+    the live DTensor. Not a DTensor: one over a CUDA mesh would move its local
+    tensor back to the device."""
+
+    def __init__(self, dt: Any, local: torch.Tensor) -> None:
+        self.device_mesh, self.placements = dt.device_mesh, tuple(dt.placements)
+        self.shape, self.dtype, self._local = dt.shape, dt.dtype, local
+
+    def to_local(self) -> torch.Tensor:
+        return self._local
+
+
+def stage(state: Any, *, pool: dict[str, torch.Tensor] | None,
+          used: dict[str, torch.Tensor]) -> Any:
+    """A copy of ``state`` that a background save may write while training goes on:
+    every DTensor's local shard and every tensor copied to CPU memory (into ``pool``'s
+    buffers where shape and dtype match; ``used`` receives the buffers used).
+
+    Raises:
+        TypeError: what weights-only loading refuses, naming the key path.
+    """
+    def leaf(path: str, value: Any) -> Any:
+        if is_dtensor(value):
+            local = stage_tensor(value.to_local(), path, copy=True, pool=pool, used=used)
+            return StagedShard(value, local)
+        if type(value) in TENSOR_TYPES:
+            return stage_tensor(value, path, copy=True, pool=pool, used=used)
+        if type(value) in PRIMITIVES:
+            return value
+        raise refuse(value, path)
+
+    return map_tree(state, leaf)
+
+
+def _is_shard(value: Any) -> bool:
+    return isinstance(value, StagedShard) or is_dtensor(value)
+
+
 def split(state: Any) -> tuple[Any, list[tuple[str, Any]]]:
     """The replicated tree (each DTensor replaced by a placeholder) and the DTensors
     with their key paths, in tree order."""
     found: list[tuple[str, Any]] = []
 
     def leaf(path: str, value: Any) -> Any:
-        if is_dtensor(value):
+        if _is_shard(value):
             found.append((path, value))
             return placeholder(len(found) - 1)
         return value

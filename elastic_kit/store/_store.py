@@ -47,7 +47,8 @@ from elastic_kit.store._serialize import (
     copy_deferred, iter_tensors, load_payload, new_hasher, prepare_state, storage_keys,
     validate_state,
 )
-from elastic_kit.store._sharded import has_sharded, read_sharded, save_sharded
+from elastic_kit.store._exchange import KvExchange
+from elastic_kit.store._sharded import has_sharded, read_sharded, save_sharded, stage
 from elastic_kit.distributed import DistInfo, broadcast_object, get_dist_info, is_dist_ready
 from elastic_kit.errors import (
     CheckpointConflictError, CheckpointCorruptError, CheckpointError, UnsafeCheckpointError,
@@ -78,6 +79,11 @@ os.register_at_fork(after_in_child=_reset_token)
 # n-th call is the same on every rank that calls load() in the same order.
 _LOAD_SEQ = 0
 _LOAD_LOCK = threading.Lock()
+# Likewise for background sharded saves: the keys their ranks exchange entries under.
+_SHARDED_SEQ = 0
+#: Seconds a background sharded save waits for another rank's entries or rank 0's
+#: verdict before it fails (a rank that died mid-save: its group is restarted anyway).
+SHARDED_EXCHANGE_TIMEOUT = 300.0
 
 
 def _resolved() -> Future[None]:
@@ -282,7 +288,6 @@ class CheckpointStore:
         self._staging: dict[str, torch.Tensor] = {}
         self._staged: threading.Event | None = None  # set when deferred copies are done
         self.last_save_s: float = 0.0  # duration of the last write (writers only)
-        self._said_sharded_blocking = False
 
     # ------------------------------------------------------------------ roles
     @property
@@ -342,7 +347,10 @@ class CheckpointStore:
     def save(self, state_dict: dict[str, Any], *, step: int, metadata: dict[str, Any] | None = None,
              blocking: bool = True, copy_later: Iterable[torch.Tensor] = (),
              on_commit: Callable[[int, str], None] | None = None) -> SaveHandle:
-        """Save ``state_dict`` as checkpoint ``step``. Not collective.
+        """Save ``state_dict`` as checkpoint ``step``. Not collective, except for sharded
+        state (DTensors: FSDP2), which every rank saves its own shards of: call it on
+        every rank then (a blocking one is a collective; a non-blocking one copies
+        this rank's shards and writes them in the background).
 
         The writer ranks write; every other rank validates the arguments and returns
         at once without touching storage, so calling it on rank 0 only and calling it
@@ -445,27 +453,70 @@ class CheckpointStore:
                 f"{self!r}: sharded state (DTensors) needs storage every rank can read at "
                 f"load time, expected node_local=False (each rank's shards may be needed "
                 f"by any rank after a change of world size)")
-        if not blocking and not self._said_sharded_blocking:
-            self._said_sharded_blocking = True
-            log.info("sharded state is saved blocking: every rank writes its own shards "
-                     "(a background sharded save is not implemented yet)")
         self._raise_pending()
+        info = self.info
+        if blocking or not (is_dist_ready() and info.world_size > 1):
+            self._write_sharded(state, step, metadata, self._gather, self._broadcast)
+            if on_commit is not None and info.rank == 0:
+                self._submit(self._committed, on_commit, step)
+            if info.rank == 0:
+                self._submit(self._retain, step)
+            return SaveHandle(step)
+        used: dict[str, torch.Tensor] = {}
+        staged = stage(state, pool=self._staging if self.reuse_staging else None, used=used)
+        self._staging = used if self.reuse_staging else {}
+        if any(t.is_cuda for t in iter_tensors(state)):
+            torch.cuda.synchronize()  # the pinned copies were issued non_blocking
+        global _SHARDED_SEQ
+        with _LOAD_LOCK:
+            _SHARDED_SEQ += 1
+            prefix = f"elastic_kit/sharded-save/{info.restart_count}/{_SHARDED_SEQ}"
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        exchange = KvExchange(_get_default_store(), prefix, info.rank, info.world_size,
+                              timeout=SHARDED_EXCHANGE_TIMEOUT)
+        handle = SaveHandle(step, committed=Future())
+        self._pending_step = step
+        self._pending = self._submit(self._sharded_in_background, staged, step, metadata,
+                                     exchange, on_commit, handle)
+        return handle
+
+    def _write_sharded(self, state: Any, step: int, metadata: dict[str, Any],
+                       gather: Callable[[Any], list[Any]],
+                       broadcast: Callable[[Any], Any]) -> bool:
+        """Write and commit sharded ``state``; True on rank 0 (which committed)."""
         info = self.info
         t0 = time.perf_counter()
         manifest = save_sharded(self._layout, state, step=step, checksum=self.checksum,
                                 metadata=metadata, rank=info.rank,
-                                world_size=info.world_size, gather=self._gather,
-                                broadcast=self._broadcast)
+                                world_size=info.world_size, gather=gather,
+                                broadcast=broadcast)
         self.last_save_s = time.perf_counter() - t0
-        if manifest is not None:
-            self._newest_verified = max(self._newest_verified, step)
-            log.info("sharded checkpoint step %d committed to %s (%.1f MB in %d files, "
-                     "%.2f s)", step, self._layout.dir_of(step).path,
-                     manifest.size_bytes / 1e6, len(manifest.files), self.last_save_s)
+        if manifest is None:
+            return False
+        self._newest_verified = max(self._newest_verified, step)
+        log.info("sharded checkpoint step %d committed to %s (%.1f MB in %d files, "
+                 "%.2f s)", step, self._layout.dir_of(step).path,
+                 manifest.size_bytes / 1e6, len(manifest.files), self.last_save_s)
+        return True
+
+    def _sharded_in_background(self, state: Any, step: int, metadata: dict[str, Any],
+                               exchange: KvExchange,
+                               on_commit: Callable[[int, str], None] | None,
+                               handle: SaveHandle) -> None:
+        try:
+            committer = self._write_sharded(state, step, metadata, exchange.gather,
+                                            exchange.broadcast)
+        except BaseException as e:
+            handle.committed.set_exception(e)
+            raise
+        finally:
+            exchange.close()
+        handle.committed.set_result(None)
+        if committer:
             if on_commit is not None:
-                self._submit(self._committed, on_commit, step)
-            self._submit(self._retain, step)
-        return SaveHandle(step)
+                self._committed(on_commit, step)
+            self._retain(step)
 
     def _gather(self, obj: Any) -> list[Any]:
         if not (is_dist_ready() and self.info.world_size > 1):

@@ -96,7 +96,7 @@ def _load_job(url: str, storage_options: dict | None, seed: int, then_save: int 
         state.step = then_save
         store.save(state.state_dict(), step=then_save)
     store.close()
-    return {"full": full, "step": loaded.step, "note": state.extras["note"],
+    return {"full": full, "step": loaded.step, "note": state.extras.get("note"),
             "world_size": loaded.world_size, "rank": info.rank}
 
 
@@ -126,7 +126,7 @@ _GLOBAL_BATCH = 6
 
 def _loop_job(url: str, stop_at: int | None) -> dict:
     """An own loop over a sharded model with ek.Checkpointer; returns early (as if
-    killed, nothing closed) once ``state.step == stop_at``."""
+    killed, nothing closed, the last save committed) once ``state.step == stop_at``."""
     import elastic_kit as ek
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -139,8 +139,8 @@ def _loop_job(url: str, stop_at: int | None) -> dict:
     sampler = ek.ElasticDistributedSampler(data, seed=3)
     loader = DataLoader(data, batch_size=_GLOBAL_BATCH // info.world_size, sampler=sampler)
     state = ek.TrainState(model, opt, sampler=sampler)
-    ckpt = ek.Checkpointer(state, url, every_steps=2, audit="error", blocking=True,
-                           handle_signals=False)
+    # non-blocking saves (the default): each rank's shards are written in the background
+    ckpt = ek.Checkpointer(state, url, every_steps=2, audit="error", handle_signals=False)
     seen: list[int] = []
     for epoch in range(ckpt.restore(), 2):
         sampler.set_epoch(epoch)
@@ -152,7 +152,8 @@ def _loop_job(url: str, stop_at: int | None) -> dict:
             opt.zero_grad()
             seen.extend(idx.tolist())
             ckpt.step(len(x))
-            if state.step == stop_at:
+            if state.step == stop_at:  # killed once the background save committed
+                ckpt.store.wait()
                 return {"stopped": state.step, "restored": ckpt.restored_step}
         ckpt.end_epoch()
     ckpt.close()
@@ -354,3 +355,38 @@ def test_a_resaved_step_switches_to_new_files_and_retention_keeps_the_newest(tmp
     assert got["same"] is True
     assert got["steps"] == [2]
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-000000000002"]
+
+
+# ---------------------------------------------------------------------- background saves
+def _background_job(url: str) -> dict:
+    """Non-blocking sharded saves while training goes on: each checkpoint holds the
+    state of the moment save() returned, not what training made of it afterwards."""
+    import elastic_kit as ek
+
+    info = ek.init_distributed()
+    model = _model(1)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    state = ek.TrainState(model, opt)
+    store = ek.CheckpointStore(url, keep_last=None)
+    at_save = {}
+    handles = []
+    for step in (1, 2, 3):
+        _train(model, opt, 1, step)
+        at_save[step] = _full(model, opt)
+        handles.append(store.save(state.state_dict(), step=step, blocking=False))
+        _train(model, opt, 2, 10 + step)  # changes every parameter while the save runs
+    for h in handles:
+        h.wait()
+    done = [h.committed.done() and h.committed.exception() is None for h in handles]
+    store.close()
+    return {"at_save": at_save, "done": done, "rank": info.rank}
+
+
+def test_background_sharded_saves_hold_the_state_of_their_step(tmp_path) -> None:
+    url = str(tmp_path / "ckpt")
+    saved = spawn_multi_process(2, _background_job, url)
+    assert [r["done"] for r in saved] == [[True] * 3] * 2  # committed on every rank
+    got = spawn_multi_process(3, _load_job, url, None, 1, None)
+    assert got[0]["step"] == 3
+    assert got[0]["full"] == saved[0]["at_save"][3]
+    assert saved[0]["at_save"][3] != saved[0]["at_save"][2]
