@@ -154,4 +154,4 @@ def test_resized_2_to_3_to_1_reshards_and_trains_every_sample_once(
     # other world sizes reduce in another order: fp32 rounding only
     diffs = {k: (final[k] - ref_state[k]).abs().max().item() for k in final}
     scale = max(v.abs().max().item() for v in ref_state.values())
-    assert max(diffs.values()) <= 1e-4 * scale, diffs
+    assert max(diffs.values()) <= 1e-5 * scale, diffs  # measured: 2.4e-7 of 4.0

@@ -1,0 +1,55 @@
+"""The key-value exchange of background sharded saves, with threads standing in for ranks
+over one real ``torch.distributed.HashStore``."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch.distributed as dist
+
+from elastic_kit.errors import CheckpointError
+from elastic_kit.store._exchange import KvExchange
+
+
+def _ranks(n: int, fn, kv) -> list:
+    out: list = [None] * n
+
+    def run(r: int) -> None:
+        try:
+            out[r] = fn(KvExchange(kv, "save/1", r, n, timeout=5.0))
+        except Exception as e:  # reported to the test
+            out[r] = e
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    return out
+
+
+def test_rank_0_gathers_every_entry_and_broadcasts_its_verdict() -> None:
+    kv = dist.HashStore()
+
+    def save(ex: KvExchange) -> tuple:
+        header = ex.broadcast({"staging": "/tmp/x"} if ex.rank == 0 else None)
+        everyone = ex.gather({"rank": ex.rank, "file": f"shards-{ex.rank}"})
+        verdict = ex.broadcast({"ok": len(everyone) == 3} if ex.rank == 0 else None)
+        ex.close()
+        return header, [e["rank"] for e in everyone], verdict
+
+    got = _ranks(3, save, kv)
+    assert got[0] == ({"staging": "/tmp/x"}, [0, 1, 2], {"ok": True})
+    assert got[1] == ({"staging": "/tmp/x"}, [1], {"ok": True})  # only rank 0 reads them all
+    assert got[2][2] == {"ok": True}
+    # the last rank to finish removed the keys: nothing of the save is left behind
+    assert not kv.check(["save/1/1/b"]) and not kv.check(["save/1/3/b"])
+    assert not kv.check(["save/1/2/g/1"])
+
+
+def test_a_rank_that_never_answers_fails_the_save_naming_the_wait() -> None:
+    kv = dist.HashStore()
+    ex = KvExchange(kv, "save/2", 1, 2, timeout=0.2)
+    with pytest.raises(CheckpointError, match=r"rank 1 waited 0.2 s for rank 0"):
+        ex.broadcast(None)
