@@ -43,6 +43,10 @@ the next block. Reported (the JSON's last line):
   blocks' median step, against two copies (``ratio_max_excess_vs_two_copies``): unlike
   the blocked time it includes the background write's competition for the cores
   (and, on a shared machine, everything else running);
+- ``ek_cpu_s_per_snapshot``: the CPU seconds (all threads) the ``ek`` blocks took
+  beyond the plain blocks, per snapshot written: what the snapshots take from cores
+  training may need (on a machine with few cores, the throughput they cost beyond
+  the blocked time);
 - ``ek_commit_s``: from taking a snapshot to its commit (median of those written);
   ``ek_written`` / ``ek_replaced``: snapshots written, and replaced by a newer one
   while they waited for a write;
@@ -313,11 +317,13 @@ def main() -> None:
             arms[name] = (lambda a: (lambda i: a.save() if (i + 1) % every == 0 else None))(arm)
 
         times: dict[str, list[float]] = {k: [] for k in arms}
+        cpu: dict[str, float] = {k: 0.0 for k in arms}  # process CPU seconds, all threads
         ek_times_snap: list[tuple[float, bool]] = []
         for r in range(rounds):
             order = list(arms) if r % 2 == 0 else list(reversed(arms))
             for name in order:
                 n0 = len(snap_steps)
+                c0 = time.process_time()
                 t = run_block(loop, block, arms[name])
                 times[name] += t
                 if name == "ek":
@@ -329,6 +335,7 @@ def main() -> None:
                         commits.append(tier.commit_latency_s)
                 elif name in dcps:
                     dcps[name].drain()
+                cpu[name] += time.process_time() - c0  # the block's writes included
                 gc.collect()
         written, replaced = len(tier.written), len(tier.replaced)
         ckpt.snapshots.close(remove=False)  # type: ignore[union-attr]
@@ -369,6 +376,7 @@ def main() -> None:
         "ek_max_step_excess_s": round(excess, 4),
         "ek_commit_s": _common.spread(commits) if commits else None,
         "ek_written": written,
+        "ek_cpu_s_per_snapshot": round((cpu["ek"] - cpu["plain"]) / max(1, written), 4),
         "ek_replaced": replaced,
         "restore_s": round(restore_s, 4),
         "restored_from": restored_from,
