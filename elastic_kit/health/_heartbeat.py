@@ -359,6 +359,9 @@ def start_heartbeat(info: DistInfo, *, timeout_s: float | None = DEFAULT_TIMEOUT
     nxt = where.get((nodes[(at + 1) % len(nodes)], info.local_rank))
     prev = where.get((nodes[at - 1], info.local_rank))
     hb.token = token
-    hb.label = f"{info.run_id}|{info.restart_count}"
+    # What every rank of the group agrees on: not the restart count, which torchrun
+    # keeps per agent (a node that joined later counts from 0). The token is new for
+    # every group, so beats of an earlier group cannot pass for this one's.
+    hb.label = f"{info.run_id}|{info.world_size}"
     hb.watch = None if prev is None else prev[0]
     return hb.start(send_to=nxt)

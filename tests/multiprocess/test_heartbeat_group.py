@@ -66,3 +66,26 @@ def _long_step_and_slow_collective() -> dict[str, Any]:
 def test_a_long_step_or_a_slow_collective_is_not_a_silent_host() -> None:
     out = spawn_multi_process(2, _long_step_and_slow_collective, local_world_size=1)
     assert out == [{"rank": 0, "silent": []}, {"rank": 1, "silent": []}]
+
+
+def _joined_late() -> dict[str, Any]:
+    """A node that joined later counts its restarts from 0 (torchrun raises the count
+    only on failures, per agent): the ranks of one group disagree on it."""
+    import os
+
+    os.environ["TORCHELASTIC_RESTART_COUNT"] = "3" if os.environ["RANK"] == "0" else "0"
+    info = ek.init_distributed()
+    silent: list[int] = []
+    hb = start_heartbeat(info, timeout_s=0.5, on_silent=lambda rank, s: silent.append(rank))
+    assert hb is not None
+    time.sleep(1.5)  # three timeouts: past the grace for a peer that never connects
+    out = {"restarts": info.restart_count, "silent": silent, "refused": hb.refused}
+    barrier()
+    hb.close()
+    return out
+
+
+def test_ranks_that_count_restarts_differently_still_beat() -> None:
+    out = spawn_multi_process(2, _joined_late, local_world_size=1)
+    assert out == [{"restarts": 3, "silent": [], "refused": 0},
+                   {"restarts": 0, "silent": [], "refused": 0}]
