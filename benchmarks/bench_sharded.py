@@ -16,7 +16,9 @@ ranks saves with ours and with DCP, alternating, ``--repeats`` times each; then 
 job at the other world size (3, 2) loads the last of each, alternating. Per method:
 wall time (max over ranks; barriers around), bytes written per rank (max), peak RSS
 growth during the operation (max over ranks; sampled every 2 ms) against the rank's
-shard bytes. Ratios are ours / DCP (below 1: ours is faster or smaller).
+shard bytes. Ratios are ours / DCP (below 1: ours is faster or smaller). Also, before
+each pair, a non-blocking save (``blocking=False``, what the Checkpointer does): the
+time ``save()`` blocks (the copy of the rank's shards) and the time to its commit.
 
 Usage::
 
@@ -135,8 +137,15 @@ def _save_job(base: str, dim: int, layers: int, repeats: int) -> dict[str, Any]:
     info = ek.init_distributed()
     model, opt = _build(dim, layers)
     state = _sharded(model, opt)
-    out: dict[str, Any] = {"shard_bytes": _shard_bytes(state), "ours": [], "dcp": []}
+    out: dict[str, Any] = {"shard_bytes": _shard_bytes(state), "ours": [], "dcp": [],
+                           "background": []}
     for i in range(repeats):
+        # the background save: how long save() blocks the training thread, then the rest
+        store = ek.CheckpointStore(f"{base}/bg-w{info.world_size}-{i}", keep_last=None)
+        blocked, _ = _timed(lambda: store.save(state, step=1, blocking=False))
+        total, _ = _timed(store.wait)
+        store.close()
+        out["background"].append({"blocked_s": blocked, "total_s": blocked + total})
         for method in (("ours", "dcp") if i % 2 == 0 else ("dcp", "ours")):
             path = f"{base}/{method}-w{info.world_size}-{i}"
             if method == "ours":
@@ -222,8 +231,13 @@ def main() -> None:
             loads = spawn_multi_process(loaded_at, _load_job, paths, dim, layers, repeats,
                                         timeout=1800)
             same = all(abs(r["sums"]["ours"] - r["sums"]["dcp"]) == 0 for r in loads)
+            reps = range(len(saves[0]["background"]))
+            blocked = [max(r["background"][i]["blocked_s"] for r in saves) for i in reps]
+            total = [max(r["background"][i]["total_s"] for r in saves) for i in reps]
             per[f"{saved_at}->{loaded_at}"] = {
                 "save": _summary(saves, "save"), "load": _summary(loads, "load"),
+                "background": {"blocked_s": round(_common.median(blocked), 4),
+                               "total_s": round(_common.median(total), 4)},
                 "loaded_states_equal": same}
             shutil.rmtree(base, ignore_errors=True)
             os.makedirs(base, exist_ok=True)
@@ -254,6 +268,10 @@ def main() -> None:
         "ratio_save_ours_vs_dcp": ratio("save"),
         "ratio_load_ours_vs_dcp": ratio("load"),
         "ratio_written_per_rank_ours_vs_dcp": written_ratio(),
+        # a non-blocking save: the training thread waits only for the copy of its shards
+        "ratio_background_blocked_vs_dcp_save": {
+            k: round(v["background"]["blocked_s"] / max(v["save"]["dcp"]["s"], 1e-9), 3)
+            for k, v in per.items()},
         "ratio_save_peak_rss_vs_shard_ours": peak_vs_shard("save"),
         "ratio_load_peak_rss_vs_shard_ours": peak_vs_shard("load"),
         "machine": _common.machine(), "load_avg_1m": load0,

@@ -8,19 +8,20 @@ computed from the shards at save time and again from the *new* shards after a lo
 without gathering any tensor: equal digests mean the loaded global content is the
 saved one.
 
-How. The tensor's bytes in C order are read as 32-bit words (elements narrower than
-4 bytes are widened to one word each; wider ones are 2 or 4 words), numbered by their
-global position ``i``. The digest is two 32-bit lanes, each the sum over all words of
-``M(i // B) * W(i % B) * word_i (mod 2**32)``, with ``B = 65536`` and odd pseudo-random
-weights ``W`` and block multipliers ``M`` derived by splitmix64 from fixed seeds.
-Being a sum, it splits over any partition of the words: each rank adds up the words
-it holds (one ``numpy`` dot product per block piece, about 3 GB/s per lane on one
-core) and the ranks' partial sums are added. Block boundaries depend only on global
-positions, never on the sharding. Changing any one word by any amount changes each
-lane (the weights are odd, so the product is never 0 mod 2**32); moving words to
-other positions changes it unless the weighted sums collide (probability about
-2**-64). It detects corruption and misassembly, not a deliberate forgery (the
-per-file xxh3 checksums and the manifest's trust rules are about storage).
+How. The tensor's bytes in C order are read as 64-bit little-endian words, numbered
+by their global position ``i`` (the last word zero-padded). The digest is the sum over
+all words of ``M(i // B) * W(i % B) * word_i (mod 2**64)``, with ``B = 65536`` and odd
+pseudo-random weights ``W`` and block multipliers ``M`` derived by splitmix64 from
+fixed seeds. Being a sum, and linear in every byte, it splits over any partition of
+the bytes: each rank adds up what it holds (one ``numpy`` dot product per block
+piece, several GB/s on one core; a word split between two ranks' shards is added by
+each as its own bytes with zeros elsewhere) and the ranks' partial sums are added.
+Word and block boundaries depend only on global byte positions, never on the
+sharding. Changing any one word by any amount changes the digest (the weights are
+odd, so the product is never 0 mod 2**64); moving bytes to other positions changes it
+unless the weighted sums collide (probability about 2**-64). It detects corruption
+and misassembly, not a deliberate forgery (the per-file xxh3 checksums and the
+manifest's trust rules are about storage).
 """
 
 from __future__ import annotations
@@ -34,13 +35,12 @@ import torch
 
 __all__ = ["ALGORITHM", "BLOCK", "Partial", "partial", "combine", "runs"]
 
-ALGORITHM = "elastic_kit.wsum32x2/1"
+ALGORITHM = "elastic_kit.wsum64/1"
 BLOCK = 1 << 16
-_MASK = (1 << 32) - 1
 _M64 = (1 << 64) - 1
 
-#: Two 32-bit lane sums (mod 2**32).
-Partial = tuple[int, int]
+#: A shard's share of a digest: a sum mod 2**64.
+Partial = int
 
 
 def _splitmix64(x: int) -> int:
@@ -51,7 +51,7 @@ def _splitmix64(x: int) -> int:
 
 
 @functools.lru_cache(maxsize=1)
-def _weights() -> tuple[np.ndarray, np.ndarray]:
+def _weights() -> np.ndarray:
     z = np.arange(BLOCK, dtype=np.uint64) + np.uint64(0x5EED)
     z = z * np.uint64(0x9E3779B97F4A7C15)
     z ^= z >> np.uint64(30)
@@ -59,28 +59,11 @@ def _weights() -> tuple[np.ndarray, np.ndarray]:
     z ^= z >> np.uint64(27)
     z *= np.uint64(0x94D049BB133111EB)
     z ^= z >> np.uint64(31)
-    lo = (z & np.uint64(_MASK)).astype(np.uint32) | np.uint32(1)
-    hi = (z >> np.uint64(32)).astype(np.uint32) | np.uint32(1)
-    return lo, hi
+    return z | np.uint64(1)
 
 
-def _multipliers(block: int) -> tuple[int, int]:
-    z = _splitmix64(block ^ 0xB10C)
-    return (z & _MASK) | 1, (z >> 32) | 1
-
-
-def _words(t: torch.Tensor) -> tuple[np.ndarray, int]:
-    """The tensor's bytes as a flat numpy array of words, and words per element.
-
-    Elements of 4, 8 or 16 bytes are 1, 2 or 4 ``uint32`` words; narrower elements
-    stay ``uint8``/``uint16`` here (one word each, widened per block when summed).
-    """
-    flat = t.detach().contiguous().reshape(-1)
-    size = flat.element_size()
-    if size >= 4:
-        return flat.view(torch.int32).numpy().view(np.uint32), size // 4
-    narrow = torch.uint8 if size == 1 else torch.int16
-    return flat.view(narrow).numpy().view(np.uint8 if size == 1 else np.uint16), 1
+def _multiplier(block: int) -> int:
+    return _splitmix64(block ^ 0xB10C) | 1
 
 
 def runs(local_shape: Sequence[int], offsets: Sequence[int],
@@ -108,6 +91,14 @@ def runs(local_shape: Sequence[int], offsets: Sequence[int],
         yield r * length, start, length
 
 
+def _word(data: np.ndarray, start: int, end: int, global_start: int) -> int:
+    """The contribution of bytes ``data[start:end]`` lying at global byte
+    ``global_start`` inside one word (the word's other bytes counted as zero)."""
+    value = int.from_bytes(data[start:end].tobytes(), "little") << (8 * (global_start % 8))
+    i = global_start // 8
+    return _multiplier(i // BLOCK) * int(_weights()[i % BLOCK]) * value
+
+
 def partial(local: torch.Tensor, offsets: Sequence[int],
             global_shape: Sequence[int]) -> Partial:
     """This shard's share of the digest of the global tensor it is a box of.
@@ -117,28 +108,31 @@ def partial(local: torch.Tensor, offsets: Sequence[int],
     cover it exactly once give partials whose :func:`combine` is the digest.
     """
     if local.numel() == 0:
-        return 0, 0
-    words, per = _words(local)
-    w_lo, w_hi = _weights()
-    lane_lo = lane_hi = 0
+        return 0
+    flat = local.detach().contiguous().reshape(-1)
+    size = flat.element_size()
+    data = flat.view(torch.uint8).numpy()
+    weights = _weights()
+    total = 0
     for local_start, global_start, length in runs(tuple(local.shape), offsets, global_shape):
-        a, g, end = local_start * per, global_start * per, (local_start + length) * per
-        while a < end:
-            block, pos = divmod(g, BLOCK)
-            take = min(BLOCK - pos, end - a)
-            piece = words[a:a + take]
-            if piece.dtype != np.uint32:
-                piece = piece.astype(np.uint32)
-            m_lo, m_hi = _multipliers(block)
-            lane_lo += m_lo * int(np.dot(piece, w_lo[pos:pos + take]))
-            lane_hi += m_hi * int(np.dot(piece, w_hi[pos:pos + take]))
-            a += take
-            g += take
-    return lane_lo & _MASK, lane_hi & _MASK
+        lb, gb, ge = local_start * size, global_start * size, (global_start + length) * size
+        if gb % 8:  # a word shared with bytes before this run
+            end = min(ge, gb - gb % 8 + 8)
+            total += _word(data, lb, lb + end - gb, gb)
+            lb, gb = lb + end - gb, end
+        body_end = max(gb, ge - ge % 8)
+        while gb < body_end:
+            word = gb // 8
+            block, pos = divmod(word, BLOCK)
+            take = min(BLOCK - pos, (body_end - gb) // 8)
+            piece = data[lb:lb + 8 * take].view(np.uint64)
+            total += _multiplier(block) * int(np.dot(piece, weights[pos:pos + take]))
+            lb, gb = lb + 8 * take, gb + 8 * take
+        if gb < ge:  # a word shared with bytes after this run
+            total += _word(data, lb, lb + ge - gb, gb)
+    return total & _M64
 
 
 def combine(partials: Sequence[Partial]) -> str:
     """The digest (16 hex digits) from every shard's :func:`partial`."""
-    lo = sum(p[0] for p in partials) & _MASK
-    hi = sum(p[1] for p in partials) & _MASK
-    return f"{hi:08x}{lo:08x}"
+    return f"{sum(partials) & _M64:016x}"

@@ -174,7 +174,7 @@ def save_sharded(layout: Layout, state: Any, *, step: int, checksum: str,
     validate_state(replicated)
     items: list[tuple[str, torch.Tensor]] = []
     boxes: list[tuple[int, tuple[int, ...]]] = []
-    partials: list[tuple[int, int]] = []
+    partials: list[int] = []
     digests: list[tuple[int, torch.Tensor, tuple[int, ...], tuple[int, ...]]] = []
     for i, (_, dt) in enumerate(dts):
         shape, offsets, owner = local_box(dt)
@@ -187,7 +187,7 @@ def save_sharded(layout: Layout, state: Any, *, step: int, checksum: str,
             items.append((f"{i}@{','.join(map(str, offsets))}", local))
             boxes.append((i, offsets))
             digests.append((i, local, offsets, tuple(dt.shape)))
-        partials.append((0, 0))
+        partials.append(0)
     # The digest (numpy dot products, which release the GIL) runs beside the write.
     digesting = ThreadPoolExecutor(1, thread_name_prefix="ek-digest")
     digested = digesting.submit(lambda: [(i, partial(t, o, s)) for i, t, o, s in digests])
@@ -408,7 +408,7 @@ def read_sharded(layout: Layout, d: StepDir, manifest: Manifest, replicated: Any
     targets = {p: v for p, v in leaves(into) if is_dtensor(v)} if into is not None else {}
     readers = _Readers(layout, d)
     filled: dict[int, torch.Tensor] = {}
-    mine: list[tuple[int, int]] = []
+    mine: list[int] = []
     problem: tuple[str, str] | None = None
     try:
         for i, t in enumerate(index.tensors):
@@ -421,7 +421,7 @@ def read_sharded(layout: Layout, d: StepDir, manifest: Manifest, replicated: Any
                     raise CheckpointCorruptError(f"{d.path}: sharded tensor {t.path} does not "
                                                  f"match its saved digest {t.digest}")
                 filled[i] = full
-                mine.append((0, 0))
+                mine.append(0)
                 continue
             if tuple(target.shape) != t.shape or target.dtype != dtype:
                 raise CheckpointMismatchError(
@@ -431,7 +431,7 @@ def read_sharded(layout: Layout, d: StepDir, manifest: Manifest, replicated: Any
             shape, offsets, owner = local_box(target)
             local = torch.empty(shape, dtype=dtype)
             _fill(local, offsets, index.chunks_of(i), readers, manifest.checksum)
-            mine.append(partial(local, offsets, t.shape) if owner else (0, 0))
+            mine.append(partial(local, offsets, t.shape) if owner else 0)
             from torch.distributed.tensor import DTensor
 
             filled[i] = DTensor.from_local(local.to(target.to_local().device),

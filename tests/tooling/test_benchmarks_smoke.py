@@ -51,6 +51,7 @@ HEADLINE: dict[str, tuple[str, ...]] = {
     "bench_sampler.py": ("ratio_time_ours_vs_torch", "ratio_mem_ours_vs_torch"),
     "bench_sharded.py": ("ratio_save_ours_vs_dcp", "ratio_load_ours_vs_dcp",
                          "ratio_written_per_rank_ours_vs_dcp",
+                         "ratio_background_blocked_vs_dcp_save",
                          "ratio_save_peak_rss_vs_shard_ours", "ratio_load_peak_rss_vs_shard_ours"),
     "bench_snapshot.py": (
         "ratio_ek_vs_plain", "ratio_blocked_vs_copy", "ratio_max_blocked_vs_two_copies",

@@ -117,7 +117,7 @@ def test_a_hostile_index_entry_is_refused(field: str, value, why: str) -> None:
 
 def _index(**chunk) -> dict:
     entry = TensorEntry("0@0,0", "float32", (2, 3), 0, 24, "0" * 32).to_json()
-    return {"digest": "elastic_kit.wsum32x2/1",
+    return {"digest": "elastic_kit.wsum64/1",
             "tensors": [{"path": "['w']", "dtype": "float32", "shape": [4, 3],
                          "placements": "Shard(dim=0)", "mesh": [2], "digest": "0" * 16}],
             "chunks": [{"tensor": 0, "file": "a.bin", "offsets": [0, 0], "entry": entry},
