@@ -24,7 +24,8 @@ agent but the first, which hosts the rendezvous):
    (:class:`elastic_kit.testing.FakeMetadataServer`) announces a preemption 30 s
    ahead; 30 s later the agent and its workers are SIGKILLed if still there (the VM
    goes); ``leave_s``: announcement -> the agent gone; ``after_leave_s``: agent gone
-   -> the survivors' first step;
+   -> the survivors' first step; ``steps_redone`` counts from the last step before
+   the agent was gone (training goes on during the notice);
 5. ``freeze_node``: SIGSTOP that agent and its workers (a frozen VM, a kernel hang,
    a partition: sockets stay open).
 
@@ -345,15 +346,21 @@ def run_once(work: Path, data: Path, *, variant: dict[str, Any], events: tuple[s
     evs = watcher.snapshot()
     out = []
     for m in marks:
+        extra: dict[str, Any] = {}
+        if m["event"] == "preempt_node" and m["agent"] is not None:
+            # training goes on during the notice: what is redone is counted from the
+            # last step before the node was gone, not from the announcement
+            t_gone = gone[m["agent"]]
+            m["step_at_event"] = max((int(g[0]) for t, _, k, g in evs
+                                      if k == "step" and m["t"] <= t < t_gone),
+                                     default=m["step_at_event"])
+            extra = {"leave_s": round(t_gone - m["t"], 3), "step_at_leave": m["step_at_event"]}
         ph = phases(evs, m["t"], m["survivors"])
         regain = _regain(evs, m)
         assert regain is not None, f"no step past {m['step_at_event']} after {m['event']}"
         restored, t_regain = regain
-        extra = {}
-        if m["event"] == "preempt_node" and m["agent"] is not None:
-            t_gone = gone[m["agent"]]
-            extra = {"leave_s": round(t_gone - m["t"], 3),
-                     "after_leave_s": round(m["t"] + ph["total"] - t_gone, 3)}
+        if "leave_s" in extra:
+            extra["after_leave_s"] = round(m["t"] + ph["total"] - t_gone, 3)
         out.append({"event": m["event"], "w_after": m["w_after"], **extra,
                     "step_at_event": m["step_at_event"], "restored_step": restored,
                     "steps_redone": max(m["step_at_event"] - restored, 0),
