@@ -390,3 +390,23 @@ def test_background_sharded_saves_hold_the_state_of_their_step(tmp_path) -> None
     assert got[0]["step"] == 3
     assert got[0]["full"] == saved[0]["at_save"][3]
     assert saved[0]["at_save"][3] != saved[0]["at_save"][2]
+
+
+def test_a_manifest_that_misplaces_shards_is_caught_by_the_digest(tmp_path) -> None:
+    """Every file intact, the index edited so that two shards trade places: only the
+    global digest can tell, and the step is refused for the one before."""
+    root = tmp_path / "ckpt"
+    saved = spawn_multi_process(2, _save_job, str(root), None, 5, 1, 6)
+    path = root / "step-000000000006" / "manifest.json"
+    m = json.loads(path.read_text())
+    by_tensor: dict[int, list[dict]] = {}
+    for c in m["sharded"]["chunks"]:
+        by_tensor.setdefault(c["tensor"], []).append(c)
+    # a tensor split evenly (the second weight: 4 rows, 2 per rank)
+    mine = next(cs for cs in by_tensor.values()
+                if len(cs) == 2 and cs[0]["entry"]["shape"] == cs[1]["entry"]["shape"])
+    mine[0]["offsets"], mine[1]["offsets"] = mine[1]["offsets"], mine[0]["offsets"]
+    path.write_text(json.dumps(m))
+    got = spawn_multi_process(3, _load_job, str(root), None, 1, None)
+    assert [r["step"] for r in got] == [5, 5, 5]
+    assert got[0]["full"] == saved[0]["full"]
