@@ -34,7 +34,7 @@ from elastic_kit._console import say
 from elastic_kit.distributed import DistInfo, all_gather_object, is_dist_ready
 from elastic_kit.health import PreemptionWatcher
 
-__all__ = ["Departure"]
+__all__ = ["Departure", "torchrun_agent_pid"]
 
 log = logging.getLogger(__name__)
 
@@ -97,8 +97,8 @@ class Departure:
         step_kept = "a durable checkpoint" if everyone else "memory on the nodes that stay"
         if info.node_rank in leaving:
             if info.is_local_main:
-                say(log, "this node leaves at step %d (%s): the state is in %s%s", step, what,
-                    step_kept, "; stopping its torchrun agent" if info.under_torchrun else "")
+                say(log, "this node leaves at step %d (%s): the state is in %s", step, what,
+                    step_kept)
                 _stop_agent(info)
             raise SystemExit(exit_code if everyone else 0)
         if info.is_main:
@@ -107,12 +107,46 @@ class Departure:
         raise SystemExit(exit_code)
 
 
+_AGENT_MARKERS = (b"torch.distributed.run", b"torchrun", b"torch.distributed.launch",
+                  b"elastic_kit.run")
+
+
+def torchrun_agent_pid(pid: int | None = None, *, proc: str = "/proc",
+                       levels: int = 3) -> int | None:
+    """The pid of the torchrun agent above process ``pid`` (default: this one), or None.
+
+    The agent is the nearest ancestor, within ``levels``, whose command line runs
+    torchrun (``torchrun``, ``python -m torch.distributed.run``, ``python -m
+    elastic_kit.run``): the parent for torchrun's default start methods, the
+    grandparent under a fork server. Never a process that is not an agent: a worker
+    started some other way (a test's spawned ranks) finds none.
+    """
+    pid = os.getpid() if pid is None else pid
+    for _ in range(levels):
+        try:
+            with open(f"{proc}/{pid}/stat", "rb") as f:
+                stat = f.read()
+            pid = int(stat[stat.rfind(b")") + 2:].split()[1])  # the parent's pid
+            with open(f"{proc}/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except (OSError, ValueError, IndexError):
+            return None
+        if pid <= 1:
+            return None
+        if any(marker in arg for arg in argv[:4] for marker in _AGENT_MARKERS):
+            return pid
+    return None
+
+
 def _stop_agent(info: DistInfo) -> None:
-    """SIGTERM this worker's torchrun agent (its parent): it stops its workers and
-    exits without closing the rendezvous, and its keep-alives end."""
-    agent = os.getppid()
-    if not info.under_torchrun or agent <= 1:
+    """SIGTERM this worker's torchrun agent: it stops its workers and exits without
+    closing the rendezvous, and its keep-alives end."""
+    agent = torchrun_agent_pid() if info.under_torchrun else None
+    if agent is None:
+        log.warning("no torchrun agent found above this worker: the node leaves when its "
+                    "workers exit")
         return
+    say(log, "stopping its torchrun agent (pid %d): the node leaves the rendezvous", agent)
     try:
         os.kill(agent, signal.SIGTERM)
     except OSError as e:

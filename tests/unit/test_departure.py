@@ -1,0 +1,39 @@
+"""The planned leave stops the torchrun agent above the worker, and nothing else: the
+agent is found by its command line, never taken to be whatever the parent is."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from elastic_kit.checkpointer._departure import torchrun_agent_pid
+
+
+def _proc(root: Path, pid: int, ppid: int, argv: list[str]) -> None:
+    (root / str(pid)).mkdir()
+    (root / str(pid) / "stat").write_text(f"{pid} (py thon) S {ppid} 1 1 0\n")
+    (root / str(pid) / "cmdline").write_bytes(b"\0".join(a.encode() for a in argv) + b"\0")
+
+
+def test_the_agent_is_the_nearest_ancestor_running_torchrun(tmp_path: Path) -> None:
+    _proc(tmp_path, 10, 1, ["/usr/bin/python3", "-m", "torch.distributed.run", "--nnodes=2",
+                            "train.py"])
+    _proc(tmp_path, 50, 10, ["/usr/bin/python3", "-c",
+                             "from multiprocessing.forkserver import main; main()"])
+    _proc(tmp_path, 100, 50, ["/usr/bin/python3", "-u", "train.py"])
+    _proc(tmp_path, 101, 10, ["/usr/bin/python3", "-u", "train.py"])
+    assert torchrun_agent_pid(101, proc=str(tmp_path)) == 10   # the parent
+    assert torchrun_agent_pid(100, proc=str(tmp_path)) == 10   # under a fork server
+    assert torchrun_agent_pid(100, proc=str(tmp_path), levels=1) is None
+
+
+def test_a_worker_not_started_by_torchrun_finds_no_agent(tmp_path: Path) -> None:
+    _proc(tmp_path, 7, 1, ["/usr/bin/python3", "-m", "pytest", "tests"])
+    _proc(tmp_path, 8, 7, ["/usr/bin/python3", "-c",
+                           "from multiprocessing.forkserver import main; main()"])
+    _proc(tmp_path, 9, 8, ["/usr/bin/python3", "-c", "worker"])
+    assert torchrun_agent_pid(9, proc=str(tmp_path)) is None
+    assert torchrun_agent_pid(12345, proc=str(tmp_path)) is None  # gone
+
+
+def test_this_test_process_has_no_agent_above_it() -> None:
+    assert torchrun_agent_pid() is None
