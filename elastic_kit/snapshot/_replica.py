@@ -466,6 +466,7 @@ class ReplicaSender:
         self._cond = threading.Condition()
         self._offered: tuple[int, str] | None = None
         self._busy = False
+        self._sending: int | None = None  # the step being streamed now
         self._closed = False
         self._warned = False
         #: the last steps the peer committed (for logs and tests)
@@ -488,7 +489,7 @@ class ReplicaSender:
                 if self._offered is None:
                     return
                 step, path = self._offered
-                self._offered, self._busy = None, True
+                self._offered, self._busy, self._sending = None, True, step
             try:
                 self._send(step, path)
             except Exception as e:
@@ -499,7 +500,7 @@ class ReplicaSender:
                 self._warned = True
             finally:
                 with self._cond:
-                    self._busy = False
+                    self._busy, self._sending = False, None
                     self._cond.notify_all()
 
     def _send(self, step: int, path: str) -> None:
@@ -560,6 +561,15 @@ class ReplicaSender:
                                           f"{e!r}") from e
                 wait = min(2 * wait, 2.0)
                 time.sleep(0.02)
+
+    def wait_not_sending(self, step: int, timeout: float) -> bool:
+        """Wait until snapshot ``step`` is not being streamed (and no longer offered);
+        whether that happened within ``timeout`` seconds. Its file may then be reused:
+        a stream reads the files it opened, whatever their names are by then."""
+        with self._cond:
+            if self._offered is not None and self._offered[0] == step:
+                self._offered = None  # superseded by the newer one about to be offered
+            return self._cond.wait_for(lambda: self._sending != step, timeout=timeout)
 
     def flush(self, timeout: float = IO_TIMEOUT_S) -> bool:
         """Wait until the snapshot offered last is sent (or failed); False on timeout."""

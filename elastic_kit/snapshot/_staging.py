@@ -141,14 +141,21 @@ class StagingBuffers:
         """Bytes held by the buffers."""
         return sum(b.numel() * b.element_size() for b in self._pool.values())
 
-    def stage(self, state: Any, *, later: frozenset[int] = frozenset()) -> StagedState:
+    def stage(self, state: Any, *, later: frozenset[int] = frozenset(),
+              into: dict[str, torch.Tensor] | None = None) -> StagedState:
         """Copy ``state``'s tensors into the buffers (those whose storage is in
         ``later`` are left for :meth:`StagedState.copy_deferred`) and return the
-        state to write. Buffers of keys that disappeared are freed."""
+        state to write. Buffers of keys that disappeared are freed.
+
+        ``into``: key path -> the tensor to copy that key's tensor into instead (views
+        of a snapshot file's mapping, which are then the staged tensors: one copy,
+        straight into the snapshot); the pooled buffers are kept for the next
+        snapshot that cannot go straight into a file."""
         used: dict[str, torch.Tensor] = {}
         out = StagedState(state=None)
-        out.state = map_tree(state, lambda path, x: self._leaf(path, x, later, used, out))
-        self._pool = used
+        out.state = map_tree(state, lambda path, x: self._leaf(path, x, later, used, out, into))
+        if into is None:
+            self._pool = used
         if any(src.device.type == "cuda" for src, _ in out.deferred):
             out.after = torch.cuda.Event()
             out.after.record()
@@ -161,17 +168,20 @@ class StagingBuffers:
         return out
 
     def _leaf(self, path: str, x: Any, later: frozenset[int],
-              used: dict[str, torch.Tensor], out: StagedState) -> Any:
+              used: dict[str, torch.Tensor], out: StagedState,
+              into: dict[str, torch.Tensor] | None) -> Any:
         if not isinstance(x, torch.Tensor):
             return x  # primitives; anything else the store's validator refuses, naming it
         t = x.detach()
         if t.layout != torch.strided:
             return t.to("cpu", copy=True)
-        buf = self._pool.get(path)
+        buf = None if into is None else into.get(path)
         if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-            buf = torch.empty(t.shape, dtype=t.dtype, device="cpu",
-                              pin_memory=t.device.type == "cuda")
-        used[path] = buf
+            buf = self._pool.get(path)
+            if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+                buf = torch.empty(t.shape, dtype=t.dtype, device="cpu",
+                                  pin_memory=t.device.type == "cuda")
+            used[path] = buf
         out.nbytes += buf.numel() * buf.element_size()
         if later and t.untyped_storage().data_ptr() in later:
             out.deferred.append((t, buf))

@@ -16,7 +16,11 @@ from typing import Any, Callable, Iterable
 import fsspec
 import torch
 
-from elastic_kit.store import CheckpointStore, Layout, LoadedCheckpoint, resolve_url
+from elastic_kit.store import (
+    CheckpointStore, FlatCheckpoint, Layout, LoadedCheckpoint, Manifest, agree_on_holder,
+    broadcast_state, commit_flat, hash_flat, is_flat, map_tree, open_flat, release_flat,
+    resolve_url, split_state, target_device,
+)
 from elastic_kit.distributed import DistInfo, broadcast_object, is_dist_ready
 from elastic_kit.errors import CheckpointError
 from elastic_kit.snapshot._private import (
@@ -25,6 +29,7 @@ from elastic_kit.snapshot._private import (
 from elastic_kit.snapshot._replica import (
     REPLICAS, ReplicaReceiver, ReplicaSender, advertised_host,
 )
+from elastic_kit.snapshot._slots import Slot, Slots, remove_dead_slots
 from elastic_kit.snapshot._staging import storage_keys
 from elastic_kit.snapshot._writer import Job, SnapshotWriter
 
@@ -55,6 +60,9 @@ _MAX_AUTO_EVERY = 10_000
 DEFAULT_BUDGET = 0.01
 #: Seconds :meth:`SnapshotTier.close` waits for the last snapshot's stream to a peer.
 FLUSH_TIMEOUT_S = 10.0
+#: Seconds the writer waits for the stream of an older snapshot to end before reusing
+#: its file (past it, the file goes with the step and a new one is made).
+RELEASE_WAIT_S = 2.0
 #: The metadata key, in every snapshot's manifest, naming the durable store's run
 #: identity it belongs to (removed from what :meth:`SnapshotTier.load` returns).
 IDENTITY_KEY = "elastic_kit_run_identity"
@@ -158,9 +166,11 @@ class SnapshotTier:
     naming the path and the reason.
 
     Only local rank 0 of each node writes. Taking a snapshot copies the state's
-    tensors into reused CPU buffers (pinned for CUDA tensors); the parameters and
-    optimizer state may be copied on the writer thread instead, while the next
-    forward and backward pass runs (the optimizer-step pre-hook waits for that copy).
+    tensors straight into a snapshot file in shared memory, mapped once and reused
+    (registered as pinned memory for CUDA tensors; see
+    :mod:`elastic_kit.snapshot._slots`); the parameters and optimizer state may be
+    copied on the writer thread instead, while the next forward and backward pass
+    runs (the optimizer-step pre-hook waits for that copy).
     The write then runs on the writer thread, and the training thread never waits for
     it: a snapshot taken while the previous one is being written is queued, and a
     newer one replaces a queued one that has not started (see
@@ -168,15 +178,17 @@ class SnapshotTier:
     newest committed snapshot is, not how fast training runs.
 
     .. warning::
-        Shared memory is host RAM. A node holds its own snapshot and one peer's
-        replica while the run lives (about twice the state's size), and up to twice
-        that for a moment: the next snapshot is written, and the next replica
-        received, before the previous one is deleted. When ``root`` has less free
+        Shared memory is host RAM. A node holds its own snapshot, the file the next
+        one is copied into (two files rotate) and one peer's replica while the run
+        lives (about three times the state's size), and one more replica for a
+        moment: the next replica is received before the previous one is deleted. When ``root`` has less free
         space than 2.2 times the state, snapshots are switched off with a warning and
         restarts resume from the durable store; a replica that does not fit is
         refused (the sender logs a warning once) and the node keeps its own. The
         writer also keeps one staging copy of the state in its process memory, and a
-        second while a snapshot waits for the previous one's write.
+        second while a snapshot waits for the previous one's write (only a snapshot
+        taken while another is written is staged there; it is copied into a snapshot
+        file when its write starts).
     """
 
     def __init__(self, key: str, *, info: DistInfo, every: int | None = None,
@@ -217,6 +229,18 @@ class SnapshotTier:
         #: whether this node's restore read its own snapshot (not a replica) of the
         #: step that was loaded (local rank 0; set by :meth:`load`)
         self.loaded_own = False
+        #: the snapshot files (one copy, straight into shared memory); None where the
+        #: tier writes through another filesystem (tests inject faults there) and
+        #: snapshots are written as ordinary checkpoints
+        self._slots: Slots | None = None
+        self._flat_layout: Layout | None = None
+        #: snapshots copied straight into a snapshot file by the training thread
+        #: (the others were staged in buffers while a write ran, and copied after)
+        self.direct = 0
+        #: the writer thread's seconds in the last snapshot file's hashing and in its
+        #: commit (payload, manifest, the older snapshot's release)
+        self.last_hash_s = 0.0
+        self.last_commit_s = 0.0
         if not os.path.isdir(self.root):
             self._disable(f"{self.root} does not exist")
             return
@@ -233,8 +257,13 @@ class SnapshotTier:
         self.store = _TierStore(self.node_dir, keep_last=1, node_local=True, info=info,
                                 private=True, filesystem=filesystem)
         self.store.writer = self._writer
+        if filesystem is None:
+            self._slots = Slots(self.node_dir)
+            fs, path = resolve_url(self.node_dir)
+            self._flat_layout = Layout(fs, path, url=self.node_dir, private=True)
         if info.local_rank == 0:
             self._remove_unusable()
+            remove_dead_slots(self.node_dir)
 
     def _disable(self, why: str) -> None:
         if self.enabled and self.info.local_rank == 0:
@@ -316,10 +345,17 @@ class SnapshotTier:
             buffers, idle = self._writer.buffers()
             # with a write in flight the writer thread cannot copy soon: copy all now
             later = storage_keys(copy_later) if idle else frozenset()
-            staged = buffers.stage(state_dict, later=later)
+            slot: Slot | None = None
+            if idle and self._slots is not None:
+                _, items = split_state(state_dict)
+                self._slots.pin = self._slots.pin or any(t.is_cuda for _, t in items)
+                slot = self._slots.take(items)  # a free file of this layout, else None
+            into = None if slot is None else dict(zip(slot.plan.keys, slot.views))
+            staged = buffers.stage(state_dict, later=later, into=into)
             if self.identity is not None:
                 metadata = {**metadata, IDENTITY_KEY: self.identity}
-            self._writer.submit(Job(staged, step, metadata, buffers, taken_at=t0))
+            self._writer.submit(Job(staged, step, metadata, buffers, taken_at=t0, slot=slot))
+            self.direct += slot is not None
             self._cost_s = time.perf_counter() - t0
         except Exception as e:  # snapshots are an optimisation: never fail training
             self._disable(f"taking snapshot step {step} for {self.node_dir} failed: {e!r}")
@@ -328,10 +364,69 @@ class SnapshotTier:
         """Write and commit one staged snapshot (on the writer thread)."""
         assert self.store is not None
         sender = self._sender
+        if self._slots is not None:
+            self._commit_flat(job.staged.state, job.step, job.metadata, job.slot)
+            return
         # the stream to the peer starts on the store's worker once the write committed
         self.store.save(job.staged.state, step=job.step, metadata=job.metadata,
                         blocking=True, on_commit=None if sender is None else sender.offer)
         self.store.wait_local()  # the previous snapshot's deletion, here, not in training
+
+    def _commit_flat(self, state: Any, step: int, metadata: dict[str, Any],
+                     slot: Slot | None) -> str:
+        """Commit ``state`` as snapshot ``step`` in a snapshot file (the writer thread,
+        or a restore keeping a copy): copied into a free slot unless it was staged
+        there, hashed in parallel, committed with the manifest last, then the older
+        snapshots deleted, their file moved back out to be the next one's slot."""
+        assert self._slots is not None and self._flat_layout is not None
+        payload, items = split_state(state)
+        if slot is None:
+            slot = self._slots.acquire(items)
+            for view, (_, t) in zip(slot.views, items):
+                view.copy_(t)  # the second copy: only when staged while a write ran
+        try:
+            t0 = time.perf_counter()
+            hashes = hash_flat(slot.mapped, slot.plan)
+            t1 = time.perf_counter()
+            path, _ = commit_flat(self._flat_layout, step=step, flat_path=slot.path,
+                                  plan=slot.plan, hashes=hashes, payload=payload,
+                                  metadata=metadata, world_size=self.info.world_size)
+        except BaseException:
+            self._slots.done(slot, None)
+            raise
+        self._slots.done(slot, step)
+        if self._sender is not None:
+            self._sender.offer(step, path)
+        self._release_older(step)
+        self.last_hash_s, self.last_commit_s = t1 - t0, time.perf_counter() - t1
+        self._slots.prepare(slot.plan)  # the next file, when one must be made
+        return path
+
+    def _release_older(self, step: int) -> None:
+        """Delete this node's snapshots older than ``step``; a file of this writer's
+        moves back out of its step directory for reuse once no stream reads it."""
+        assert self._slots is not None and self._flat_layout is not None
+        layout = self._flat_layout
+        for d, _ in list(layout.committed()):
+            if d.step >= step or not is_private_entry(d.path):
+                continue
+            slot = self._slots.holder(d.step)
+            try:
+                if slot is None:
+                    layout.delete(d)
+                    continue
+                idle = self._sender is None or self._sender.wait_not_sending(
+                    d.step, RELEASE_WAIT_S)
+                moved = idle and release_flat(layout, d, to=slot.path, inode=slot.inode)
+                if not idle:
+                    layout.delete(d)  # the stream keeps its open file; a new slot is made
+                self._slots.released(slot, moved=moved)
+            except OSError as e:
+                log.warning("cannot delete the older snapshot %s: %r", d.path, e)
+        try:
+            layout.clean_stale(newest_committed=step)
+        except OSError as e:
+            log.debug("cannot clean %s: %r", self.node_dir, e)
 
     def wait_staged(self) -> None:
         """Wait until the snapshot taken last no longer reads the live tensors (its
@@ -485,39 +580,106 @@ class SnapshotTier:
             return None
         return found[0][0] if found else None
 
-    def _choose_root(self) -> tuple[str, int | None]:
-        """The directory holding this node's newest snapshot that verifies, and its
-        step. With replicas present the candidates are verified newest first (one
-        extra read of the chosen payload from memory), so a corrupt or truncated
-        snapshot is skipped for the next newest source, own or replica."""
+    def _choose_root(self) -> tuple[str, int | None, FlatCheckpoint | None]:
+        """The directory holding this node's newest snapshot that verifies, its step
+        and, for a snapshot file, the mapped snapshot. Snapshot files are mapped and
+        their chunks verified in parallel; other snapshots (written through another
+        filesystem) are verified by one read when replicas are present. A corrupt or
+        truncated snapshot is skipped for the next newest source, own or replica."""
         try:
             found = self._candidates()
         except Exception as e:
             log.warning("cannot list the snapshots in %s: %r", self.node_dir, e)
-            return self.node_dir, None
-        if all(own for _, _, own in found):
-            return self.node_dir, found[0][0] if found else None
+            return self.node_dir, None, None
+        only_own = all(own for _, _, own in found)
         for step, root, _ in found:
             layout = _layout(root)
+            d = layout.dir_of(step)
             try:
-                layout.verify(layout.dir_of(step), deep=True)
-                return root, step
+                if is_flat(layout.read_manifest(d)):
+                    return root, step, open_flat(layout, d)
+                if only_own:  # the store's load verifies it (and falls back) itself
+                    return root, step, None
+                layout.verify(d, deep=True)
+                return root, step, None
             except (CheckpointError, OSError) as e:
-                log.warning("skipping snapshot %s for the next newest: %s",
-                            layout.dir_of(step).path, e)
-        return self.node_dir, None
+                log.warning("skipping snapshot %s for the next newest: %s", d.path, e)
+        return self.node_dir, None, None
+
+    def _own_state(self, opened: FlatCheckpoint, device: torch.device | None) -> Any:
+        """The state of a mapped snapshot: zero-copy views of the file (CPU), copied
+        to ``device`` through the mapping registered as pinned memory (CUDA), or cloned
+        when the file is one this tier will write again (its own slot)."""
+        state = opened.state
+        if device is not None and device.type == "cuda":
+            return _to_device(opened, device)
+        if device is not None and device.type != "cpu":
+            return map_tree(state, lambda _, v: v.to(device) if isinstance(v, torch.Tensor)
+                            else v)
+        name = [n for n in opened.manifest.files if n != opened.manifest.payload]
+        if self._slots is not None and name:
+            try:
+                inode = os.lstat(os.path.join(opened.path, name[0])).st_ino
+            except OSError:
+                inode = -1
+            if inode in self._slots.inodes():
+                return map_tree(state, lambda _, v: v.clone() if isinstance(v, torch.Tensor)
+                                else v)
+        return state
 
     def load(self, *, map_location: Any = None) -> LoadedCheckpoint | None:
         """The newest snapshot any node holds, its own or a replica, broadcast to every
         rank from its holder. Collective.
 
-        A corrupt or truncated newest snapshot is skipped for the one before (the
-        manifest's checksum is verified as for any checkpoint).
+        A snapshot file is mapped and verified chunk by chunk in parallel; on the CPU
+        the state's tensors are views of it (no copy), on CUDA they are copied to the
+        device through the mapping registered as pinned memory. A corrupt or
+        truncated newest snapshot is skipped for the one before.
         """
         assert self.store is not None
-        root, step = (self.node_dir, None)
+        root, step, opened = (self.node_dir, None, None)
         if self.info.local_rank == 0 and self.enabled:
-            root, step = self._choose_root()
+            root, step, opened = self._choose_root()
+        distributed = is_dist_ready() and self.info.world_size > 1
+        device = None if map_location is None else target_device(map_location)
+        if not distributed:
+            if opened is not None:
+                loaded = LoadedCheckpoint.from_manifest(
+                    opened.path, opened.manifest, state=self._own_state(opened, device))
+                return self._accept(loaded, root, step)
+            return self._load_store(root, step, map_location)
+        newest, src, _ = agree_on_holder(step, self.info.rank, self.info.world_size)
+        if newest is None:
+            return self._load_store(root, step, map_location)
+        header = None
+        if self.info.rank == src:
+            header = None if opened is None else {"path": opened.path,
+                                                  "manifest": opened.manifest.to_json()}
+        header = broadcast_object(header, src=src)
+        if header is None:  # the holder's newest is not a snapshot file
+            return self._load_store(root, step, map_location)
+        state = None
+        if self.info.rank == src:
+            assert opened is not None
+            state = self._own_state(opened, device)
+        state = broadcast_state(state, src=src, rank=self.info.rank,
+                                device=device or torch.device("cpu"))
+        manifest = Manifest.from_json(header["manifest"], where=header["path"])
+        loaded = LoadedCheckpoint.from_manifest(header["path"], manifest, state=state)
+        lacked = (self.info.local_rank == 0 and self.writes and self._slots is not None
+                  and (step is None or step < newest))
+        if lacked:  # a node that lacked the snapshot keeps the broadcast copy
+            try:
+                self._commit_flat(state, newest, dict(manifest.metadata), None)
+            except Exception as e:
+                log.warning("node %s could not keep its copy of snapshot step %d: %r",
+                            self.node_dir, newest, e)
+        return self._accept(loaded, root, step)
+
+    def _load_store(self, root: str, step: int | None,
+                    map_location: Any) -> LoadedCheckpoint | None:
+        """The store's load (collective): snapshots written as ordinary checkpoints."""
+        assert self.store is not None
         store = self.store
         if root != self.node_dir:
             # a node keeps only its own snapshots and one replica: no copy of a peer's
@@ -529,6 +691,10 @@ class SnapshotTier:
         finally:
             if store is not self.store:
                 store.close()
+        return self._accept(loaded, root, step)
+
+    def _accept(self, loaded: LoadedCheckpoint | None, root: str,
+                step: int | None) -> LoadedCheckpoint | None:
         if loaded is not None:
             # every rank holds the same broadcast metadata: all take this branch alike
             why = self._why_unusable(loaded.metadata)
@@ -568,6 +734,8 @@ class SnapshotTier:
         if self._sender is not None:
             self._sender.close(timeout=FLUSH_TIMEOUT_S if flush else 0.0)
             self._sender = None
+        if self._slots is not None:
+            self._slots.close()  # the committed snapshot's file stays in its directory
         if remove and self._receiver is not None:
             self._receiver.close()
             self._receiver = None
@@ -596,6 +764,25 @@ class _TierStore(CheckpointStore):
         if self.writer is not None:
             self.writer.close()
         super().close()
+
+
+def _to_device(opened: FlatCheckpoint, device: torch.device) -> Any:
+    """The mapped snapshot's tensors copied to the CUDA ``device``: the mapping is
+    registered as pinned memory for the copies (host-to-device at the bus's speed,
+    no pageable bounce buffer), then unregistered."""
+    mapped = opened.mapped
+    registered = False
+    if mapped.numel():
+        registered = int(torch.cuda.cudart().cudaHostRegister(
+            mapped.data_ptr(), mapped.numel(), 0)) == 0
+    try:
+        out = map_tree(opened.state, lambda _, v: v.to(device, non_blocking=registered)
+                       if isinstance(v, torch.Tensor) else v)
+        torch.cuda.synchronize(device)
+    finally:
+        if registered:
+            torch.cuda.cudart().cudaHostUnregister(mapped.data_ptr())
+    return out
 
 
 def _layout(root: str) -> Layout:

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from elastic_kit.snapshot._slots import Slot
 from elastic_kit.snapshot._staging import StagedState, StagingBuffers
 
 __all__ = ["Job", "SnapshotWriter"]
@@ -37,6 +38,8 @@ class Job:
     buffers: StagingBuffers
     #: when it was taken (``time.perf_counter()``), for the commit latency
     taken_at: float = field(default_factory=time.perf_counter)
+    #: the snapshot file it was staged into directly (None: into ``buffers``)
+    slot: Slot | None = None
 
 
 class SnapshotWriter:
@@ -87,6 +90,8 @@ class SnapshotWriter:
             if self._queued is not None:
                 job, self._queued = self._queued, None
                 job.staged.discard()  # the newer snapshot copies everything again
+                if job.slot is not None:  # its file is free for the next snapshot
+                    job.slot.busy = False
                 self.replaced.append(job.step)
                 log.debug("snapshot step %d is replaced by a newer one before it was "
                           "written", job.step)

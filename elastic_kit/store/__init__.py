@@ -20,6 +20,8 @@ on-storage rules: names, scan, verify, commit order, retention, stale cleanup),
 ``_tree`` (the one walk over a state tree and the one validator, exported for the
 other packages: :func:`map_tree`, :func:`leaves`, :func:`validate_state`,
 :func:`iter_tensors`, :func:`state_nbytes`),
+``_flat_commit`` (one writer's tensors in one flat tensor file, committed around the
+file as it lies and read back as views of its mapping: the in-memory tier's format),
 ``_serialize`` (weights-only state, hashing writer), ``_broadcast`` (tensor-by-tensor
 state broadcast), ``_fs`` (URLs, timeouts, retries, fsync).
 """
@@ -27,11 +29,17 @@ state broadcast), ``_fs`` (URLs, timeouts, retries, fsync).
 from __future__ import annotations
 
 from elastic_kit.store._api import load_checkpoint, save_checkpoint
+from elastic_kit.store._broadcast import agree_on_holder, broadcast_state, target_device
+from elastic_kit.store._flat_commit import (
+    FLAT_NAME, FlatCheckpoint, FlatHashes, FlatPlan, commit_flat, hash_flat, is_flat,
+    open_flat, plan_flat, release_flat, split_state, tensor_views,
+)
 from elastic_kit.store._fs import resolve_url
 from elastic_kit.store._identity import IDENTITY_NAME
 from elastic_kit.store._backend_local import TMP_PREFIX
 from elastic_kit.store._layout import Layout, parse_step_dir, step_dir_name
 from elastic_kit.store._manifest import MANIFEST_NAME, Manifest, check_file_name
+from elastic_kit.store._tensorfile import map_file
 from elastic_kit.store._store import (
     CheckpointInfo, CheckpointStore, LoadedCheckpoint, SaveHandle,
 )
@@ -56,6 +64,24 @@ __all__ = [
     "parse_step_dir",
     "resolve_url",
     "step_dir_name",
+    # one writer's flat tensor file, mapped in place (the in-memory tier's one copy)
+    "FLAT_NAME",
+    "FlatPlan",
+    "FlatHashes",
+    "FlatCheckpoint",
+    "split_state",
+    "plan_flat",
+    "tensor_views",
+    "map_file",
+    "hash_flat",
+    "commit_flat",
+    "release_flat",
+    "is_flat",
+    "open_flat",
+    # restoring on every rank from the one that holds the newest step
+    "agree_on_holder",
+    "broadcast_state",
+    "target_device",
     # the one state-tree walker and validator, for the other packages
     "map_tree",
     "leaves",

@@ -1,0 +1,238 @@
+"""The snapshot files a node's writer reuses: mapped once, copied into in place.
+
+A snapshot's tensors are copied straight into a file in the node's snapshot
+directory (``/dev/shm``), one :func:`~elastic_kit.store.plan_flat` tensor file,
+which the commit then moves (renames: same inode, no copy) into the step directory.
+Mapping and first touching the pages of a fresh tmpfs file costs far more than
+copying into pages already mapped (and on CUDA, registering a mapping as pinned
+memory costs as much again), so each file is a *slot*, mapped (and registered) once
+and reused: when a newer snapshot commits, the older one's file is moved back out of
+its step directory (manifest first: :func:`~elastic_kit.store.release_flat`) and is
+the next snapshot's target. Two slots rotate: one holds the committed snapshot, the
+other takes the next.
+
+A slot is in one of three states: *free* (its file at its own path, ``.slot-*`` in
+the node directory, for the next snapshot), *busy* (a snapshot is being copied into
+it or written) or *holding* a committed step (its file inside that step's
+directory). The training thread only takes a free slot that already fits the state
+(:meth:`Slots.take`); making, resizing and first touching slots happen on the writer
+thread (:meth:`Slots.acquire`, :meth:`Slots.prepare`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import threading
+from typing import Sequence
+
+import torch
+
+from elastic_kit.store import FlatPlan, map_file, plan_flat, tensor_views
+
+__all__ = ["SLOT_PREFIX", "Slot", "Slots", "remove_dead_slots"]
+
+log = logging.getLogger(__name__)
+
+#: Name prefix of a slot file in a node's snapshot directory (the store's scan
+#: ignores it: not a step directory).
+SLOT_PREFIX = ".slot-"
+_MAX_SLOTS = 2
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_dead_slots(node_dir: str) -> int:
+    """Remove slot files left by processes that are gone (a killed worker's); returns
+    how many. A live process's slots stay (another tier of it may use them)."""
+    removed = 0
+    try:
+        names = os.listdir(node_dir)
+    except OSError:
+        return 0
+    for name in names:
+        if not name.startswith(SLOT_PREFIX):
+            continue
+        pid = name[len(SLOT_PREFIX):].split("-", 1)[0]
+        if pid.isdigit() and _pid_alive(int(pid)):
+            continue
+        try:
+            os.remove(os.path.join(node_dir, name))
+            removed += 1
+        except OSError:
+            pass
+    return removed
+
+
+class Slot:
+    """One reused snapshot file, mapped (and on CUDA registered) once.
+
+    Attributes:
+        path: the file's own path (where it is while free).
+        inode: the file's inode (it keeps it while renamed into a step directory).
+        plan: the layout of the state it was made for.
+        mapped: the shared mapping of the whole file (1-D ``uint8``).
+        views: the plan's tensors, as views of ``mapped``.
+        step: the committed step whose directory holds the file, else None.
+        busy: a snapshot is being copied into it or written.
+        registered: the mapping is registered with CUDA as pinned memory.
+    """
+
+    def __init__(self, path: str, plan: FlatPlan, *, pin: bool) -> None:
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+        fd = os.open(path, flags | getattr(os, "O_CLOEXEC", 0), 0o600)
+        try:
+            os.ftruncate(fd, plan.size)
+            self.inode = os.fstat(fd).st_ino
+        finally:
+            os.close(fd)
+        self.path = path
+        self.plan = plan
+        self.mapped = map_file(path, plan.size, shared=True)
+        # first touch of the tmpfs pages, here (the writer thread), not in a snapshot
+        self.mapped.zero_()
+        self.views = tensor_views(self.mapped, plan)
+        self.step: int | None = None
+        self.busy = False
+        self.registered = False
+        if pin:
+            self.register()
+
+    def register(self) -> None:
+        """Register the mapping with CUDA as pinned memory (once), so device-to-host
+        copies into it and host-to-device copies from it run at the bus's speed. A
+        refusal is logged: the copies then go through pageable memory, slower."""
+        if self.registered or not torch.cuda.is_available() or not self.mapped.numel():
+            return
+        err = torch.cuda.cudart().cudaHostRegister(self.mapped.data_ptr(), self.mapped.numel(), 0)
+        if int(err) != 0:
+            log.warning("cannot register snapshot file %s as pinned memory (cuda error "
+                        "%s): its copies go through pageable memory", self.path, err)
+            return
+        self.registered = True
+
+    def fits(self, items: Sequence[tuple[str, torch.Tensor]]) -> bool:
+        return self.plan.fits(items)
+
+    def close(self, *, unlink: bool) -> None:
+        """Unregister and drop the mapping; with ``unlink`` remove the file when it is
+        at its own path (a file in a committed step directory stays: it is the
+        snapshot)."""
+        if self.registered:
+            torch.cuda.cudart().cudaHostUnregister(self.mapped.data_ptr())
+            self.registered = False
+        self.views = []
+        self.mapped = torch.empty(0, dtype=torch.uint8)
+        if unlink and self.step is None:
+            try:
+                if os.lstat(self.path).st_ino == self.inode:
+                    os.remove(self.path)
+            except OSError:
+                pass
+
+
+class Slots:
+    """A node writer's slots (at most two kept)."""
+
+    def __init__(self, node_dir: str) -> None:
+        self.node_dir = node_dir
+        self._lock = threading.Lock()
+        self._slots: list[Slot] = []
+        self._n = 0
+        self._tag = secrets.token_hex(4)
+        #: whether the states are on CUDA (the slots are then registered as pinned)
+        self.pin = False
+        #: slots made so far (a reused slot is not counted again)
+        self.made = 0
+
+    def _new(self, plan: FlatPlan) -> Slot:
+        self._n += 1
+        path = os.path.join(self.node_dir, f"{SLOT_PREFIX}{os.getpid()}-{self._tag}-{self._n}")
+        slot = Slot(path, plan, pin=self.pin)
+        self.made += 1
+        return slot
+
+    def take(self, items: Sequence[tuple[str, torch.Tensor]]) -> Slot | None:
+        """A free slot that fits ``items``, marked busy; None when there is none (the
+        caller stages elsewhere). Never allocates: the training thread calls it."""
+        with self._lock:
+            for s in self._slots:
+                if not s.busy and s.step is None and s.fits(items):
+                    s.busy = True
+                    return s
+        return None
+
+    def acquire(self, items: Sequence[tuple[str, torch.Tensor]]) -> Slot:
+        """A free slot that fits ``items``, made (or remade at the new size) when
+        none does; marked busy (the writer thread)."""
+        slot = self.take(items)
+        if slot is not None:
+            return slot
+        plan = plan_flat(items)
+        with self._lock:
+            unfit = [s for s in self._slots if not s.busy and s.step is None]
+        for s in unfit:  # a free slot of another layout: the state changed shape
+            self._drop(s)
+        slot = self._new(plan)
+        slot.busy = True
+        with self._lock:
+            self._slots.append(slot)
+        return slot
+
+    def prepare(self, plan: FlatPlan) -> None:
+        """Make sure a free slot of ``plan`` waits for the next snapshot (the writer
+        thread, after a commit), so that the training thread can copy into it."""
+        with self._lock:
+            free = [s for s in self._slots if not s.busy and s.step is None]
+            if any(s.plan == plan for s in free) or len(self._slots) - len(free) >= _MAX_SLOTS:
+                return
+        for s in free:
+            self._drop(s)
+        slot = self._new(plan)
+        with self._lock:
+            self._slots.append(slot)
+
+    def done(self, slot: Slot, step: int | None) -> None:
+        """``slot`` now holds committed ``step`` (None: the write failed; it is free
+        again, its file back at its path)."""
+        with self._lock:
+            slot.step, slot.busy = step, False
+
+    def holder(self, step: int) -> Slot | None:
+        """The slot whose file is in committed step ``step``'s directory."""
+        with self._lock:
+            return next((s for s in self._slots if s.step == step), None)
+
+    def released(self, slot: Slot, *, moved: bool) -> None:
+        """``slot``'s step was deleted; its file is back at its path when ``moved``
+        (else it went with the step, and the slot is dropped)."""
+        with self._lock:
+            slot.step = None
+        if not moved:
+            self._drop(slot)
+
+    def inodes(self) -> set[int]:
+        with self._lock:
+            return {s.inode for s in self._slots}
+
+    def _drop(self, slot: Slot) -> None:
+        with self._lock:
+            if slot in self._slots:
+                self._slots.remove(slot)
+        slot.close(unlink=True)
+
+    def close(self) -> None:
+        """Drop every slot; free ones' files are removed, a committed one's stays."""
+        with self._lock:
+            slots, self._slots = self._slots, []
+        for s in slots:
+            s.close(unlink=True)

@@ -1,0 +1,227 @@
+"""One copy, straight into shared memory: a snapshot's tensors are copied into a file
+in the node's snapshot directory that is mapped once and reused (two files rotate),
+and a restore maps the file, verifies its chunks and hands out views of it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import elastic_kit as ek
+from elastic_kit import cli
+import elastic_kit.snapshot._tier as tier_module
+from elastic_kit.snapshot import SnapshotTier
+from elastic_kit.store import (
+    FLAT_NAME, MANIFEST_NAME, Layout, commit_flat, hash_flat, is_flat, map_file, open_flat,
+    plan_flat, resolve_url, split_state, tensor_views,
+)
+
+
+@pytest.fixture()
+def shm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    root = tmp_path / "shm"
+    root.mkdir()
+    monkeypatch.setenv("ELASTIC_KIT_SNAPSHOT_DIR", str(root))
+    monkeypatch.setenv("ELASTIC_KIT_SNAPSHOT_NODE", "node0")
+    return str(root)
+
+
+def _tier(shm: str) -> SnapshotTier:
+    return SnapshotTier("/durable", info=ek.DistInfo(run_id="job"), every=1, root=shm)
+
+
+def _state(seed: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "model": {"w": torch.randn(300, 64, generator=g), "odd": torch.randn(30, 37, generator=g),
+                  "b": torch.arange(5, dtype=torch.int64),
+                  "scale": torch.tensor(seed, dtype=torch.float64)},
+        "mask": torch.rand(1000, generator=g) > 0.5,
+        "rng": torch.get_rng_state(),
+        "empty": torch.empty(0, 3),
+        "step": seed, "history": [{"lr": 0.1}],
+    }
+
+
+def _tensors(state: Any) -> list[tuple[str, torch.Tensor]]:
+    return split_state(state)[1]
+
+
+def _step_dir(tier: SnapshotTier, step: int) -> Path:
+    return Path(tier.node_dir, f"step-{step:012d}")
+
+
+def test_the_snapshot_file_holds_exactly_the_states_bytes(shm: str) -> None:
+    tier = _tier(shm)
+    state = _state(1)
+    tier.save(state, step=1, metadata={"epoch": 0})
+    assert tier.wait(timeout=60)
+    d = _step_dir(tier, 1)
+    manifest = json.loads((d / MANIFEST_NAME).read_text())
+    assert sorted(manifest["files"]) == ["state.pt", FLAT_NAME]
+    data = (d / FLAT_NAME).read_bytes()
+    expected = bytearray(len(data))
+    for key, t in _tensors(state):
+        i = next(i for i, x in enumerate(manifest["sharded"]["tensors"]) if x["path"] == key)
+        offset = min(c["entry"]["offset"] for c in manifest["sharded"]["chunks"]
+                     if c["tensor"] == i)
+        raw = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        expected[offset:offset + len(raw)] = raw
+    assert data == bytes(expected)                 # the tensors' bytes, zero padding, no more
+    assert os.path.getsize(d / "state.pt") < 4096  # the payload holds no tensor bytes
+    assert {x["path"] for x in manifest["sharded"]["tensors"]} == {k for k, _ in _tensors(state)}
+    tier.close(remove=True)
+
+
+def test_a_flipped_byte_is_detected_at_restore_and_the_next_newest_source_is_used(
+        shm: str, caplog: pytest.LogCaptureFixture) -> None:
+    tier = _tier(shm)
+    older = _state(5)
+    tier.save(older, step=5, metadata={})
+    assert tier.wait(timeout=60)
+    replica = Path(tier.node_dir, "replicas", "peer")   # as a peer's stream leaves it
+    replica.mkdir(parents=True, mode=0o700)
+    os.chmod(replica.parent, 0o700)
+    shutil.copytree(_step_dir(tier, 5), replica / "step-000000000005")
+    tier.save(_state(7), step=7, metadata={})
+    assert tier.wait(timeout=60)
+    flat = _step_dir(tier, 7) / FLAT_NAME
+    with open(flat, "r+b") as f:                    # one bit of the mapped file
+        f.seek(4096 + 17)
+        byte = f.read(1)
+        f.seek(4096 + 17)
+        f.write(bytes([byte[0] ^ 0x01]))
+    loaded = tier.load()
+    assert loaded is not None and loaded.step == 5
+    for (k, want), (_, got) in zip(_tensors(older), _tensors(loaded.state)):
+        assert torch.equal(got, want), k
+    assert "skipping snapshot" in caplog.text and "corrupt snapshot" in caplog.text
+    assert not tier.loaded_own
+    tier.close(remove=True)
+
+
+def test_two_files_rotate_and_are_reused_without_a_new_allocation(shm: str) -> None:
+    tier = _tier(shm)
+    inodes, free = [], []
+    for step in range(1, 7):
+        tier.save(_state(step), step=step, metadata={})
+        assert tier.wait(timeout=60)
+        inodes.append(os.stat(_step_dir(tier, step) / FLAT_NAME).st_ino)
+        committed = sorted(p.name for p in Path(tier.node_dir).glob("step-*"))
+        assert committed == [f"step-{step:012d}"]  # the older snapshot is gone
+        slots = list(Path(tier.node_dir).glob(".slot-*"))
+        assert len(slots) == 1                      # the next snapshot's file waits
+        free.append(os.stat(slots[0]).st_ino)
+    assert len(set(inodes)) == 2 and set(free) == set(inodes)  # the same two files
+    assert inodes[0::2] == [inodes[0]] * 3 and inodes[1::2] == [inodes[1]] * 3
+    assert tier._slots is not None and tier._slots.made == 2
+    tier.close(remove=True)
+
+
+def _mapped_ranges(path: str) -> list[tuple[int, int]]:
+    out = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            if line.rstrip().endswith(path):
+                lo, hi = line.split()[0].split("-")
+                out.append((int(lo, 16), int(hi, 16)))
+    return out
+
+
+def test_restored_tensors_are_views_of_the_mapped_file_equal_to_the_saved_ones(
+        shm: str) -> None:
+    tier = _tier(shm)
+    state = _state(3)
+    tier.save(state, step=3, metadata={"epoch": 1})
+    assert tier.wait(timeout=60)
+    tier.close(remove=False)                        # a worker that ends; the snapshot stays
+    again = _tier(shm)
+    loaded = again.load()
+    assert loaded is not None and loaded.step == 3 and loaded.metadata == {"epoch": 1}
+    assert loaded.state["step"] == 3 and loaded.state["history"] == [{"lr": 0.1}]
+    flat = str(_step_dir(again, 3) / FLAT_NAME)
+    ranges = _mapped_ranges(flat)
+    for (k, want), (_, got) in zip(_tensors(state), _tensors(loaded.state)):
+        assert torch.equal(got, want), k
+        if got.numel():
+            assert any(lo <= got.data_ptr() < hi for lo, hi in ranges), k  # no copy
+    before = Path(flat).read_bytes()
+    loaded.state["model"]["w"].add_(1.0)            # copy-on-write: the file stays
+    assert Path(flat).read_bytes() == before
+    torch.set_rng_state(loaded.state["rng"])        # a view is a tensor like any other
+    again.close(remove=True)
+
+
+def test_a_snapshot_taken_while_one_is_written_is_copied_into_the_file_after(
+        shm: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The writer is held in the first snapshot's hashing; the next ones are staged
+    in buffers (the training thread never waits), the newest replaces the queued
+    one, and it lands in a reused file once the first one committed."""
+    entered, opened = threading.Event(), threading.Event()
+    real = tier_module.hash_flat
+
+    def held(*args: Any, **kw: Any) -> Any:
+        if not entered.is_set():
+            entered.set()
+            opened.wait(60)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(tier_module, "hash_flat", held)
+    tier = _tier(shm)
+    live = torch.zeros(1000)
+    tier.save({"w": live}, step=1, metadata={})
+    assert entered.wait(60)
+    for step in range(2, 5):
+        live.fill_(float(step))
+        tier.save({"w": live}, step=step, metadata={})
+    live.fill_(-1.0)
+    assert tier.written == [] and tier.replaced == [2, 3]
+    opened.set()
+    assert tier.wait(timeout=60) and tier.written == [1, 4]
+    loaded = tier.load()
+    assert loaded is not None and loaded.step == 4
+    assert torch.equal(loaded.state["w"], torch.full((1000,), 4.0))
+    tier.close(remove=True)
+
+
+def test_a_flat_step_is_a_checkpoint_the_store_and_the_cli_verify(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    root = tmp_path / "store"
+    root.mkdir()
+    state = _state(2)
+    payload, items = split_state(state)
+    plan = plan_flat(items, chunk_bytes=8192)      # several chunks for the large tensor
+    assert len(plan.chunks) > len(items)
+    slot = str(tmp_path / "file")
+    with open(slot, "wb") as f:
+        f.truncate(plan.size)
+    mapped = map_file(slot, plan.size)
+    for view, (_, t) in zip(tensor_views(mapped, plan), items):
+        view.copy_(t)
+    fs, path = resolve_url(str(root))
+    layout = Layout(fs, path, url=str(root))
+    commit_flat(layout, step=2, flat_path=slot, plan=plan, hashes=hash_flat(mapped, plan),
+                payload=payload, metadata={"epoch": 0})
+    assert not os.path.exists(slot)                 # moved into the step, not copied
+    m = layout.read_manifest(layout.dir_of(2))
+    assert is_flat(m) and m.epoch == 0
+    opened = open_flat(layout, layout.dir_of(2))
+    for (k, want), (_, got) in zip(items, _tensors(opened.state)):
+        assert torch.equal(got, want), k
+    assert cli.main(["verify", str(root)]) == 0
+    assert "1 ok, 0 corrupt" in capsys.readouterr().out
+    with open(root / "step-000000000002" / FLAT_NAME, "r+b") as f:
+        f.seek(plan.offsets[0] + 9000)              # the large tensor's second chunk
+        f.write(b"\xff\xff")
+    with pytest.raises(ek.CheckpointCorruptError, match="corrupt snapshot"):
+        open_flat(layout, layout.dir_of(2))
+    assert cli.main(["verify", str(root)]) != 0     # `python -m elastic_kit verify`
+    assert "0 ok, 1 corrupt" in capsys.readouterr().out
