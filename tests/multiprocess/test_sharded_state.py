@@ -358,7 +358,7 @@ def test_a_resaved_step_switches_to_new_files_and_retention_keeps_the_newest(tmp
 
 
 # ---------------------------------------------------------------------- background saves
-def _background_job(url: str) -> dict:
+def _background_job(url: str, storage_options: dict | None = None) -> dict:
     """Non-blocking sharded saves while training goes on: each checkpoint holds the
     state of the moment save() returned, not what training made of it afterwards."""
     import elastic_kit as ek
@@ -367,7 +367,7 @@ def _background_job(url: str) -> dict:
     model = _model(1)
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     state = ek.TrainState(model, opt)
-    store = ek.CheckpointStore(url, keep_last=None)
+    store = ek.CheckpointStore(url, keep_last=None, storage_options=storage_options)
     at_save = {}
     handles = []
     for step in (1, 2, 3):
@@ -410,3 +410,50 @@ def test_a_manifest_that_misplaces_shards_is_caught_by_the_digest(tmp_path) -> N
     got = spawn_multi_process(3, _load_job, str(root), None, 1, None)
     assert [r["step"] for r in got] == [5, 5, 5]
     assert got[0]["full"] == saved[0]["full"]
+
+
+@pytest.mark.s3
+def test_background_sharded_saves_to_an_object_store(s3_bucket) -> None:  # noqa: F811
+    url, opts = s3_bucket
+    saved = spawn_multi_process(2, _background_job, f"{url}/bg", opts)
+    assert [r["done"] for r in saved] == [[True] * 3] * 2
+    got = spawn_multi_process(3, _load_job, f"{url}/bg", opts, 1, None)
+    assert got[0]["step"] == 3 and got[0]["full"] == saved[0]["at_save"][3]
+
+
+# ---------------------------------------------------------------------- read faults
+def _read_fault_job(root: str, times: int | None) -> dict:
+    """Load with the shard reads of rank 1 failing ``times`` times (None: always)."""
+    import fsspec
+
+    import elastic_kit as ek
+    from elastic_kit.testing import FaultFileSystem
+
+    info = ek.init_distributed()
+    model = _model(1000)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    state = ek.TrainState(model, opt)
+    ffs = FaultFileSystem(fsspec.filesystem("file"))
+    if info.rank == 1:
+        ffs.add("cat", match="shards-", times=times,
+                error=ConnectionResetError(104, "Connection reset by peer"))
+    store = ek.CheckpointStore(root, filesystem=ffs, read_attempts=3)
+    try:
+        loaded = store.load(into=state.state_dict)
+    except Exception as e:
+        return {"raised": f"{type(e).__name__}: {e}", "fired": ffs.fired("cat")}
+    state.load_state_dict(loaded.state)
+    return {"step": loaded.step, "full": _full(model, opt), "fired": ffs.fired("cat")}
+
+
+def test_a_failed_range_read_is_retried_and_a_lasting_one_raised_not_skipped(tmp_path) -> None:
+    root = str(tmp_path / "ckpt")
+    saved = spawn_multi_process(2, _save_job, root, None, 5, 1, 6)
+    got = spawn_multi_process(3, _read_fault_job, root, 2)
+    assert got[1]["fired"] == 2 and [r["step"] for r in got] == [6, 6, 6]  # retried
+    assert got[0]["full"] == saved[0]["full"]
+    got = spawn_multi_process(3, _read_fault_job, root, None)
+    # a read that keeps failing proves nothing about step 6: raised on every rank,
+    # never taken for corruption (which would fall back to step 5)
+    assert all("rank 1 could not read" in r["raised"] for r in got), got
+    assert "Connection reset" in got[1]["raised"]
