@@ -145,7 +145,10 @@ class TrainState:
 
     Args:
         model: the (DDP-wrapped or plain) model; saved unwrapped, so a checkpoint
-            loads with or without DDP.
+            loads with or without DDP. A model sharded with FSDP2 (``fully_shard``:
+            DTensor parameters) is saved as DTensors (model and optimizer state, via
+            ``torch.distributed.checkpoint.state_dict``), which the store writes
+            shard by shard and loads at any world size (see :attr:`sharded`).
         optimizer: its optimizer.
         scheduler: an LR scheduler (anything with ``state_dict``/``load_state_dict``).
         scaler: a ``torch.amp.GradScaler``.
