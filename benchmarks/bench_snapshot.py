@@ -50,8 +50,16 @@ the next block. Reported (the JSON's last line):
 - ``ek_commit_s``: from taking a snapshot to its commit (median of those written);
   ``ek_written`` / ``ek_replaced``: snapshots written, and replaced by a newer one
   while they waited for a write;
+- ``ek_direct`` / ``ek_files_made``: snapshots the training thread copied straight
+  into a snapshot file (the rest were staged while a write ran and copied into the
+  file after), and snapshot files made (two when they are reused);
+- ``ek_hash_s`` / ``ek_commit_write_s``: the writer thread's time per snapshot in
+  the parallel checksums, and in the commit (payload, manifest, the older
+  snapshot's release): where the commit latency goes;
 - ``restore_s``: a new ``Checkpointer.restore()`` from this node's memory, against
-  ``h2d_s`` (the copy back: memory copy, or pinned host-to-device);
+  ``h2d_s`` (the copy back: memory copy, or pinned host-to-device); ``load_s``: the
+  tier's load alone (map, verify the chunks, views or the copy to the device), as
+  ``ratio_load_vs_h2d``;
 - ``dcp_blocked_s`` / ``dcp_commit_s``: DCP's ``async_save`` call and its completion.
 
 Usage::
@@ -291,6 +299,8 @@ def main() -> None:
         arms: dict[str, Callable[[int], Any]] = {"plain": lambda i: None}
         blocked: list[float] = []
         commits: list[float] = []
+        hashing: list[float] = []  # the writer's parallel checksums per snapshot
+        committing: list[float] = []  # payload, manifest, the older one's release
         snap_steps: list[bool] = []
 
         last_was_snap = [False]
@@ -306,6 +316,8 @@ def main() -> None:
             last_was_snap[0] = due
             if len(tier.written) > before:
                 commits.append(tier.commit_latency_s)
+                hashing.append(tier.last_hash_s)
+                committing.append(tier.last_commit_s)
 
         arms["ek"] = ek_after
         dcps: dict[str, DcpArm] = {}
@@ -333,13 +345,33 @@ def main() -> None:
                     tier.wait()  # untimed: no write spills into the next block
                     if len(tier.written) > before:
                         commits.append(tier.commit_latency_s)
+                        hashing.append(tier.last_hash_s)
+                        committing.append(tier.last_commit_s)
                 elif name in dcps:
                     dcps[name].drain()
                 cpu[name] += time.process_time() - c0  # the block's writes included
                 gc.collect()
         written, replaced = len(tier.written), len(tier.replaced)
+        direct = tier.direct
+        files_made = tier._slots.made if tier._slots is not None else None
+        identity = tier.identity
         ckpt.snapshots.close(remove=False)  # type: ignore[union-attr]
         ckpt.store.close()  # type: ignore[union-attr]
+
+        # the tier's load alone: map the file, verify its chunks, views (CPU) or the
+        # copy to the device through the registered mapping (CUDA)
+        from elastic_kit.snapshot import SnapshotTier
+
+        probe = SnapshotTier(os.path.join(work, "durable"), info=ek.DistInfo(run_id="bench"),
+                             every=every, identity=identity)
+        t0 = time.perf_counter()
+        probed = probe.load(map_location=args.device if cuda else None)
+        if cuda:
+            torch.cuda.synchronize()
+        load_s = time.perf_counter() - t0
+        assert probed is not None
+        del probed
+        probe.close(remove=False)
 
         # restore into a fresh model, from this node's memory
         loop2 = Loop(args)
@@ -378,6 +410,11 @@ def main() -> None:
         "ek_written": written,
         "ek_cpu_s_per_snapshot": round((cpu["ek"] - cpu["plain"]) / max(1, written), 4),
         "ek_replaced": replaced,
+        "ek_direct": direct,
+        "ek_files_made": files_made,
+        "ek_hash_s": _common.spread(hashing) if hashing else None,
+        "ek_commit_write_s": _common.spread(committing) if committing else None,
+        "load_s": round(load_s, 4),
         "restore_s": round(restore_s, 4),
         "restored_from": restored_from,
         "load_avg_1m": load_start,
@@ -395,6 +432,7 @@ def main() -> None:
                                               if blocked and copy_s > 0 else None)
     res["ratio_max_excess_vs_two_copies"] = round(excess / (2 * copy_s), 3) if copy_s else None
     res["ratio_restore_vs_h2d"] = round(restore_s / h2d_s, 3) if h2d_s else None
+    res["ratio_load_vs_h2d"] = round(load_s / h2d_s, 3) if h2d_s else None
     _common.emit(res, args.results)
 
 

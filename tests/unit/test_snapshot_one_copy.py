@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 import threading
 from pathlib import Path
 from typing import Any
@@ -120,6 +121,8 @@ def test_two_files_rotate_and_are_reused_without_a_new_allocation(shm: str) -> N
         slots = list(Path(tier.node_dir).glob(".slot-*"))
         assert len(slots) == 1                      # the next snapshot's file waits
         free.append(os.stat(slots[0]).st_ino)
+        for f in (slots[0], _step_dir(tier, step) / FLAT_NAME):
+            assert stat.S_IMODE(os.stat(f).st_mode) == 0o600  # the user's alone
     assert len(set(inodes)) == 2 and set(free) == set(inodes)  # the same two files
     assert inodes[0::2] == [inodes[0]] * 3 and inodes[1::2] == [inodes[1]] * 3
     assert tier._slots is not None and tier._slots.made == 2
