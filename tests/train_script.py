@@ -336,7 +336,12 @@ def _own_loop(cfg: TrainConfig, info: ek.DistInfo, model: nn.Module, opt: Any, s
         for call in cfg.epoch_end:
             if call == "end_epoch" and stopping and cfg.stop_at == "before_end_epoch":
                 return stop()
-            getattr(ckpt, call)()
+            try:
+                getattr(ckpt, call)()
+            except SystemExit as e:  # a leave agreed at the epoch's last step
+                if cfg.notice_after is None:
+                    raise
+                return {"left_at": state.step, "code": e.code}
             if call == "end_epoch" and "seen_epochs" in extras:
                 extras["seen_epochs"] += 1
         if stopping and cfg.stop_at == "after_epoch":
