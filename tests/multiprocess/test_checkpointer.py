@@ -278,3 +278,19 @@ def test_a_preemption_signal_on_one_rank_leaves_every_rank_at_one_saved_step(
     rest = spawn_multi_process(2, train, TrainConfig(**{**cfg.__dict__, "notice_after": None}))
     assert [r["restored"] for r in rest] == [step, step]
     assert rest[0]["audit"] == [(0, 200, True), (1, 200, True)]
+
+
+def test_a_leave_agreed_at_an_epochs_last_step_waits_for_its_end(tmp_path: Any) -> None:
+    # alone, the flags are read every step: the notice after step 49 is acted on at
+    # step 50, the epoch's last; the leave waits for end_epoch, so what is saved is
+    # the closed epoch and the next life starts the next one
+    url = str(tmp_path / "run")
+    cfg = TrainConfig(url=url, dataset_size=200, features=5, target="x0+x1", data_seed=3,
+                      epochs=2, batch_size=BATCH, checkpoint={"every_steps": 1000, "audit": True},
+                      notice_after=49, notice_rank=0)
+    assert spawn_multi_process(1, train, cfg) == [{"left_at": 50, "code": 143}]
+    (info,) = ek.CheckpointStore(url).list()
+    assert (info.step, info.epoch) == (50, 1)
+    (rest,) = spawn_multi_process(1, train, TrainConfig(**{**cfg.__dict__, "notice_after": None}))
+    assert (rest["restored"], rest["start"], rest["sampler_at_start"]) == (50, 1, (1, 0))
+    assert rest["audit"] == [(0, 200, True), (1, 200, True)]
