@@ -19,7 +19,9 @@ and the GIL for microseconds per beat: a machine at 100% load wakes a sleeping
 thread within milliseconds, and the interpreter hands the GIL over every 5 ms. What
 it cannot tell from a frozen host is a process that gets no CPU at all, or a C call
 that holds the GIL, for longer than the timeout (a long swap storm): raise the
-timeout where that happens.
+timeout where that happens. A watcher that was itself paused (its process stopped and
+resumed, its host frozen for a while) gives its peer one more timeout instead of
+judging it by a silence it could not have heard.
 
 Trust: a connection first proves that it knows the group's token (an HMAC of its
 source and destination ranks and the group's label; rank 0 draws the token when the
@@ -186,6 +188,7 @@ class Heartbeat:
         pending: dict[socket.socket, tuple[float, bytearray]] = {}  # deadline, bytes so far
         watched: socket.socket | None = None
         tick = min(self.interval_s, 0.25)
+        last_tick = time.monotonic()
         try:
             while not self._closed.is_set():
                 for key, _ in sel.select(timeout=tick):
@@ -203,6 +206,12 @@ class Heartbeat:
                         if not self._read_beats(sel, sock):
                             watched = None
                 now = time.monotonic()
+                if now - last_tick > self.timeout_s / 2:
+                    # This thread itself did not run for a while (its process or host
+                    # was paused, or starved of CPU or the GIL): it cannot tell a silent
+                    # peer from its own pause, so the peer gets one more timeout.
+                    self.last_beat = max(self.last_beat, now)
+                last_tick = now
                 for sock, (deadline, _) in list(pending.items()):
                     if now > deadline:
                         self.refused += 1

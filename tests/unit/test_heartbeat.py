@@ -143,3 +143,20 @@ def test_idle_connections_from_another_user_neither_stall_nor_hide_the_real_beat
 def test_a_timeout_must_be_positive() -> None:
     with pytest.raises(ValueError, match="timeout_s=0"):
         Heartbeat(rank=0, send_to=None, watch=None, token=TOKEN, label=LABEL, timeout_s=0)
+
+
+def test_a_watcher_that_was_paused_itself_does_not_blame_its_peer() -> None:
+    # Holding the GIL pauses every thread of this process, the beater's and the
+    # watcher's alike, as a stopped and resumed process (or a frozen and thawed host)
+    # is paused: the watcher must not take its own pause for its peer's silence.
+    watcher, beater, silences = _pair(timeout_s=0.6, interval_s=0.02)
+    try:
+        time.sleep(0.2)
+        paused = time.monotonic()
+        sum(range(60_000_000))  # a C loop that never lets the GIL go
+        assert time.monotonic() - paused > 0.6  # longer than the timeout
+        time.sleep(0.4)
+        assert silences.calls == [] and watcher.silent is None
+    finally:
+        beater.close()
+        watcher.close()
