@@ -457,3 +457,18 @@ def test_a_failed_range_read_is_retried_and_a_lasting_one_raised_not_skipped(tmp
     # never taken for corruption (which would fall back to step 5)
     assert all("rank 1 could not read" in r["raised"] for r in got), got
     assert "Connection reset" in got[1]["raised"]
+
+
+def test_a_sharded_checkpoint_loads_whole_without_a_target_layout(tmp_path) -> None:
+    # e.g. evaluation in one plain process: store.load() with no ``into`` gives every
+    # sharded tensor whole, checked against its saved digest
+    import elastic_kit as ek
+
+    url = str(tmp_path / "ckpt")
+    saved = spawn_multi_process(2, _save_job, url, None, 5, 1)
+    reference = saved[0]["full"]
+    loaded = ek.CheckpointStore(url).load()
+    assert loaded is not None and loaded.step == 5
+    weights = {f"model/{k}": (v.dtype.__repr__(), v.tolist())
+               for k, v in loaded.state["model"].items()}
+    assert weights == {k: v for k, v in reference.items() if k.startswith("model/")}
