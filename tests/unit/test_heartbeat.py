@@ -41,14 +41,14 @@ def _hello(src: int, dst: int, token: bytes = TOKEN) -> bytes:
 
 
 def test_a_beating_peer_is_never_silent_and_its_goodbye_ends_the_watch() -> None:
-    watcher, beater, silences = _pair(timeout_s=0.6, interval_s=0.02)
+    watcher, beater, silences = _pair(timeout_s=1.0, interval_s=0.02)
     try:
         first = time.monotonic()
-        time.sleep(0.9)  # longer than the timeout: beats keep arriving
+        time.sleep(1.2)  # longer than the timeout: beats keep arriving
         assert silences.calls == [] and watcher.silent is None
         assert watcher.last_beat > first
         beater.close()
-        time.sleep(0.9)  # a goodbye is not silence
+        time.sleep(1.2)  # a goodbye is not silence
         assert watcher.said_bye and silences.calls == [] and not watcher.lost_connection
     finally:
         beater.close()
@@ -124,13 +124,13 @@ def test_a_forged_hello_is_refused_and_its_beats_do_not_count(hello: bytes) -> N
 
 
 def test_idle_connections_from_another_user_neither_stall_nor_hide_the_real_beats() -> None:
-    watcher, beater, silences = _pair(timeout_s=1.0, interval_s=0.02)
+    watcher, beater, silences = _pair(timeout_s=1.5, interval_s=0.02)
     idle = []
     try:
         for _ in range(4 * MAX_PENDING):  # connect, send nothing, keep the socket open
             idle.append(socket.create_connection(watcher.address))
         mark = time.monotonic()
-        time.sleep(1.3)
+        time.sleep(1.7)
         assert silences.calls == [] and watcher.last_beat > mark + 1.0
         assert watcher.refused >= 3 * MAX_PENDING  # the flood was dropped, oldest first
     finally:
