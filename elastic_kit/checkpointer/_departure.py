@@ -107,8 +107,16 @@ class Departure:
         raise SystemExit(exit_code)
 
 
-_AGENT_MARKERS = (b"torch.distributed.run", b"torchrun", b"torch.distributed.launch",
-                  b"elastic_kit.run")
+_AGENT_MODULES = (b"torch.distributed.run", b"torch.distributed.launch", b"elastic_kit.run")
+
+
+def _is_agent(argv: list[bytes]) -> bool:
+    """``torchrun ...``, ``python /path/torchrun ...`` or ``python -m <launcher> ...``
+    (exactly: a test file under ``tests/torchrun/`` on a command line is no agent)."""
+    if any(os.path.basename(a) == b"torchrun" for a in argv[:2]):
+        return True
+    return any(a == b"-m" and i + 1 < len(argv) and argv[i + 1] in _AGENT_MODULES
+               for i, a in enumerate(argv[:4]))
 
 
 def torchrun_agent_pid(pid: int | None = None, *, proc: str = "/proc",
@@ -133,7 +141,7 @@ def torchrun_agent_pid(pid: int | None = None, *, proc: str = "/proc",
             return None
         if pid <= 1:
             return None
-        if any(marker in arg for arg in argv[:4] for marker in _AGENT_MARKERS):
+        if _is_agent(argv):
             return pid
     return None
 

@@ -6,12 +6,11 @@ whose metadata server announces a preemption 30 s ahead. At the next exchange ev
 rank snapshots the same step, the snapshot reaches the other node's memory, the
 announced node stops its agent and leaves, and the survivor restarts alone and
 resumes from its own memory at exactly the step the group left: no step redone, every
-sample counted once.
+epoch's audit exact.
 """
 
 from __future__ import annotations
 
-import json
 import re
 import time
 from pathlib import Path
@@ -24,20 +23,24 @@ pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = ROOT / "examples" / "own_loop" / "train.py"
-SIZE, BATCH, EPOCHS = 320, 8, 6
+SIZE, BATCH = 320, 8
 FAST_RDZV = "join_timeout=60,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"
-_LINE = re.compile(r"Epoch: \[0\] \[(\d+)/\d+\] loss")
+_STEP = re.compile(r"Epoch: \[\d+\] \[\d+/\d+\] loss")
+_RESTORED = re.compile(r"restored checkpoint step (\d+) \(from (this node's memory|[^)]*)\)"
+                       r".*world size (\d+ -> \d+)")
+_AUDIT = re.compile(r"sample audit: epoch \d+: (\w+)")
 _LEAVE = re.compile(r"node\(s\) \[1\] leave at step (\d+) \(GCE: instance/preempted is TRUE\)")
 
 
 def test_an_announced_preemption_leaves_with_no_step_redone(tmp_path: Path) -> None:
     shm = tmp_path / "shm"
     shm.mkdir()
-    args = [str(TRAIN), "--synthetic", str(SIZE), "--image-size", "32", "--epochs",
-            str(EPOCHS), "-b", str(BATCH), "-j", "0", "-p", "1", "--seed", "3",
+    # far more epochs than the test waits for: the leave must come while training runs,
+    # however slow the machine; the test stops the job once the survivor trains alone
+    args = [str(TRAIN), "--synthetic", str(SIZE), "--image-size", "32", "--epochs", "1000",
+            "-b", str(BATCH), "-j", "0", "-p", "1", "--seed", "3",
             "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "1000",
-            "--snapshot-every", "1000", "--audit",
-            "--summary-json", str(tmp_path / "summary.json")]
+            "--snapshot-every", "1000", "--audit"]
     env = {"OMP_NUM_THREADS": "1", "ELASTIC_KIT_SNAPSHOT_DIR": str(shm)}
     with FakeMetadataServer("gce") as gce, LocalCluster(
             args, nnodes="1:2", nproc_per_node=1, max_restarts=3, rdzv_conf=FAST_RDZV,
@@ -46,28 +49,24 @@ def test_an_announced_preemption_leaves_with_no_step_redone(tmp_path: Path) -> N
         second = cluster.add_agent(env={"ELASTIC_KIT_CLOUD": "gce",
                                         "ELASTIC_KIT_METADATA_URL": gce.url})
 
-        def steps_of_two() -> int:
+        def steps_of(world: int) -> int:
             log = first.read_log()
-            start = log.find("world size 2 on")
-            return 0 if start < 0 else len(_LINE.findall(log[start:]))
+            start = log.find(f"world size {world} on")
+            return 0 if start < 0 else len(_STEP.findall(log[start:]))
 
-        wait_for(lambda: steps_of_two() >= 5, 120, interval=0.02, what="5 steps at world size 2",
+        wait_for(lambda: steps_of(2) >= 5, 120, interval=0.02, what="5 steps at world size 2",
                  abort_if=cluster.all_exited)
         gce.announce(lead_s=30)
         announced = time.monotonic()
         wait_for(lambda: not second.alive, 30, interval=0.05, what="the announced node leaving")
         left_s = time.monotonic() - announced
-        wait_for(lambda: "world size 1 on" in first.read_log(), 60, interval=0.05,
-                 what="the survivor's group of one", abort_if=lambda: not first.alive)
-        code = first.proc.wait(timeout=180)
+        wait_for(lambda: steps_of(1) >= 3, 120, interval=0.05,
+                 what="3 steps of the survivor alone", abort_if=lambda: not first.alive)
         log, gone = first.read_log(), second.read_log()
-    assert code == 0, log[-20000:]
     assert "this node leaves at step" in gone and "stopping its torchrun agent" in gone, gone[-8000:]
     assert left_s < 30.0, left_s  # within the notice
     (left_at,) = map(int, _LEAVE.findall(log))
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    resumed = summary["world_sizes"][-1]
-    assert resumed["world_size"] == 1 and resumed["restored_from"] == "memory", summary
-    assert resumed["restored_step"] == left_at, (left_at, summary["world_sizes"])  # none redone
-    assert summary["audit"] == [{"epoch": e, "count": SIZE, "expected": SIZE, "ok": True}
-                                for e in range(EPOCHS)]
+    (restored,) = _RESTORED.findall(log)
+    assert restored == (str(left_at), "this node's memory", "2 -> 1"), log[-8000:]  # none redone
+    audits = _AUDIT.findall(log)
+    assert audits and all(ok == "all" for ok in audits), audits  # every sample once per epoch

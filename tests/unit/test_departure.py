@@ -27,12 +27,25 @@ def test_the_agent_is_the_nearest_ancestor_running_torchrun(tmp_path: Path) -> N
 
 
 def test_a_worker_not_started_by_torchrun_finds_no_agent(tmp_path: Path) -> None:
-    _proc(tmp_path, 7, 1, ["/usr/bin/python3", "-m", "pytest", "tests"])
+    # a command line that merely names a torchrun test is not an agent
+    _proc(tmp_path, 7, 1, ["/usr/bin/python3", "-m", "pytest", "tests/torchrun/test_x.py"])
     _proc(tmp_path, 8, 7, ["/usr/bin/python3", "-c",
-                           "from multiprocessing.forkserver import main; main()"])
+                           "from multiprocessing.forkserver import main; main()",
+                           "tests.torchrun.scenarios", "torchrun"])
     _proc(tmp_path, 9, 8, ["/usr/bin/python3", "-c", "worker"])
     assert torchrun_agent_pid(9, proc=str(tmp_path)) is None
     assert torchrun_agent_pid(12345, proc=str(tmp_path)) is None  # gone
+
+
+def test_torchrun_itself_and_every_launcher_module_are_agents(tmp_path: Path) -> None:
+    for pid, argv in enumerate([["/venv/bin/torchrun", "--nnodes=2", "t.py"],
+                                ["/usr/bin/python3", "/venv/bin/torchrun", "t.py"],
+                                ["python", "-m", "torch.distributed.launch", "t.py"],
+                                ["python", "-m", "elastic_kit.run", "--preload", "x", "t.py"]],
+                               start=20):
+        _proc(tmp_path, pid, 1, argv)
+        _proc(tmp_path, pid + 100, pid, ["python", "t.py"])
+        assert torchrun_agent_pid(pid + 100, proc=str(tmp_path)) == pid, argv
 
 
 def test_this_test_process_has_no_agent_above_it() -> None:
