@@ -49,6 +49,7 @@ __all__ = [
     "all_gather_object",
     "broadcast_object",
     "side_channel_host",
+    "SIDE_CHANNEL_ADDR_ENV",
     "broadcast_tensors",
     "DEFAULT_TIMEOUT",
 ]

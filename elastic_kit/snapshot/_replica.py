@@ -43,6 +43,7 @@ import time
 import uuid
 from typing import Any
 
+from elastic_kit.distributed import SIDE_CHANNEL_ADDR_ENV, side_channel_host
 from elastic_kit.snapshot._private import is_private_entry, private_dir
 from elastic_kit.store import MANIFEST_NAME, TMP_PREFIX, Manifest, check_file_name, step_dir_name
 
@@ -52,7 +53,7 @@ log = logging.getLogger(__name__)
 
 #: Environment variable: the address a node's receiver listens on and its peers
 #: connect to (default: this host's address on the route to ``MASTER_ADDR``).
-ADDR_ENV = "ELASTIC_KIT_SNAPSHOT_ADDR"
+ADDR_ENV = SIDE_CHANNEL_ADDR_ENV
 #: Name of the directory, inside a node's snapshot directory, holding replicas.
 REPLICAS = "replicas"
 _MAX_HEADER = 64 << 10
@@ -82,24 +83,10 @@ CONNECT_DEADLINE_S = 5.0
 
 
 def advertised_host() -> str:
-    """The address this node's receiver listens on: ``$ELASTIC_KIT_SNAPSHOT_ADDR``, else
-    the local address of the route to ``MASTER_ADDR`` (the interface the process
-    group already uses), else the host name's address."""
-    given = os.environ.get(ADDR_ENV)
-    if given:
-        return given
-    master = os.environ.get("MASTER_ADDR")
-    if master:
-        try:
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-                s.connect((master, int(os.environ.get("MASTER_PORT") or 29500)))  # no packet
-                return str(s.getsockname()[0])
-        except OSError:
-            pass
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return "127.0.0.1"
+    """The address this node's receiver listens on: the side channels' address
+    (:func:`~elastic_kit.distributed.side_channel_host`, ``$ELASTIC_KIT_SNAPSHOT_ADDR``
+    first), which the heartbeats use too."""
+    return side_channel_host()
 
 
 #: Entries the ``received``/``sent`` histories keep (a run may snapshot every step).

@@ -21,7 +21,7 @@ from elastic_kit.store import (
     broadcast_state, commit_flat, hash_flat, is_flat, map_tree, open_flat, release_flat,
     resolve_url, split_state, target_device,
 )
-from elastic_kit.distributed import DistInfo, broadcast_object, is_dist_ready
+from elastic_kit.distributed import DistInfo, all_gather_object, broadcast_object, is_dist_ready
 from elastic_kit.errors import CheckpointError
 from elastic_kit.snapshot._private import (
     UnsafeTreeError, check_root, is_private_entry, private_dir, user_dir_name,
@@ -467,8 +467,6 @@ class SnapshotTier:
         """
         if not (self.replicate and is_dist_ready() and self.info.world_size > 1):
             return
-        import torch.distributed as dist
-
         if self._receiver is None and self.writes:
             try:
                 self._receiver = ReplicaReceiver(self.node_dir, run=self._run_label(),
@@ -480,8 +478,7 @@ class SnapshotTier:
         mine = (self.info.rank, os.path.basename(self.node_dir),
                 None if r is None else (r.host, r.port),
                 secrets.token_hex(16) if self.info.rank == 0 else None)
-        everyone: list[Any] = [None] * self.info.world_size
-        dist.all_gather_object(everyone, mine)
+        everyone: list[Any] = all_gather_object(mine)  # held: never freed on gloo's thread
         token = everyone[0][3]
         writers = [e for e in sorted(everyone) if e[2] is not None]
         if r is None:
