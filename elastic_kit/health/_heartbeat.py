@@ -169,10 +169,11 @@ class Heartbeat:
                 try:
                     sock.sendall(_BEAT)
                 except OSError:
-                    # the peer's process ended (its kernel reset the connection): the
-                    # process group tells its peers about that by itself
+                    # the connection was cut: the peer's process ended (then connecting
+                    # again fails, harmlessly, until this closes), or the watcher dropped
+                    # it in a flood of other connections: connect again next beat
                     sock.close()
-                    return
+                    sock = None
             self._closed.wait(self.interval_s)
         if sock is not None:
             try:
@@ -202,6 +203,7 @@ class Heartbeat:
                                 _drop(sel, watched)
                             watched = sock
                             self.last_beat = time.monotonic()
+                            self.lost_connection = False  # it is back
                     elif sock is watched:
                         if not self._read_beats(sel, sock):
                             watched = None

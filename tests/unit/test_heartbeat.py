@@ -160,3 +160,41 @@ def test_a_watcher_that_was_paused_itself_does_not_blame_its_peer() -> None:
     finally:
         beater.close()
         watcher.close()
+
+
+def test_a_cut_connection_is_made_again_by_the_beater_and_watched_again() -> None:
+    # The beater's side: a watcher that drops the connection (as it drops the oldest
+    # of a flood) gets a new one with a new hello.
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        beater = Heartbeat(rank=0, send_to=(1, server.getsockname()[:2]), watch=None,
+                           token=TOKEN, label=LABEL, timeout_s=1.0, interval_s=0.02,
+                           host="127.0.0.1").start()
+        try:
+            server.settimeout(10.0)
+            hellos = []
+            for _ in range(2):
+                conn, _ = server.accept()
+                with conn:
+                    conn.settimeout(10.0)
+                    hellos.append(conn.recv(36))
+            assert hellos == [_hello(0, 1)] * 2
+        finally:
+            beater.close()
+    # The watcher's side: a peer that came back is watched again (and its later
+    # silence noticed), not forgotten as gone.
+    silences = Silences()
+    watcher = Heartbeat(rank=1, send_to=None, watch=0, token=TOKEN, label=LABEL,
+                        timeout_s=0.4, interval_s=0.02, on_silent=silences,
+                        host="127.0.0.1").start()
+    try:
+        with socket.create_connection(watcher.address) as first:
+            first.sendall(_hello(0, 1) + b"..")
+            time.sleep(0.1)
+        time.sleep(0.2)
+        assert watcher.lost_connection
+        with socket.create_connection(watcher.address) as again:
+            again.sendall(_hello(0, 1) + b"..")
+            assert silences.event.wait(10.0)
+        assert silences.calls[0][0] == 0 and not watcher.lost_connection
+    finally:
+        watcher.close()
