@@ -182,6 +182,43 @@ def broadcast_tensors(tensors: Sequence[torch.Tensor], src: int = 0) -> None:
                 t.copy_(staged)
 
 
+def exchange_tensors(sends: Sequence[tuple[int, torch.Tensor]],
+                     recvs: Sequence[tuple[int, torch.Tensor]]) -> None:
+    """Point-to-point: send each ``(dst, tensor)`` and receive into each ``(src,
+    tensor)``, all at once, then wait for every transfer.
+
+    Not collective: only the ranks that send or receive call it, each pair listing
+    its messages in the same order on both sides (messages between two ranks are
+    matched in order). Tensors not on the collective device (CUDA for NCCL) are
+    staged through it.
+    """
+    if not (sends or recvs):
+        return
+    dev = _collective_device()
+    ops: list[Any] = []
+    staged_recvs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    sent: dict[int, int] = {}
+    received: dict[int, int] = {}
+    for dst, t in sends:
+        buf = t if t.device == dev and t.is_contiguous() else t.to(dev).contiguous()
+        tag = sent[dst] = sent.get(dst, -1) + 1  # the n-th message to dst has tag n
+        ops.append(dist.P2POp(dist.isend, buf, dst, tag=tag))
+    for src, t in recvs:
+        buf = t if t.device == dev and t.is_contiguous() else torch.empty(
+            t.shape, dtype=t.dtype, device=dev)
+        staged_recvs.append((t, buf))
+        tag = received[src] = received.get(src, -1) + 1
+        ops.append(dist.P2POp(dist.irecv, buf, src, tag=tag))
+    works = dist.batch_isend_irecv(ops)
+    for op in ops:
+        hold_collective_tensor(op.tensor)
+    for w in works:
+        w.wait()
+    for t, buf in staged_recvs:
+        if buf is not t:
+            t.copy_(buf)
+
+
 # ------------------------------------------------ collective tensors and shutdown
 # A Python-made tensor handed to a collective is also referenced by the backend's work
 # item. Since torch 2.9 the C++ refcount going from 2 to 1 calls

@@ -27,7 +27,7 @@ from torch import nn
 
 from elastic_kit._collectives import (
     EXIT_SETTLE_S, all_gather_object, all_reduce_, all_reduce_max, all_reduce_sum, all_reduce_sum_async, barrier,
-    broadcast_object, broadcast_tensors, hold_collective_tensor, is_dist_ready,
+    broadcast_object, broadcast_tensors, exchange_tensors, hold_collective_tensor, is_dist_ready,
     settle_collectives,
 )
 
@@ -51,6 +51,7 @@ __all__ = [
     "side_channel_host",
     "SIDE_CHANNEL_ADDR_ENV",
     "broadcast_tensors",
+    "exchange_tensors",
     "DEFAULT_TIMEOUT",
 ]
 

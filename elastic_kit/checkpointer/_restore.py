@@ -60,26 +60,15 @@ def resume(state: TrainState, info: DistInfo, loaded: LoadedCheckpoint | None,
     log_restore(state, info, loaded, restored_from, tier)
 
 
-_SAID_SHARDED = False
-
-
 def make_snapshots(store: StoreLike | None, info: DistInfo, every: int | str | None,
                    budget: float, *, sharded: bool = False) -> SnapshotTier | None:
     """The in-memory snapshot tier, or None where it is off (collective).
 
     ``"auto"`` is on only under torchrun: outside it nothing restarts the workers,
-    so there is nothing for memory to outlive. Sharded state (FSDP2) is kept in the
-    durable store only for now: this is the hook where a tier that holds shards
-    plugs in.
+    so there is nothing for memory to outlive. With sharded state (FSDP2) every rank
+    keeps its own shards (see :mod:`elastic_kit.snapshot`).
     """
-    global _SAID_SHARDED
     if store is None or every in (None, 0):
-        return None
-    if sharded:
-        if not _SAID_SHARDED and info.is_main:
-            _SAID_SHARDED = True
-            log.info("sharded state: in-memory snapshots are off, checkpoints go to the "
-                     "durable store only (each rank writes its own shards)")
         return None
     if every == "auto":
         if not info.under_torchrun:
@@ -90,7 +79,7 @@ def make_snapshots(store: StoreLike | None, info: DistInfo, every: int | str | N
     if identity is None:
         return None
     tier = SnapshotTier(str(store.url), info=info, every=every,  # type: ignore[arg-type]
-                        budget=budget, identity=identity)
+                        budget=budget, identity=identity, sharded=sharded)
     # Every rank must take the same restore path (its loads are collective), so
     # snapshots are on only when every node can keep them.
     if all_reduce_max(int(not tier.enabled)):
@@ -128,7 +117,7 @@ def load_newest(store: StoreLike | None, tier: SnapshotTier | None, info: DistIn
     durable_key = (newest_durable, all_reduce_max(epoch if newest else -1),
                    all_reduce_max(consumed if newest else -1))
     if newest_snapshot >= 0 and newest_snapshot >= newest_durable:
-        loaded = tier.load(map_location=map_location)
+        loaded = tier.load(map_location=map_location, into=into)
         # The later state wins, not the tier: a durable save made after end_epoch
         # is later than a snapshot of the same step taken inside the epoch.
         if loaded is not None and key(loaded.step, loaded.metadata) >= durable_key:

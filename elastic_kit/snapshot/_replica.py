@@ -45,7 +45,9 @@ from typing import Any
 
 from elastic_kit.distributed import SIDE_CHANNEL_ADDR_ENV, side_channel_host
 from elastic_kit.snapshot._private import is_private_entry, private_dir
-from elastic_kit.store import MANIFEST_NAME, TMP_PREFIX, Manifest, check_file_name, step_dir_name
+from elastic_kit.store import (
+    MANIFEST_NAME, TMP_PREFIX, Manifest, check_file_name, parse_step_dir, step_dir_name,
+)
 
 __all__ = ["ADDR_ENV", "REPLICAS", "ReplicaReceiver", "ReplicaSender", "advertised_host"]
 
@@ -61,6 +63,8 @@ _MAX_FILES = 64
 _CHUNK = 4 << 20
 _BACKLOG = 64
 _NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}", re.ASCII)
+#: Steps of one part of a node's sharded snapshot a receiver keeps at most.
+PART_REPLICAS = 3
 #: The largest file a stream may carry (a bigger size is refused in the header).
 MAX_FILE_BYTES = 1 << 40
 #: Seconds a new connection has to deliver its header (receiver).
@@ -416,12 +420,31 @@ class ReplicaReceiver:
         self._close(sel, st, f"error: {why}".encode()[:1000] + b"\n" if reply else None)
 
     def _drop_older(self, source: str, step: int) -> None:
-        """Keep one replica: the one just committed (and streams still arriving)."""
+        """Keep one replica: the one just committed (and streams still arriving).
+
+        A node's *parts* (sharded state: one stream per rank, sources
+        ``<node>.p<k>``) land one by one, so of that node's parts every step from the
+        oldest of their newest steps on stays (the newest snapshot all of them
+        delivered stays whole while the next one's parts arrive), and at most
+        :data:`PART_REPLICAS` steps of each part; replicas of other nodes go."""
         live = {os.path.basename(s.tmp) for s in self._streams if s.tmp is not None}
+        node, dot, _ = source.partition(".")
+        steps: dict[str, list[int]] = {}
         for src in os.listdir(self.dir):
             root = os.path.join(self.dir, src)
+            names = os.listdir(root) if is_private_entry(root) else []
+            steps[src] = sorted(n for n in map(parse_step_dir, names) if n is not None)
+        own_parts = [s for s in steps if dot and s.partition(".")[0] == node and steps[s]]
+        floor = min((steps[s][-1] for s in own_parts), default=step)
+        for src in os.listdir(self.dir):
+            root = os.path.join(self.dir, src)
+            keep: set[str] = set()
+            if src in own_parts:
+                keep = {step_dir_name(n) for n in steps[src][-PART_REPLICAS:] if n >= floor}
+            elif src == source:
+                keep = {step_dir_name(step)}
             for name in os.listdir(root) if is_private_entry(root) else ():
-                if not (src == source and name == step_dir_name(step)) and name not in live:
+                if name not in keep and name not in live:
                     shutil.rmtree(os.path.join(root, name), ignore_errors=True)
             if src != source:
                 try:

@@ -19,7 +19,7 @@ import torch
 from elastic_kit.store import (
     CheckpointStore, FlatCheckpoint, Layout, LoadedCheckpoint, Manifest, agree_on_holder,
     broadcast_state, commit_flat, hash_flat, is_flat, map_tree, open_flat, release_flat,
-    resolve_url, split_state, target_device,
+    resolve_url, split_state, state_nbytes, target_device,
 )
 from elastic_kit.distributed import DistInfo, all_gather_object, broadcast_object, is_dist_ready
 from elastic_kit.errors import CheckpointError
@@ -28,6 +28,10 @@ from elastic_kit.snapshot._private import (
 )
 from elastic_kit.snapshot._replica import (
     REPLICAS, ReplicaReceiver, ReplicaSender, advertised_host,
+)
+from elastic_kit.snapshot._shards import (
+    Listing, add_partials, describe, is_part, listing, load_parts, local_tensors, localize,
+    part_dir_name, part_source,
 )
 from elastic_kit.snapshot._slots import Slot, Slots, remove_dead_slots
 from elastic_kit.snapshot._staging import storage_keys
@@ -66,6 +70,8 @@ RELEASE_WAIT_S = 2.0
 #: The metadata key, in every snapshot's manifest, naming the durable store's run
 #: identity it belongs to (removed from what :meth:`SnapshotTier.load` returns).
 IDENTITY_KEY = "elastic_kit_run_identity"
+#: A rank's part directory in a node's snapshot directory (sharded state).
+_PART_DIR = re.compile(r"p[0-9]{1,5}")
 
 
 def agree_run_identity(store: Any, info: DistInfo) -> str | None:
@@ -122,16 +128,6 @@ def interval_for(cost_s: float, step_s: float, budget: float) -> int:
         raise ValueError(f"interval_for(cost_s={cost_s!r}, step_s={step_s!r}, budget={budget!r}): "
                          "expected cost_s >= 0, step_s > 0 and budget in (0, 1)")
     return max(1, min(math.ceil(cost_s / (budget * step_s)), _MAX_AUTO_EVERY))
-
-
-def _state_bytes(state: Any) -> int:
-    if isinstance(state, torch.Tensor):
-        return state.numel() * state.element_size()
-    if isinstance(state, dict):
-        return sum(_state_bytes(v) for v in state.values())
-    if isinstance(state, (list, tuple)):
-        return sum(_state_bytes(v) for v in state)
-    return 0
 
 
 class SnapshotTier:
@@ -194,7 +190,8 @@ class SnapshotTier:
     def __init__(self, key: str, *, info: DistInfo, every: int | None = None,
                  budget: float = DEFAULT_BUDGET, root: str | None = None,
                  replicate: bool = True, identity: str | None = None,
-                 filesystem: fsspec.AbstractFileSystem | None = None) -> None:
+                 filesystem: fsspec.AbstractFileSystem | None = None,
+                 sharded: bool = False) -> None:
         if every is not None and (type(every) is not int or every < 1):
             raise ValueError(f"snapshot every={every!r} must be None (automatic) or an int >= 1")
         if not 0 < budget < 1:
@@ -209,6 +206,15 @@ class SnapshotTier:
         node = os.environ.get(NODE_ENV) or f"{socket.gethostname()}-{os.getppid()}"
         node = re.sub(r"[^A-Za-z0-9_-]", "_", node[:128]) or "node"
         self.node_dir = os.path.join(self.run_dir, node)
+        #: sharded state: every rank writes its part (see :mod:`._shards`) into a
+        #: directory of its own in the node's
+        self.sharded = sharded
+        parts = [part_dir_name(info.local_rank)] if sharded else []
+        #: where this rank's snapshots are written
+        self.write_dir = os.path.join(self.node_dir, *parts)
+        #: the group's token (rank 0 draws it in :meth:`connect`): parts of one save
+        #: carry it, so parts of two saves of one step are never mixed
+        self.group = secrets.token_hex(8)
         #: why snapshots found on this node were not used (for the restore line)
         self.ignored: list[str] = []
         self._trusted = False  # the tree passed the check: this user's alone
@@ -246,7 +252,8 @@ class SnapshotTier:
             return
         try:
             check_root(self.root)
-            private_dir(self.root, [user_dir_name(), os.path.basename(self.run_dir), node])
+            private_dir(self.root, [user_dir_name(), os.path.basename(self.run_dir), node,
+                                    *parts])
             self._trusted = True
         except UnsafeTreeError as e:
             self._disable(f"the snapshot tree is not private: {e}")
@@ -254,16 +261,17 @@ class SnapshotTier:
         except OSError as e:
             self._disable(f"cannot make the snapshot directory {self.node_dir}: {e!r}")
             return
-        self.store = _TierStore(self.node_dir, keep_last=1, node_local=True, info=info,
+        self.store = _TierStore(self.write_dir, keep_last=1, node_local=True, info=info,
                                 private=True, filesystem=filesystem)
         self.store.writer = self._writer
         if filesystem is None:
-            self._slots = Slots(self.node_dir)
-            fs, path = resolve_url(self.node_dir)
-            self._flat_layout = Layout(fs, path, url=self.node_dir, private=True)
+            self._slots = Slots(self.write_dir)
+            fs, path = resolve_url(self.write_dir)
+            self._flat_layout = Layout(fs, path, url=self.write_dir, private=True)
         if info.local_rank == 0:
             self._remove_unusable()
-            remove_dead_slots(self.node_dir)
+        if info.local_rank == 0 or sharded:
+            remove_dead_slots(self.write_dir)
 
     def _disable(self, why: str) -> None:
         if self.enabled and self.info.local_rank == 0:
@@ -303,8 +311,10 @@ class SnapshotTier:
 
     @property
     def writes(self) -> bool:
-        """Whether this rank writes snapshots (each node's local rank 0, while on)."""
-        return self.enabled and self.store is not None and self.info.local_rank == 0
+        """Whether this rank writes snapshots (each node's local rank 0, while on; every
+        rank with sharded state)."""
+        return self.enabled and self.store is not None and (
+            self.info.local_rank == 0 or self.sharded)
 
     # ------------------------------------------------------------------ writing
     def save(self, state_dict: dict[str, Any] | Callable[[], dict[str, Any]], *, step: int,
@@ -329,9 +339,15 @@ class SnapshotTier:
             return
         if callable(state_dict):
             state_dict = state_dict()
+        if self.sharded:  # this rank's part: its local shards and the rest
+            state_dict, descs = localize(state_dict)
+            metadata = describe(metadata, descs, info=self.info, group=self.group)
+            copy_later = local_tensors(copy_later)
         if not self._space_checked:
             self._space_checked = True
-            need = int(SPACE_FACTOR * _state_bytes(state_dict))
+            # with sharded state, every rank of the node writes a part like this one
+            ranks = self.info.local_world_size if self.sharded else 1
+            need = int(SPACE_FACTOR * ranks * state_nbytes(state_dict))
             try:
                 free = shutil.disk_usage(self.root).free
             except OSError as e:
@@ -364,6 +380,8 @@ class SnapshotTier:
         """Write and commit one staged snapshot (on the writer thread)."""
         assert self.store is not None
         sender = self._sender
+        if self.sharded:
+            add_partials(job.staged.state, job.metadata)
         if self._slots is not None:
             self._commit_flat(job.staged.state, job.step, job.metadata, job.slot)
             return
@@ -465,9 +483,13 @@ class SnapshotTier:
         writer streams to the next writer in global rank order. Nothing happens with
         one node, outside a process group, or with ``replicate=False``.
         """
-        if not (self.replicate and is_dist_ready() and self.info.world_size > 1):
+        if not (is_dist_ready() and self.info.world_size > 1):
             return
-        if self._receiver is None and self.writes:
+        if not self.replicate:
+            if self.sharded:  # the parts of one save carry one group token
+                self.group = broadcast_object(self.group, src=0)
+            return
+        if self._receiver is None and self.writes and self.info.local_rank == 0:
             try:
                 self._receiver = ReplicaReceiver(self.node_dir, run=self._run_label(),
                                                  token="", host=advertised_host())
@@ -480,18 +502,24 @@ class SnapshotTier:
                 secrets.token_hex(16) if self.info.rank == 0 else None)
         everyone: list[Any] = all_gather_object(mine)  # held: never freed on gloo's thread
         token = everyone[0][3]
+        self.group = token[:16]
         writers = [e for e in sorted(everyone) if e[2] is not None]
-        if r is None:
+        if r is not None:
+            r.token = token
+        if r is None and not (self.sharded and self.writes):
             return
-        r.token = token
         names = [e[1] for e in writers]
         if len(writers) < 2 or len(set(names)) < len(names):
             return  # one node (or nodes that share a directory): no one to replicate to
+        if mine[1] not in names:
+            return  # this node's local rank 0 has no receiver: it is not in the ring
         me = names.index(mine[1])
         succ = writers[(me + 1) % len(writers)]
         if self._sender is not None:
             self._sender.close(timeout=FLUSH_TIMEOUT_S)
-        self._sender = ReplicaSender(succ[2], source=mine[1], run=r.run, token=token)
+        source = part_source(mine[1], self.info.local_rank) if self.sharded else mine[1]
+        self._sender = ReplicaSender(succ[2], source=source, run=self._run_label(),
+                                     token=token)
         log.info("snapshots of %s are replicated to node %s at %s:%d", mine[1], succ[1],
                  *succ[2])
 
@@ -510,9 +538,12 @@ class SnapshotTier:
                 f"store now holds {str(self.identity)[:12]})")
 
     def _roots(self, node_dir: str) -> list[tuple[str, bool]]:
-        """``(root, own)``: a node's own snapshot directory and its replicas' (only
-        real directories of this user's that others cannot write)."""
+        """``(root, own)``: a node's own snapshot directory, its ranks' part
+        directories and its replicas' (only real directories of this user's that
+        others cannot write)."""
         roots = [(node_dir, True)]
+        roots += [(os.path.join(node_dir, n), True) for n in sorted(os.listdir(node_dir))
+                  if _PART_DIR.fullmatch(n) and is_private_entry(os.path.join(node_dir, n))]
         replicas = os.path.join(node_dir, REPLICAS)
         if is_private_entry(replicas):
             roots += [(os.path.join(replicas, n), False) for n in sorted(os.listdir(replicas))
@@ -527,6 +558,8 @@ class SnapshotTier:
         for root, own in self._roots(self.node_dir):
             for d, m in _layout(root).committed():
                 why = self._why_unusable(m.metadata)
+                if is_part(m.metadata) != self.sharded:
+                    continue  # a sharded run's part, or a whole snapshot in a sharded run
                 if why is None and is_private_entry(d.path):
                     out.append((d.step, root, own))
                 elif why is not None:
@@ -577,6 +610,22 @@ class SnapshotTier:
             return None
         return found[0][0] if found else None
 
+    def _parts(self) -> list[Listing]:
+        """The parts of this run's identity this node holds, own and replicas (local
+        rank 0; empty elsewhere or when the listing fails)."""
+        if not (self.enabled and self.store is not None and self.info.local_rank == 0):
+            return []
+        out = []
+        try:
+            for step, root, own in self._candidates():
+                d = _layout(root).dir_of(step)
+                found = listing(d.path, _layout(root).read_manifest(d), own=own)
+                if found is not None:
+                    out.append(found)
+        except Exception as e:
+            log.warning("cannot list the snapshot parts in %s: %r", self.node_dir, e)
+        return out
+
     def _choose_root(self) -> tuple[str, int | None, FlatCheckpoint | None]:
         """The directory holding this node's newest snapshot that verifies, its step
         and, for a snapshot file, the mapped snapshot. Snapshot files are mapped and
@@ -624,7 +673,7 @@ class SnapshotTier:
                                 else v)
         return state
 
-    def load(self, *, map_location: Any = None) -> LoadedCheckpoint | None:
+    def load(self, *, map_location: Any = None, into: Any = None) -> LoadedCheckpoint | None:
         """The newest snapshot any node holds, its own or a replica, broadcast to every
         rank from its holder. Collective.
 
@@ -632,8 +681,13 @@ class SnapshotTier:
         the state's tensors are views of it (no copy), on CUDA they are copied to the
         device through the mapping registered as pinned memory. A corrupt or
         truncated newest snapshot is skipped for the one before.
+
+        With sharded state, ``into`` (the live state, or a function giving it) says
+        the layout to restore into: see :func:`~elastic_kit.snapshot._shards.load_parts`.
         """
         assert self.store is not None
+        if self.sharded:
+            return self._load_parts(map_location, into)
         root, step, opened = (self.node_dir, None, None)
         if self.info.local_rank == 0 and self.enabled:
             root, step, opened = self._choose_root()
@@ -672,6 +726,19 @@ class SnapshotTier:
                 log.warning("node %s could not keep its copy of snapshot step %d: %r",
                             self.node_dir, newest, e)
         return self._accept(loaded, root, step)
+
+    def _load_parts(self, map_location: Any, into: Any) -> LoadedCheckpoint | None:
+        """The newest sharded snapshot held anywhere, resharded (collective)."""
+        if into is None:
+            raise ValueError("restoring a sharded snapshot needs into=, the live state "
+                             "whose DTensors give the layout to restore into")
+        device = None if map_location is None else target_device(map_location)
+        loaded, all_local = load_parts(info=self.info, node=os.path.basename(self.node_dir),
+                                       found=self._parts(), into=into, device=device)
+        loaded = self._accept(loaded, self.node_dir, None if loaded is None else loaded.step)
+        # "this node's memory" when no rank needed a range from another node
+        self.loaded_own = loaded is not None and all_local
+        return loaded
 
     def _load_store(self, root: str, step: int | None,
                     map_location: Any) -> LoadedCheckpoint | None:

@@ -34,11 +34,13 @@ from elastic_kit.store._flat_commit import (
     FLAT_NAME, FlatCheckpoint, FlatHashes, FlatPlan, commit_flat, hash_flat, is_flat,
     open_flat, plan_flat, release_flat, split_state, tensor_views,
 )
+from elastic_kit.store._digest import combine as combine_digest, partial as digest_partial
 from elastic_kit.store._fs import resolve_url
 from elastic_kit.store._identity import IDENTITY_NAME
 from elastic_kit.store._backend_local import TMP_PREFIX
 from elastic_kit.store._layout import Layout, parse_step_dir, step_dir_name
 from elastic_kit.store._manifest import MANIFEST_NAME, Manifest, check_file_name
+from elastic_kit.store._sharded import local_box
 from elastic_kit.store._tensorfile import map_file
 from elastic_kit.store._store import (
     CheckpointInfo, CheckpointStore, LoadedCheckpoint, SaveHandle,
@@ -78,6 +80,11 @@ __all__ = [
     "release_flat",
     "is_flat",
     "open_flat",
+    # sharded state kept by the in-memory tier: a shard's box and the
+    # layout-independent digest
+    "local_box",
+    "digest_partial",
+    "combine_digest",
     # restoring on every rank from the one that holds the newest step
     "agree_on_holder",
     "broadcast_state",
