@@ -158,7 +158,8 @@ class Checkpointer(Lifecycle):
         staging = self.store is not None and self.overlap_staging
         self._hooks.install(signals=self.handle_signals,
                             optimizer=state.optimizer if staging else None,
-                            wait_staged=lambda *_: _saving.wait_staged(self.store, self.snapshots))
+                            wait_staged=lambda *_: _saving.wait_staged(self.store, self.snapshots),
+                            at_exit=self.abandon)
         self._cadence.saved()
         self._heartbeat = health.start_heartbeat(info, timeout_s=self.config.heartbeat_timeout)
         self._departure.start(info)

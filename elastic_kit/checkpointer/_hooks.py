@@ -2,11 +2,20 @@
 
 A checkpointer closes once: collectively at the end of training, or on one rank
 alone while an exception propagates; whichever comes first removes the SIGTERM
-handler and the optimizer's staging pre-hook, and the other finds nothing to do.
+handler, the optimizer's staging pre-hook and the exit handler, and the other finds
+nothing to do.
+
+The exit handler is for the script that lets an exception end the process (a peer
+died and a collective failed) without ``with Checkpointer(...)``: the snapshot taken
+last may still be queued on the writer thread, a daemon the interpreter would stop
+unwritten, and it is the state a restart resumes from. At exit the checkpointer is
+abandoned (no collective): what was taken is written.
 """
 
 from __future__ import annotations
 
+import atexit
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -23,22 +32,39 @@ class Hooks:
         #: set by SIGTERM (when installed) or by a request to stop
         self.stop = TerminationFlag()
         self._step_hook: Any = None
+        self._at_exit: Callable[[], None] | None = None
         self.closed = False
 
     def install(self, *, signals: bool, optimizer: torch.optim.Optimizer | None,
-                wait_staged: Callable[..., None]) -> None:
+                wait_staged: Callable[..., None],
+                at_exit: Callable[[], None] | None = None) -> None:
         """Catch SIGTERM when ``signals``; run ``wait_staged`` before every step of
-        ``optimizer`` (the only place the parameters a background save reads change)."""
+        ``optimizer`` (the only place the parameters a background save reads change);
+        call the bound method ``at_exit`` when the interpreter exits before
+        :meth:`close` (held weakly: it does not keep its object alive)."""
         if signals:
             self.stop.install()
         if optimizer is not None and self._step_hook is None:
             self._step_hook = optimizer.register_step_pre_hook(wait_staged)
+        if at_exit is not None and self._at_exit is None:
+            method = weakref.WeakMethod(at_exit)  # type: ignore[arg-type]
+
+            def run() -> None:
+                fn = method()
+                if fn is not None:
+                    fn()
+
+            self._at_exit = run
+            atexit.register(run)
 
     def close(self) -> bool:
         """Remove the hooks; False when they were already removed (nothing to do)."""
         if self.closed:
             return False
         self.closed = True
+        if self._at_exit is not None:
+            atexit.unregister(self._at_exit)
+            self._at_exit = None
         if self._step_hook is not None:
             self._step_hook.remove()
             self._step_hook = None

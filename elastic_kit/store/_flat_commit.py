@@ -39,9 +39,9 @@ import os
 import stat
 import threading
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -88,6 +88,21 @@ def _pool() -> ThreadPoolExecutor:
             _POOL = ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1)),
                                        thread_name_prefix="ek-flat-hash")
         return _POOL
+
+
+def _submit(fn: Callable[..., Any], *args: Any) -> Future:
+    """``fn(*args)`` on the shared pool; run here when the pool takes no more work
+    (interpreter shutdown: a snapshot written by an exit handler is hashed on the
+    exiting thread)."""
+    try:
+        return _pool().submit(fn, *args)
+    except RuntimeError:
+        done: Future = Future()
+        try:
+            done.set_result(fn(*args))
+        except BaseException as e:
+            done.set_exception(e)
+        return done
 
 
 def _align(n: int) -> int:
@@ -237,10 +252,9 @@ def hash_flat(mapped: torch.Tensor, plan: FlatPlan, *, checksum: str = "xxh3_128
     if mapped.numel() < plan.size:
         raise ValueError(f"mapping of {mapped.numel()} bytes cannot hold the plan's "
                          f"{plan.size}; expected at least that many")
-    pool = _pool()
-    hashed = pool.submit(_hash_file, mapped, plan, checksum)
+    hashed = _submit(_hash_file, mapped, plan, checksum)
     views = tensor_views(mapped, plan)
-    digests = [pool.submit(lambda t=t: combine([partial(t, (0,) * t.dim(), t.shape)]))
+    digests = [_submit(lambda t=t: combine([partial(t, (0,) * t.dim(), t.shape)]))
                for t in views]
     whole, chunks = hashed.result()
     return FlatHashes(chunks=tuple(chunks), file=whole,
@@ -434,7 +448,7 @@ def open_flat(layout: Layout, d: StepDir, *, map_location: Any = None,
         mapped = torch.frombuffer(mm, dtype=torch.uint8)
     index = m.sharded
     if verify:
-        futures = [_pool().submit(_check_chunk, mapped, c, m.checksum, d.path)
+        futures = [_submit(_check_chunk, mapped, c, m.checksum, d.path)
                    for c in index.chunks]
         for f in futures:
             f.result()

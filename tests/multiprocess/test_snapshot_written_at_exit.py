@@ -1,0 +1,69 @@
+"""A script that ends with an uncaught exception (a peer died, a collective failed)
+without ``with Checkpointer(...)`` still writes the snapshot it took last: the writer
+thread is a daemon, and the checkpointer's exit handler writes what was queued before
+the interpreter stops it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from elastic_kit.snapshot import snapshot_dir
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.timeout(180)
+
+SCRIPT = textwrap.dedent("""
+    import os, sys, time
+    import torch
+    import elastic_kit as ek
+    from elastic_kit.snapshot import SnapshotTier
+
+    write = SnapshotTier._write
+    def slow_write(self, job):  # a writer that falls behind training
+        time.sleep(0.3)
+        write(self, job)
+    SnapshotTier._write = slow_write
+
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = ek.TrainState(model, opt)
+    ckpt = ek.Checkpointer(state, sys.argv[1], every_steps=1000, snapshot_every=1,
+                           handle_signals=False)
+    ckpt.restore()
+    for _ in range(6):
+        model(torch.ones(3, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        ckpt.step(3)
+    print("taken", state.step, "written", ckpt.snapshots.written, flush=True)
+    raise RuntimeError("a collective failed")  # no close, no with-block
+""")
+
+
+def test_the_last_snapshot_taken_is_written_when_the_script_dies_of_an_exception(
+        tmp_path: Path) -> None:
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    url = str(tmp_path / "ckpt")
+    env = {**os.environ, "ELASTIC_KIT_SNAPSHOT_DIR": str(shm),
+           "ELASTIC_KIT_SNAPSHOT_NODE": "node0", "PYTHONPATH": str(ROOT)}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "MASTER_ADDR"):
+        env.pop(k, None)
+    done = subprocess.run([sys.executable, "-c", SCRIPT, url], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 1 and "a collective failed" in done.stderr, done.stderr
+    # when the exception was raised, the writer was behind: step 6 was still queued
+    taken, written = done.stdout.split("written")
+    assert taken.split() == ["taken", "6"]
+    assert 6 not in json.loads(written.strip())
+    node = Path(snapshot_dir(str(shm), "local", url)) / "node0"
+    steps = sorted(p.name for p in node.iterdir() if p.name.startswith("step-"))
+    assert steps == ["step-000000000006"], steps
