@@ -14,7 +14,8 @@ side channel that carries no collective and never blocks training:
   manifest last, and the directory is renamed into place, so a stream cut at any
   moment leaves the previous replica valid and no leftover. Once a replica is
   committed every older one (of any source) is removed: a node holds one replica,
-  plus the one being received.
+  plus the one being received. (Sharded state: each rank streams its part, and the
+  newest two steps of each part of the sending node stay, see ``_drop_older``.)
 - :class:`ReplicaSender` (a daemon thread on each writer) is offered each committed
   snapshot directory; it streams the newest one offered (an older one still waiting
   is skipped): a header line (run, token, source node, step, file names and sizes),
@@ -64,7 +65,7 @@ _CHUNK = 4 << 20
 _BACKLOG = 64
 _NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}", re.ASCII)
 #: Steps of one part of a node's sharded snapshot a receiver keeps at most.
-PART_REPLICAS = 3
+PART_REPLICAS = 2
 #: The largest file a stream may carry (a bigger size is refused in the header).
 MAX_FILE_BYTES = 1 << 40
 #: Seconds a new connection has to deliver its header (receiver).
@@ -423,10 +424,9 @@ class ReplicaReceiver:
         """Keep one replica: the one just committed (and streams still arriving).
 
         A node's *parts* (sharded state: one stream per rank, sources
-        ``<node>.p<k>``) land one by one, so of that node's parts every step from the
-        oldest of their newest steps on stays (the newest snapshot all of them
-        delivered stays whole while the next one's parts arrive), and at most
-        :data:`PART_REPLICAS` steps of each part; replicas of other nodes go."""
+        ``<node>.p<k>``) land one by one, and a restore needs every rank's part of one
+        step, so the newest :data:`PART_REPLICAS` steps of each of that node's parts
+        stay (as the writers keep their previous step); replicas of other nodes go."""
         live = {os.path.basename(s.tmp) for s in self._streams if s.tmp is not None}
         node, dot, _ = source.partition(".")
         steps: dict[str, list[int]] = {}
@@ -434,13 +434,12 @@ class ReplicaReceiver:
             root = os.path.join(self.dir, src)
             names = os.listdir(root) if is_private_entry(root) else []
             steps[src] = sorted(n for n in map(parse_step_dir, names) if n is not None)
-        own_parts = [s for s in steps if dot and s.partition(".")[0] == node and steps[s]]
-        floor = min((steps[s][-1] for s in own_parts), default=step)
+        own_parts = [s for s in steps if dot and s.partition(".")[0] == node]
         for src in os.listdir(self.dir):
             root = os.path.join(self.dir, src)
             keep: set[str] = set()
             if src in own_parts:
-                keep = {step_dir_name(n) for n in steps[src][-PART_REPLICAS:] if n >= floor}
+                keep = {step_dir_name(n) for n in steps[src][-PART_REPLICAS:]}
             elif src == source:
                 keep = {step_dir_name(step)}
             for name in os.listdir(root) if is_private_entry(root) else ():

@@ -38,7 +38,6 @@ log = logging.getLogger(__name__)
 #: Name prefix of a slot file in a node's snapshot directory (the store's scan
 #: ignores it: not a step directory).
 SLOT_PREFIX = ".slot-"
-_MAX_SLOTS = 2
 
 
 def _pid_alive(pid: int) -> bool:
@@ -141,10 +140,15 @@ class Slot:
 
 
 class Slots:
-    """A node writer's slots (at most two kept)."""
+    """A node writer's slots: ``held`` holding committed steps, one more for the next.
 
-    def __init__(self, node_dir: str) -> None:
+    ``held``: the committed snapshots the writer keeps (one; two for a sharded
+    state's part, whose previous step must stay until the other nodes' parts of the
+    newer one are in memory too)."""
+
+    def __init__(self, node_dir: str, *, held: int = 1) -> None:
         self.node_dir = node_dir
+        self.max_slots = held + 1
         self._lock = threading.Lock()
         self._slots: list[Slot] = []
         self._n = 0
@@ -193,7 +197,7 @@ class Slots:
         thread, after a commit), so that the training thread can copy into it."""
         with self._lock:
             free = [s for s in self._slots if not s.busy and s.step is None]
-            if any(s.plan == plan for s in free) or len(self._slots) - len(free) >= _MAX_SLOTS:
+            if any(s.plan == plan for s in free) or len(self._slots) - len(free) >= self.max_slots:
                 return
         for s in free:
             self._drop(s)

@@ -215,6 +215,10 @@ class SnapshotTier:
         #: the group's token (rank 0 draws it in :meth:`connect`): parts of one save
         #: carry it, so parts of two saves of one step are never mixed
         self.group = secrets.token_hex(8)
+        #: committed snapshots this rank keeps: a part keeps its previous step too,
+        #: since a complete snapshot needs every rank's part of one step, and the
+        #: other nodes' parts (or their replicas) may not have reached the newest yet
+        self._kept = 2 if sharded else 1
         #: why snapshots found on this node were not used (for the restore line)
         self.ignored: list[str] = []
         self._trusted = False  # the tree passed the check: this user's alone
@@ -261,11 +265,11 @@ class SnapshotTier:
         except OSError as e:
             self._disable(f"cannot make the snapshot directory {self.node_dir}: {e!r}")
             return
-        self.store = _TierStore(self.write_dir, keep_last=1, node_local=True, info=info,
-                                private=True, filesystem=filesystem)
+        self.store = _TierStore(self.write_dir, keep_last=self._kept, node_local=True,
+                                info=info, private=True, filesystem=filesystem)
         self.store.writer = self._writer
         if filesystem is None:
-            self._slots = Slots(self.write_dir)
+            self._slots = Slots(self.write_dir, held=self._kept)
             fs, path = resolve_url(self.write_dir)
             self._flat_layout = Layout(fs, path, url=self.write_dir, private=True)
         if info.local_rank == 0:
@@ -421,12 +425,16 @@ class SnapshotTier:
         return path
 
     def _release_older(self, step: int) -> None:
-        """Delete this node's snapshots older than ``step``; a file of this writer's
-        moves back out of its step directory for reuse once no stream reads it."""
+        """Delete this node's snapshots older than ``step`` (a part: older than the
+        step before it); a file of this writer's moves back out of its step directory
+        for reuse once no stream reads it."""
         assert self._slots is not None and self._flat_layout is not None
         layout = self._flat_layout
-        for d, _ in list(layout.committed()):
-            if d.step >= step or not is_private_entry(d.path):
+        committed = list(layout.committed())
+        steps = sorted({d.step for d, _ in committed if d.step <= step})
+        oldest_kept = steps[-self._kept] if len(steps) >= self._kept else step
+        for d, _ in committed:
+            if d.step >= oldest_kept or not is_private_entry(d.path):
                 continue
             slot = self._slots.holder(d.step)
             try:

@@ -4,7 +4,9 @@ Every block and the root are ``fully_shard``-ed, so parameters and AdamW's momen
 DTensors split over the ranks. ``ek.TrainState`` + ``ek.Checkpointer`` save them shard
 by shard (each rank writes only its own shards; one manifest commits them) and a
 restart at another world size reads back only the byte ranges each rank now owns,
-checked against a digest of every tensor's global content. The data position and the
+checked against a digest of every tensor's global content. Under torchrun every rank
+also keeps its shards in its node's memory (snapshots, streamed to the next node): a
+restart after a lost node takes each range from whichever surviving node holds it. The data position and the
 sample audit resume as for DDP; the global batch stays ``--global-batch`` at any world
 size (``ckpt.sample_weights`` weights each real sample ``1/n`` of the step).
 
@@ -61,6 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-dir", default=None, metavar="URL",
                    help="checkpoint store: a directory or fsspec URL (shared by every node)")
     p.add_argument("--checkpoint-every", type=int, default=10, metavar="STEPS")
+    p.add_argument("--snapshot-every", default="auto", metavar="STEPS",
+                   type=lambda v: v if v == "auto" else int(v),
+                   help="in-memory snapshots of every rank's shards in /dev/shm every STEPS "
+                        "steps, streamed to the next node ('auto': within 1%% of training "
+                        "time under torchrun; 0: off)")
     p.add_argument("--audit", action=argparse.BooleanOptionalAction, default=False,
                    help="check at every epoch end that each sample was trained on once")
     p.add_argument("--seed", type=int, default=0)
@@ -167,7 +174,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     loader = DataLoader(data, batch_size=args.global_batch // world, sampler=sampler)
     state = ek.TrainState(model, optimizer, sampler=sampler)
     ckpt = ek.Checkpointer(state, args.checkpoint_dir, every_steps=args.checkpoint_every,
-                           audit=args.audit)
+                           audit=args.audit, snapshot_every=args.snapshot_every)
     criterion = nn.CrossEntropyLoss(reduction="none")
 
     for epoch in range(ckpt.restore(), args.epochs):  # the newest checkpoint, if any

@@ -6,11 +6,14 @@ weights of an uninterrupted run.
 (b) A job resized 2 -> 3 -> 1 (a node joins, then two nodes are SIGKILLed) reshards its
 state at every restart and ends with the uninterrupted run's weights within fp32
 reduction-order rounding; every sample of every epoch is trained on exactly once.
+(c) With a snapshot every step, a node SIGKILLed at a random step costs at most one
+step: the survivor restores its own shards and the lost node's from memory.
 """
 
 from __future__ import annotations
 
 import json
+import random
 import re
 from pathlib import Path
 from typing import Any
@@ -155,3 +158,57 @@ def test_resized_2_to_3_to_1_reshards_and_trains_every_sample_once(
     diffs = {k: (final[k] - ref_state[k]).abs().max().item() for k in final}
     scale = max(v.abs().max().item() for v in ref_state.values())
     assert max(diffs.values()) <= 1e-5 * scale, diffs  # measured: 2.4e-7 of 4.0
+
+
+_STEP_LINE = re.compile(r"\] step (\d+) loss")
+
+
+def test_node_sigkilled_resumes_from_memory_at_the_new_world_size(
+        tmp_path: Path, reference) -> None:
+    """Two nodes with a snapshot every step (durable checkpoints far apart); one node,
+    agent and worker, is SIGKILLed at a random step. The survivor restarts alone and
+    restores from memory, its own shards and the lost node's replica streamed to it,
+    with at most one step redone, and ends within fp32 rounding of the uninterrupted
+    run with every sample trained exactly once."""
+    _, ref_state = reference
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    args = script_args(tmp_path, "lost", every=100) + ["--snapshot-every", "1",
+                                                       "--print-freq", "1"]
+    env = {**ENV, "ELASTIC_KIT_SNAPSHOT_DIR": str(shm)}
+    kill_after = random.Random().randint(4, 12)
+    with LocalCluster(args, nnodes="1:2", nproc_per_node=1, max_restarts=2, env=env,
+                      log_dir=tmp_path / "logs",
+                      rdzv_conf="last_call_timeout=4,join_timeout=60,"
+                                "keep_alive_interval=1,keep_alive_max_attempt=3") as cluster:
+        survivor = cluster.add_agent()  # hosts the c10d store: never killed
+        lost = cluster.add_agent()
+
+        def last_step() -> int:
+            return max((int(m) for a in cluster.agents
+                        for m in _STEP_LINE.findall(a.read_log())), default=0)
+
+        try:
+            wait_for(lambda: any("world size 2" in a.read_log() for a in cluster.agents),
+                     EVENT_TIMEOUT, interval=0.02, what="a group of two",
+                     abort_if=cluster.all_exited)
+            wait_for(lambda: last_step() >= kill_after, EVENT_TIMEOUT, interval=0.01,
+                     what=f"step {kill_after}", abort_if=cluster.all_exited)
+        except (TimeoutError, RuntimeError) as e:
+            fail_with_logs(cluster, str(e))
+        cluster.kill_agent(lost)
+        last = last_step()  # the restart takes seconds: no step of it is printed yet
+        codes = cluster.wait(RUN_TIMEOUT)
+        if codes[cluster.agents.index(survivor)] != 0:
+            fail_with_logs(cluster, f"agent exit codes {codes}")
+    s = json.loads((tmp_path / "lost" / "summary.json").read_text())
+    first, after = s["world_sizes"]
+    assert (first["world_size"], after["world_size"]) == (2, 1), s["world_sizes"]
+    assert after["restored_from"] in ("memory", "peer"), s["world_sizes"]
+    assert last - 1 <= after["restored_step"] <= last + 1, (last, s["world_sizes"])
+    assert s["steps"] == STEPS and s["audit"] == full_audit()
+    final = torch.load(tmp_path / "lost" / "final.pt", weights_only=True)
+    diffs = {k: (final[k] - ref_state[k]).abs().max().item() for k in final}
+    scale = max(v.abs().max().item() for v in ref_state.values())
+    assert max(diffs.values()) <= 1e-5 * scale, diffs
+    assert list(shm.iterdir()) == []  # the finished run removed its snapshots
