@@ -50,6 +50,10 @@ device through the mapping registered as pinned memory on CUDA); a node that lac
 same :class:`~elastic_kit.TrainState` dict as a durable checkpoint (sampler position,
 audit, RNG, optimizer), so exact data accounting and bitwise resume hold; since the
 sampler's position is global, a snapshot taken at one world size restores at any other.
+
+Sharded state (FSDP2, DTensors): every rank writes its own *part* (its shards and the
+rest) and streams it to the next node; a restore at any world size takes each range a
+rank now owns from whichever node holds it (:mod:`elastic_kit.snapshot._shards`).
 """
 
 from elastic_kit.snapshot._tier import (

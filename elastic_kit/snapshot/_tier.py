@@ -155,13 +155,16 @@ class SnapshotTier:
             own, without a durable store: it then trusts only snapshots without one.
         filesystem: an fsspec filesystem wrapping the local one for the snapshots'
             writes (a fault-injecting one in tests); default: the local disk.
+        sharded: the state holds DTensors (FSDP2): every rank writes its own part
+            and a restore reshards (see :mod:`elastic_kit.snapshot._shards`).
 
     The snapshot tree is private to the user (``<root>/elastic_kit-<uid>/``, 0700
     directories, 0600 files); every directory on the way is checked (owner, mode, no
     symlink) and a tree that fails the check switches snapshots off with a warning
     naming the path and the reason.
 
-    Only local rank 0 of each node writes. Taking a snapshot copies the state's
+    Only local rank 0 of each node writes (with sharded state, every rank writes its
+    part). Taking a snapshot copies the state's
     tensors straight into a snapshot file in shared memory, mapped once and reused
     (registered as pinned memory for CUDA tensors; see
     :mod:`elastic_kit.snapshot._slots`); the parameters and optimizer state may be
