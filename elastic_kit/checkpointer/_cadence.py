@@ -79,6 +79,8 @@ class Cadence:
         self._stop = stop
         self._leaving = leaving
         self._flags: Any = None  # the previous exchange's async all-reduce (see poll)
+        #: an exchange read early (by :meth:`agreed_stop`), for the next :meth:`poll`
+        self._early: Flags | None = None
         self.exchange_every = 1  # steps between exchanges, agreed by all ranks
         self._until_exchange = 1
         self._exchange_t: float | None = None  # rank 0: when the previous exchange ran
@@ -197,10 +199,14 @@ class Cadence:
             self.exclude_time(time.perf_counter() - t0)
 
     def resolve(self) -> Flags:
-        """Wait for the exchange in flight, if any, and return its flags."""
+        """Wait for the exchange in flight, if any, and return its flags (or those of
+        an exchange :meth:`agreed_stop` read early, not yet returned)."""
+        early, self._early = self._early, None
         if self._flags is None:
-            return NO_FLAGS
+            return early or NO_FLAGS
         flags, self._flags = Flags(*self._flags().tolist()), None
+        if early is not None:  # two exchanges: what either carries counts
+            flags = Flags(*(max(a, b) for a, b in zip(early, flags)))
         return flags
 
     def abandon(self) -> None:
@@ -208,12 +214,19 @@ class Cadence:
         propagates: a failing peer may never join it, so it is not waited for, but
         given :data:`ABANDON_SETTLE_S` to finish and kept from being freed on the
         backend's thread."""
-        self._flags = None
+        self._flags = self._early = None
         settle_collectives(ABANDON_SETTLE_S)
 
     def agreed_stop(self) -> bool:
-        """Every rank learns at once whether any rank received SIGTERM (collective)."""
-        pending_stop = self.resolve().stop > 0 if is_dist_ready() else False
+        """Every rank learns at once whether any rank received SIGTERM (collective).
+
+        The exchange in flight is read here; its flags are kept for the next
+        :meth:`poll` (every rank alike), so an end of epoch that comes before every
+        exchange (epochs shorter than the exchange interval) drops no leave, no save
+        and no proposal."""
+        early = self.resolve() if is_dist_ready() else NO_FLAGS
+        self._early = early if early != NO_FLAGS else None
+        pending_stop = early.stop > 0
         mine = self._stop.is_set() or pending_stop
         if is_dist_ready() and self.info.world_size > 1:
             return all_reduce_max(int(mine)) > 0

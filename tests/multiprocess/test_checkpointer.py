@@ -294,3 +294,19 @@ def test_a_leave_agreed_at_an_epochs_last_step_waits_for_its_end(tmp_path: Any) 
     (rest,) = spawn_multi_process(1, train, TrainConfig(**{**cfg.__dict__, "notice_after": None}))
     assert (rest["restored"], rest["start"], rest["sampler_at_start"]) == (50, 1, (1, 0))
     assert rest["audit"] == [(0, 200, True), (1, 200, True)]
+
+
+def test_a_notice_is_acted_on_when_epochs_are_shorter_than_the_exchange_interval(
+        tmp_path: Any) -> None:
+    # epochs of 8 steps of 10 ms, flags exchanged every ~20 steps: every exchange in
+    # flight is read by an end_epoch (its stop agreement), whose reading must not drop
+    # the exchange's other flags (here the leave; also rank 0's interval proposals)
+    url = str(tmp_path / "run")
+    cfg = TrainConfig(url=url, dataset_size=64, features=5, target="x0+x1", data_seed=3,
+                      epochs=12, batch_size=BATCH, checkpoint={"every_steps": 1000, "audit": True},
+                      notice_after=3, notice_rank=1, step_delay=0.01)
+    left = spawn_multi_process(2, train, cfg)
+    assert "left_at" in left[0], left  # before: the run ended without leaving
+    step = left[0]["left_at"]
+    assert left == [{"left_at": step, "code": 143}] * 2 and step < 12 * 8
+    assert ek.CheckpointStore(url).latest_step() == step

@@ -71,3 +71,16 @@ def test_one_validator_names_the_bad_value_for_both_forms(options: dict, named: 
 def test_loop_config_refuses_a_checkpoint_that_is_not_a_checkpointer_config() -> None:
     with pytest.raises(TypeError, match="CheckpointerConfig"):
         ek.LoopConfig(global_batch_size=8, checkpoint={"every_steps": 5})  # type: ignore
+
+
+def test_an_exchange_read_early_is_merged_into_the_next_one() -> None:
+    from elastic_kit.checkpointer._cadence import Cadence, Flags
+    from elastic_kit.state import TerminationFlag
+
+    model = torch.nn.Linear(2, 2)
+    state = ek.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    cadence = Cadence(state, ek.DistInfo(), TerminationFlag(), None)
+    cadence._early = Flags(leave=1.0, exchange_every=5.0)
+    cadence._flags = lambda: torch.tensor([0.0, 1.0, 0.0, 3.0, 0.0], dtype=torch.float64)
+    assert cadence.resolve() == Flags(save_due=1.0, exchange_every=5.0, leave=1.0)
+    assert cadence.resolve() == Flags()  # both read: nothing carried
