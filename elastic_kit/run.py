@@ -18,6 +18,10 @@ with ``--start-method=fork --run-path`` (workers forked from the agent):
 With torchrun's default start method (new worker processes) the agent's imports are
 not inherited; the launcher then only spares the agent the failure-log import.
 
+A node that leaves on purpose (a preemption notice) has its agent leave the
+rendezvous at once, so the nodes that stay restart without waiting for its
+keep-alives to lapse (see :mod:`elastic_kit.health._agent_leave`).
+
 Forked workers can use CUDA only if the agent never asked the CUDA runtime anything
 before forking them: torchrun's launch config probes ``torch.cuda.is_available()``
 (to decide on its default NUMA binding; through ``torch.accelerator`` on torch 2.14),
@@ -90,6 +94,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             raise SystemExit(2) from None
     from torch.distributed.run import main as torchrun_main
 
+    from elastic_kit.health import install_agent_leave
+
+    install_agent_leave()  # a planned leave takes this node out of the rendezvous at once
     torchrun_main(rest)
 
 

@@ -10,10 +10,11 @@ flag of the next exchange, so every rank learns it at the same step. There:
    snapshot is written and its stream has landed in the peer's memory, and its
    barrier lets no rank go on before every node got that far. Without snapshots, or
    when every node leaves (no memory survives), a durable checkpoint instead;
-3. the leaving ranks exit 0 and local rank 0 of a leaving node sends SIGTERM to its
-   torchrun agent, which then stops without closing the rendezvous (a finished
-   agent would close it, ending the job for everyone); its keep-alives stop, so the
-   rendezvous drops the node;
+3. the leaving ranks exit 0 and local rank 0 of a leaving node stops its torchrun
+   agent without closing the rendezvous (a finished agent would close it, ending the
+   job for everyone): an agent of ``python -m elastic_kit.run`` leaves the
+   rendezvous at once; plain torchrun's gets SIGTERM, and the rendezvous drops the
+   node once its keep-alives lapse;
 4. the staying ranks exit with the checkpointer's ``exit_code``, torchrun restarts
    them without the leaving node, and the restore finds the step just taken in their
    own memory: nothing is redone.
@@ -28,11 +29,12 @@ import logging
 import os
 import signal
 import threading
+import time
 from typing import Callable, NoReturn
 
 from elastic_kit._console import say
 from elastic_kit.distributed import DistInfo, all_gather_object, is_dist_ready
-from elastic_kit.health import PreemptionWatcher
+from elastic_kit.health import LEAVE_ENV, LEAVE_SIGNAL, PreemptionWatcher
 
 __all__ = ["Departure", "torchrun_agent_pid"]
 
@@ -147,15 +149,49 @@ def torchrun_agent_pid(pid: int | None = None, *, proc: str = "/proc",
 
 
 def _stop_agent(info: DistInfo) -> None:
-    """SIGTERM this worker's torchrun agent: it stops its workers and exits without
-    closing the rendezvous, and its keep-alives end."""
+    """Stop this worker's torchrun agent without closing the rendezvous.
+
+    An agent started by ``python -m elastic_kit.run`` is sent the launcher's leave
+    signal: it leaves the rendezvous at once, then stops (see
+    :mod:`elastic_kit.health._agent_leave`); this worker then waits for the agent to stop it,
+    so the agent never sees its workers succeed (which would close the rendezvous).
+    Any other agent is sent SIGTERM: it stops its workers and exits, and the
+    rendezvous drops the node once its keep-alives lapse."""
     agent = torchrun_agent_pid() if info.under_torchrun else None
     if agent is None:
         log.warning("no torchrun agent found above this worker: the node leaves when its "
                     "workers exit")
         return
-    say(log, "stopping its torchrun agent (pid %d): the node leaves the rendezvous", agent)
+    leave = _leave_signal(agent)
+    say(log, "stopping its torchrun agent (pid %d): the node leaves the rendezvous%s", agent,
+        " at once" if leave is not None else "")
     try:
-        os.kill(agent, signal.SIGTERM)
+        os.kill(agent, signal.SIGTERM if leave is None else leave)
     except OSError as e:
         log.warning("could not stop the torchrun agent (pid %d): %r", agent, e)
+        return
+    if leave is not None:
+        deadline = time.monotonic() + AGENT_STOP_WAIT_S
+        while time.monotonic() < deadline and os.path.exists(f"/proc/{agent}"):
+            time.sleep(0.02)  # the agent SIGTERMs this worker once it left
+
+
+#: Seconds a leaving worker waits for its agent (started by ``elastic_kit.run``) to
+#: leave the rendezvous and stop it.
+AGENT_STOP_WAIT_S = 15.0
+
+
+def _leave_signal(agent: int) -> int | None:
+    """The leave signal of an agent started by ``python -m elastic_kit.run`` (it says
+    so in its workers' environment, and its command line runs that module), else None."""
+    name = os.environ.get(LEAVE_ENV)
+    if name != LEAVE_SIGNAL.name:
+        return None
+    try:
+        with open(f"/proc/{agent}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+    except OSError:
+        return None
+    launcher = any(a == b"-m" and i + 1 < len(argv) and argv[i + 1] == b"elastic_kit.run"
+                   for i, a in enumerate(argv[:4]))
+    return LEAVE_SIGNAL if launcher else None

@@ -15,6 +15,9 @@ from elastic_kit.health._preemption import (
     CLOUD_ENV, METADATA_URL_ENV, SIGNALS_ENV, PreemptionWatcher, detect_cloud,
     notice_from_metadata, preemption_signals,
 )
+from elastic_kit.health._agent_leave import (
+    LEAVE_ENV, LEAVE_SIGNAL, install as install_agent_leave, leave_rendezvous,
+)
 from elastic_kit.health._heartbeat import (
     DEFAULT_INTERVAL_S, DEFAULT_TIMEOUT_S, HELLO_TIMEOUT_S, MAX_PENDING,
     SILENT_PEER_EXIT_CODE, TIMEOUT_ENV, Heartbeat, hello_mac, start_heartbeat,
@@ -22,6 +25,7 @@ from elastic_kit.health._heartbeat import (
 )
 
 __all__ = [
+    "LEAVE_ENV", "LEAVE_SIGNAL", "install_agent_leave", "leave_rendezvous",
     "CLOUD_ENV", "METADATA_URL_ENV", "SIGNALS_ENV", "PreemptionWatcher", "detect_cloud",
     "notice_from_metadata", "preemption_signals",
     "DEFAULT_INTERVAL_S", "DEFAULT_TIMEOUT_S", "HELLO_TIMEOUT_S", "Heartbeat", "MAX_PENDING",

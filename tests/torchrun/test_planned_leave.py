@@ -28,6 +28,7 @@ FAST_RDZV = "join_timeout=60,last_call_timeout=1,keep_alive_interval=1,keep_aliv
 _STEP = re.compile(r"Epoch: \[\d+\] \[\d+/\d+\] loss")
 _RESTORED = re.compile(r"restored checkpoint step (\d+) \(from (this node's memory|[^)]*)\)"
                        r".*world size (\d+ -> \d+)")
+_ANY_LEAVE = re.compile(r"node\(s\) \[\d+\] leave at step (\d+)")
 _AUDIT = re.compile(r"sample audit: epoch \d+: (\w+)")
 _LEAVE = re.compile(r"node\(s\) \[1\] leave at step (\d+) \(GCE: instance/preempted is TRUE\)")
 
@@ -70,3 +71,56 @@ def test_an_announced_preemption_leaves_with_no_step_redone(tmp_path: Path) -> N
     assert restored == (str(left_at), "this node's memory", "2 -> 1"), log[-8000:]  # none redone
     audits = _AUDIT.findall(log)
     assert audits and all(ok == "all" for ok in audits), audits  # every sample once per epoch
+
+
+SLOW_KEEP_ALIVE_S = 30  # keep_alive_interval=1 x keep_alive_max_attempt=30
+
+
+def test_under_the_launcher_the_leaving_agent_leaves_the_rendezvous_at_once(
+        tmp_path: Path) -> None:
+    """Under ``python -m elastic_kit.run`` the leaving node's agent takes itself out of
+    the rendezvous before it stops: the survivor restarts without waiting for its
+    keep-alives to lapse, which here take 30 s (plain torchrun's agent, SIGTERMed,
+    stays a participant until then)."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    args = [str(TRAIN), "--synthetic", str(SIZE), "--image-size", "32", "--epochs", "1000",
+            "-b", str(BATCH), "-j", "0", "-p", "1", "--seed", "3",
+            "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "1000",
+            "--snapshot-every", "1000", "--audit"]
+    env = {"OMP_NUM_THREADS": "1", "ELASTIC_KIT_SNAPSHOT_DIR": str(shm)}
+    rdzv = (f"join_timeout=60,last_call_timeout=1,keep_alive_interval=1,"
+            f"keep_alive_max_attempt={SLOW_KEEP_ALIVE_S}")
+    with FakeMetadataServer("gce") as gce, LocalCluster(
+            args, nnodes="1:2", nproc_per_node=1, max_restarts=3, rdzv_conf=rdzv, env=env,
+            log_dir=tmp_path / "logs", launcher="elastic_kit.run") as cluster:
+        first = cluster.add_agent(env={"ELASTIC_KIT_CLOUD": "none"})
+        second = cluster.add_agent(env={"ELASTIC_KIT_CLOUD": "gce",
+                                        "ELASTIC_KIT_METADATA_URL": gce.url})
+
+        def steps_of(world: int) -> int:
+            log = first.read_log()
+            start = log.find(f"world size {world} on")
+            return 0 if start < 0 else len(_STEP.findall(log[start:]))
+
+        wait_for(lambda: steps_of(2) >= 5, 120, interval=0.02, what="5 steps at world size 2",
+                 abort_if=cluster.all_exited)
+        gce.announce(lead_s=30)
+        wait_for(lambda: not second.alive, 30, interval=0.05, what="the announced node leaving")
+        left = time.monotonic()
+        def steps_alone() -> int:
+            log = first.read_log()
+            leave = log.find("leave at step")
+            start = log.find("world size 1 on", leave) if leave >= 0 else -1
+            return 0 if start < 0 else len(_STEP.findall(log[start:]))
+
+        wait_for(lambda: steps_alone() >= 1, 120, interval=0.05,
+                 what="a step of the survivor alone", abort_if=lambda: not first.alive)
+        alone_s = time.monotonic() - left
+        log, gone = first.read_log(), second.read_log()
+    assert "the node leaves the rendezvous at once" in gone, gone[-8000:]
+    # without leaving the rendezvous, the survivor's next round waits out the keep-alives
+    assert alone_s < SLOW_KEEP_ALIVE_S - 10, (alone_s, log[-8000:])
+    (left_at,) = map(int, _ANY_LEAVE.findall(log))
+    (restored,) = _RESTORED.findall(log)
+    assert restored == (str(left_at), "this node's memory", "2 -> 1"), log[-8000:]
