@@ -63,9 +63,21 @@ def install() -> None:
 
 
 def _on_signal(signum: int, frame: Any) -> None:
+    # From now on the agent must not start a new round: the others' restart makes them
+    # wait for one, which its monitor would take for a node joining and rejoin (then
+    # its new worker would see the notice and leave a second time).
+    for handler in _handlers:
+        handler.num_nodes_waiting = lambda: 0
+        handler.next_rendezvous = _wait_for_stop
     # the main thread may be inside the handler's own state sync: leave on a thread,
     # which takes the handler's lock like torchrun's keep-alives do
     threading.Thread(target=_leave_then_stop, name="ek-agent-leave", daemon=True).start()
+
+
+def _wait_for_stop(*args: Any, **kwargs: Any) -> Any:
+    """A leaving agent's next round: none; the SIGTERM that follows the leave ends it."""
+    time.sleep(2 * LEAVE_TIMEOUT_S)
+    raise RuntimeError("this node is leaving the job; it joins no new round")
 
 
 def _leave_then_stop() -> None:

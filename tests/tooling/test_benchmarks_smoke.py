@@ -53,6 +53,8 @@ HEADLINE: dict[str, tuple[str, ...]] = {
                          "ratio_written_per_rank_ours_vs_dcp",
                          "ratio_background_blocked_vs_dcp_save",
                          "ratio_save_peak_rss_vs_shard_ours", "ratio_load_peak_rss_vs_shard_ours"),
+    "bench_sharded_snapshot.py": ("ratio_taken_vs_memory_copy", "ratio_restore_memory_vs_dcp",
+                                  "ratio_restore_memory_vs_ours_disk"),
     "bench_snapshot.py": (
         "ratio_ek_vs_plain", "ratio_blocked_vs_copy", "ratio_max_blocked_vs_two_copies",
         "ratio_dcp_vs_plain", "ratio_restore_vs_h2d"),
