@@ -209,13 +209,15 @@ class Cadence:
             flags = Flags(*(max(a, b) for a, b in zip(early, flags)))
         return flags
 
-    def abandon(self) -> None:
+    def abandon(self, *, settle: bool = True) -> None:
         """Forget the exchange in flight, on this rank alone, while an exception
         propagates: a failing peer may never join it, so it is not waited for, but
         given :data:`ABANDON_SETTLE_S` to finish and kept from being freed on the
-        backend's thread."""
+        backend's thread. ``settle=False`` at interpreter exit, where the library's
+        own exit handler settles every collective next, more briefly."""
         self._flags = self._early = None
-        settle_collectives(ABANDON_SETTLE_S)
+        if settle:
+            settle_collectives(ABANDON_SETTLE_S)
 
     def agreed_stop(self) -> bool:
         """Every rank learns at once whether any rank received SIGTERM (collective).

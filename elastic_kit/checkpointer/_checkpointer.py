@@ -159,7 +159,7 @@ class Checkpointer(Lifecycle):
         self._hooks.install(signals=self.handle_signals,
                             optimizer=state.optimizer if staging else None,
                             wait_staged=lambda *_: _saving.wait_staged(self.store, self.snapshots),
-                            at_exit=self.abandon)
+                            at_exit=self._abandon_at_exit)
         self._cadence.saved()
         self._heartbeat = health.start_heartbeat(info, timeout_s=self.config.heartbeat_timeout)
         self._departure.start(info)

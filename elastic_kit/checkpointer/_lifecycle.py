@@ -89,11 +89,21 @@ class Lifecycle:
         rank only): no collective, or it would block on its peers or match one of
         their collectives. A pending save's failure is logged, not raised. What
         ``with Checkpointer(...)`` runs when its block raises."""
+        self._abandon()
+
+    def _abandon(self, *, at_exit: bool = False) -> None:
         if not self._hooks.close():
             return
         self._stop_heartbeat()
-        self._cadence.abandon()
+        self._cadence.abandon(settle=not at_exit)
         _saving.abandon(self.store, self.snapshots)
+
+    def _abandon_at_exit(self) -> None:
+        """:meth:`abandon` at interpreter exit, for a script that never closed (it died
+        of an exception): what was taken is written. The exchange in flight is not
+        given its own wait: the collectives' exit handler, which runs next, settles
+        it, so a worker whose peer died exits no later than before."""
+        self._abandon(at_exit=True)
 
     def _exit_after_save(self) -> None:
         self.save(blocking=True)
