@@ -204,3 +204,18 @@ def test_without_a_complete_snapshot_in_memory_the_durable_store_is_used(
     out = spawn_multi_process(2, _job, url, shm, None, local_world_size=1)[0]
     assert (out["restored"], out["from"]) == (None, None)  # nothing durable before step 10
     assert out["step"] == 10
+
+
+def test_a_lone_survivor_restores_every_shard_from_its_own_memory(
+        tmp_path: Path, shm: str, plain: dict[str, Any]) -> None:
+    """2 nodes -> node 1 lost -> 1 rank: node 0 holds its own part and node 1's
+    replica, so the restore needs no other node ("this node's memory")."""
+    url = str(tmp_path / "run")
+    spawn_multi_process(2, _job, url, shm, 7, local_world_size=1)
+    shutil.rmtree(Path(snapshot_dir(shm, "test", url)) / "node1")
+    (out,) = spawn_multi_process(1, _job, url, shm, None, local_world_size=1)
+    assert (out["restored"], out["from"]) == (7, "memory")
+    assert out["step"] == 10
+    assert _close(out["full"], plain["full"])
+    assert [(a["epoch"], a["count"], a["ok"]) for a in out["report"]["audit"]] == [
+        (0, _SIZE, True), (1, _SIZE, True)]
