@@ -33,6 +33,13 @@ _AUDIT = re.compile(r"sample audit: epoch \d+: (\w+)")
 _LEAVE = re.compile(r"node\(s\) \[1\] leave at step (\d+) \(GCE: instance/preempted is TRUE\)")
 
 
+def _steps_alone(log: str) -> int:
+    """Steps the survivor logged at world size 1 after the group agreed on the leave."""
+    leave = log.find("leave at step")
+    start = log.find("world size 1 on", leave) if leave >= 0 else -1
+    return 0 if start < 0 else len(_STEP.findall(log[start:]))
+
+
 def test_an_announced_preemption_leaves_with_no_step_redone(tmp_path: Path) -> None:
     shm = tmp_path / "shm"
     shm.mkdir()
@@ -61,7 +68,9 @@ def test_an_announced_preemption_leaves_with_no_step_redone(tmp_path: Path) -> N
         announced = time.monotonic()
         wait_for(lambda: not second.alive, 30, interval=0.05, what="the announced node leaving")
         left_s = time.monotonic() - announced
-        wait_for(lambda: steps_of(1) >= 3, 120, interval=0.05,
+        # the survivor alone after the leave (the first agent may also have trained
+        # alone before the second joined)
+        wait_for(lambda: _steps_alone(first.read_log()) >= 3, 120, interval=0.05,
                  what="3 steps of the survivor alone", abort_if=lambda: not first.alive)
         log, gone = first.read_log(), second.read_log()
     assert "this node leaves at step" in gone and "stopping its torchrun agent" in gone, gone[-8000:]
@@ -108,13 +117,7 @@ def test_under_the_launcher_the_leaving_agent_leaves_the_rendezvous_at_once(
         gce.announce(lead_s=30)
         wait_for(lambda: not second.alive, 30, interval=0.05, what="the announced node leaving")
         left = time.monotonic()
-        def steps_alone() -> int:
-            log = first.read_log()
-            leave = log.find("leave at step")
-            start = log.find("world size 1 on", leave) if leave >= 0 else -1
-            return 0 if start < 0 else len(_STEP.findall(log[start:]))
-
-        wait_for(lambda: steps_alone() >= 1, 120, interval=0.05,
+        wait_for(lambda: _steps_alone(first.read_log()) >= 1, 120, interval=0.05,
                  what="a step of the survivor alone", abort_if=lambda: not first.alive)
         alone_s = time.monotonic() - left
         log, gone = first.read_log(), second.read_log()
