@@ -10,7 +10,7 @@ ours or DCP's (the anchor).
 Two "nodes" of one gloo rank each (``local_world_size=1``, each its own snapshot
 directory under ``/dev/shm``) train the state of ``bench_sharded.py`` (``--layers``
 square ``Linear(--dim)`` blocks, ``fully_shard`` per block and on the root, AdamW:
-three times the parameters) and take ``--repeats`` snapshots; per snapshot, the
+three times the parameters; built by its functions) and take ``--repeats`` snapshots; per snapshot, the
 training thread's time (``SnapshotTier.save``: one copy into the snapshot file) and
 the commit latency (until written, hashed and committed), against a memory copy of
 the rank's shards (the limit). They also save the same state to local disk, with the
@@ -43,6 +43,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
+from bench_sharded import _build, _sharded  # noqa: E402  (the same state)
 
 from elastic_kit.testing import spawn_multi_process  # noqa: E402
 
@@ -53,28 +54,6 @@ def _node_env(shm: str) -> None:
     os.environ["ELASTIC_KIT_SNAPSHOT_DIR"] = shm
     os.environ["ELASTIC_KIT_SNAPSHOT_NODE"] = f"node{os.environ.get('GROUP_RANK', '0')}"
     torch.set_num_threads(1)
-
-
-def _build(dim: int, layers: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    from torch.distributed.fsdp import fully_shard
-
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(dim, dim, bias=False) for _ in range(layers)])
-    for block in model:
-        fully_shard(block)
-    fully_shard(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model(torch.randn(4, dim)).sum().backward()
-    opt.step()
-    opt.zero_grad()
-    return model, opt
-
-
-def _sharded(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    msd, osd = get_state_dict(model, opt)
-    return {"model": msd, "optimizer": osd}
 
 
 def _timed(fn: Callable[[], Any]) -> float:

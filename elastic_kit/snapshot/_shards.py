@@ -289,11 +289,13 @@ def _restore(plan: _Plan, chosen: dict[int, tuple[int, str, str, dict[str, Any]]
     requests: list[tuple[int, int, str, list[int], list[int]]] = []
     pending: list[tuple[torch.Tensor, torch.Tensor]] = []
     saved: dict[str, dict[str, Any]] = {}
+    # each sharded tensor's description in every chosen part, by key path
+    by_path: dict[str, list[tuple[int, dict[str, Any]]]] = {}
+    for r, (_, _, _, part) in chosen.items():
+        for d in part["tensors"]:
+            by_path.setdefault(d["path"], []).append((r, d))
+    tensors: dict[str, dict[str, torch.Tensor]] = {}  # part path -> key path -> tensor
     try:
-        by_path: dict[str, list[tuple[int, dict[str, Any]]]] = {}
-        for r, (_, _, _, part) in chosen.items():
-            for d in part["tensors"]:
-                by_path.setdefault(d["path"], []).append((r, d))
         for path, ds in by_path.items():
             first = ds[0][1]
             target = targets.get(path)
@@ -316,8 +318,7 @@ def _restore(plan: _Plan, chosen: dict[int, tuple[int, str, str, dict[str, Any]]
                     continue
                 lister, holder_node, part_path, _ = chosen[r]
                 if holder_node == node:
-                    src = _local_part(part_path, opened)
-                    part_t = dict(leaves(src.state))[path]
+                    part_t = _part_tensors(part_path, opened, tensors)[path]
                     _box(local, list(offsets), *ov).copy_(_box(part_t, d["offsets"], *ov))
                 else:
                     requests.append((lister, r, path, ov[0], ov[1]))
@@ -337,10 +338,8 @@ def _restore(plan: _Plan, chosen: dict[int, tuple[int, str, str, dict[str, Any]]
         for lister, r, path, lo, hi in reqs:
             if lister != info.rank:
                 continue
-            part = chosen[r][3]
-            d = next(x for x in part["tensors"] if x["path"] == path)
-            src = _local_part(chosen[r][2], opened)
-            part_t = dict(leaves(src.state))[path]
+            d = next(d for saver, d in by_path[path] if saver == r)
+            part_t = _part_tensors(chosen[r][2], opened, tensors)[path]
             sends.append((requester, _box(part_t, d["offsets"], lo, hi).contiguous()))
     recvs = [(lister, buf) for (lister, *_), (_, buf) in zip(requests, pending)]
     exchange_tensors(sends, recvs)
@@ -352,9 +351,8 @@ def _restore(plan: _Plan, chosen: dict[int, tuple[int, str, str, dict[str, Any]]
     sums = all_gather_object(mine) if distributed else [mine]
     bad = []
     for path in fills:
-        want = combine_digest([int(d["partial"], 16) for _, (_, _, _, part) in chosen.items()
-                               for d in part["tensors"] if d["path"] == path
-                               and isinstance(d.get("partial"), str)])
+        want = combine_digest([int(d["partial"], 16) for _, d in by_path[path]
+                               if isinstance(d.get("partial"), str)])
         if combine_digest([s[path] for s in sums]) != want:
             bad.append(path)
     if bad:
@@ -371,6 +369,15 @@ def _local_part(path: str, opened: dict[str, FlatCheckpoint]) -> FlatCheckpoint:
     if path not in opened:
         opened[path] = _open(path, verify=False)
     return opened[path]
+
+
+def _part_tensors(path: str, opened: dict[str, FlatCheckpoint],
+                  cache: dict[str, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """A part's tensors by key path (the tree walked once per part)."""
+    if path not in cache:
+        cache[path] = {k: v for k, v in leaves(_local_part(path, opened).state)
+                       if isinstance(v, torch.Tensor)}
+    return cache[path]
 
 
 def _assemble(plan: _Plan, chosen: dict[int, tuple[int, str, str, dict[str, Any]]],

@@ -20,36 +20,12 @@ import torch
 
 from elastic_kit.snapshot import snapshot_dir
 from elastic_kit.testing import spawn_multi_process
+from tests.multiprocess.test_sharded_state import _close, _full, _model
 
 pytestmark = pytest.mark.timeout(300)
 
 _GLOBAL_BATCH = 6
 _SIZE = 30
-
-
-def _model() -> torch.nn.Module:
-    from torch.distributed.fsdp import fully_shard
-
-    torch.manual_seed(1)
-    # odd sizes: shards are uneven at 2 and 3 ranks, one rank's shard may be empty
-    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Linear(7, 4),
-                                torch.nn.Linear(4, 2))
-    for block in model:
-        fully_shard(block)
-    fully_shard(model)
-    return model
-
-
-def _full(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-    msd, osd = get_state_dict(model, opt, options=StateDictOptions(
-        full_state_dict=True, cpu_offload=True, broadcast_from_rank0=False))
-    out = {f"model/{k}": v for k, v in msd.items()}
-    for fqn, st in osd.get("state", {}).items():
-        for k, v in st.items():
-            out[f"opt/{fqn}/{k}"] = v
-    return {k: v.tolist() if isinstance(v, torch.Tensor) else v for k, v in out.items()}
 
 
 def _job(url: str, shm: str, stop_at: int | None, snapshots: bool = True) -> dict[str, Any]:
@@ -64,7 +40,7 @@ def _job(url: str, shm: str, stop_at: int | None, snapshots: bool = True) -> dic
     from torch.utils.data import DataLoader, TensorDataset
 
     info = ek.init_distributed()
-    model = _model()
+    model = _model(1)
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     g = torch.Generator().manual_seed(7)
     data = TensorDataset(torch.arange(_SIZE), torch.randn(_SIZE, 5, generator=g),
@@ -95,13 +71,6 @@ def _job(url: str, shm: str, stop_at: int | None, snapshots: bool = True) -> dic
     ckpt.close()
     return {"full": full, "report": state.run_report(), "restored": ckpt.restored_step,
             "from": ckpt.restored_from, "step": state.step}
-
-
-def _close(a: dict, b: dict) -> bool:
-    if a.keys() != b.keys():
-        return False
-    return all(torch.allclose(torch.tensor(a[k]), torch.tensor(b[k]), rtol=1e-5, atol=1e-6)
-               for k in a)
 
 
 @pytest.fixture(scope="module")

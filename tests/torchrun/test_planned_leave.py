@@ -11,9 +11,11 @@ epoch's audit exact.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
 from pathlib import Path
+from typing import Any, Iterator
 
 import pytest
 
@@ -40,30 +42,39 @@ def _steps_alone(log: str) -> int:
     return 0 if start < 0 else len(_STEP.findall(log[start:]))
 
 
-def test_an_announced_preemption_leaves_with_no_step_redone(tmp_path: Path) -> None:
+@contextlib.contextmanager
+def _two_nodes_training(tmp_path: Path, rdzv_conf: str,
+                        **cluster: Any) -> Iterator[tuple[Any, Any, Any]]:
+    """Two agents training the example, the second on a "GCE Spot VM" whose fake
+    metadata server announces nothing yet: ``(gce, first, second)``, once the group of
+    two has trained 5 steps. Far more epochs than a test waits for: the leave must come
+    while training runs, however slow the machine; the test's end stops the job."""
     shm = tmp_path / "shm"
     shm.mkdir()
-    # far more epochs than the test waits for: the leave must come while training runs,
-    # however slow the machine; the test stops the job once the survivor trains alone
     args = [str(TRAIN), "--synthetic", str(SIZE), "--image-size", "32", "--epochs", "1000",
             "-b", str(BATCH), "-j", "0", "-p", "1", "--seed", "3",
             "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "1000",
             "--snapshot-every", "1000", "--audit"]
     env = {"OMP_NUM_THREADS": "1", "ELASTIC_KIT_SNAPSHOT_DIR": str(shm)}
     with FakeMetadataServer("gce") as gce, LocalCluster(
-            args, nnodes="1:2", nproc_per_node=1, max_restarts=3, rdzv_conf=FAST_RDZV,
-            env=env, log_dir=tmp_path / "logs") as cluster:
-        first = cluster.add_agent(env={"ELASTIC_KIT_CLOUD": "none"})
-        second = cluster.add_agent(env={"ELASTIC_KIT_CLOUD": "gce",
-                                        "ELASTIC_KIT_METADATA_URL": gce.url})
+            args, nnodes="1:2", nproc_per_node=1, max_restarts=3, rdzv_conf=rdzv_conf,
+            env=env, log_dir=tmp_path / "logs", **cluster) as c:
+        first = c.add_agent(env={"ELASTIC_KIT_CLOUD": "none"})
+        second = c.add_agent(env={"ELASTIC_KIT_CLOUD": "gce",
+                                  "ELASTIC_KIT_METADATA_URL": gce.url})
 
-        def steps_of(world: int) -> int:
+        def steps_at_two() -> int:
             log = first.read_log()
-            start = log.find(f"world size {world} on")
+            start = log.find("world size 2 on")
             return 0 if start < 0 else len(_STEP.findall(log[start:]))
 
-        wait_for(lambda: steps_of(2) >= 5, 120, interval=0.02, what="5 steps at world size 2",
-                 abort_if=cluster.all_exited)
+        wait_for(lambda: steps_at_two() >= 5, 120, interval=0.02,
+                 what="5 steps at world size 2", abort_if=c.all_exited)
+        yield gce, first, second
+
+
+def test_an_announced_preemption_leaves_with_no_step_redone(tmp_path: Path) -> None:
+    with _two_nodes_training(tmp_path, FAST_RDZV) as (gce, first, second):
         gce.announce(lead_s=30)
         announced = time.monotonic()
         wait_for(lambda: not second.alive, 30, interval=0.05, what="the announced node leaving")
@@ -91,29 +102,10 @@ def test_under_the_launcher_the_leaving_agent_leaves_the_rendezvous_at_once(
     the rendezvous before it stops: the survivor restarts without waiting for its
     keep-alives to lapse, which here take 30 s (plain torchrun's agent, SIGTERMed,
     stays a participant until then)."""
-    shm = tmp_path / "shm"
-    shm.mkdir()
-    args = [str(TRAIN), "--synthetic", str(SIZE), "--image-size", "32", "--epochs", "1000",
-            "-b", str(BATCH), "-j", "0", "-p", "1", "--seed", "3",
-            "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "1000",
-            "--snapshot-every", "1000", "--audit"]
-    env = {"OMP_NUM_THREADS": "1", "ELASTIC_KIT_SNAPSHOT_DIR": str(shm)}
     rdzv = (f"join_timeout=60,last_call_timeout=1,keep_alive_interval=1,"
             f"keep_alive_max_attempt={SLOW_KEEP_ALIVE_S}")
-    with FakeMetadataServer("gce") as gce, LocalCluster(
-            args, nnodes="1:2", nproc_per_node=1, max_restarts=3, rdzv_conf=rdzv, env=env,
-            log_dir=tmp_path / "logs", launcher="elastic_kit.run") as cluster:
-        first = cluster.add_agent(env={"ELASTIC_KIT_CLOUD": "none"})
-        second = cluster.add_agent(env={"ELASTIC_KIT_CLOUD": "gce",
-                                        "ELASTIC_KIT_METADATA_URL": gce.url})
-
-        def steps_of(world: int) -> int:
-            log = first.read_log()
-            start = log.find(f"world size {world} on")
-            return 0 if start < 0 else len(_STEP.findall(log[start:]))
-
-        wait_for(lambda: steps_of(2) >= 5, 120, interval=0.02, what="5 steps at world size 2",
-                 abort_if=cluster.all_exited)
+    with _two_nodes_training(tmp_path, rdzv, launcher="elastic_kit.run") as (
+            gce, first, second):
         gce.announce(lead_s=30)
         wait_for(lambda: not second.alive, 30, interval=0.05, what="the announced node leaving")
         left = time.monotonic()
