@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import datetime
 import logging
 import pickle
 import threading
@@ -90,25 +91,64 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     return all_reduce_sum_async(tensor)()
 
 
-def all_reduce_sum_async(tensor: torch.Tensor) -> Callable[[], torch.Tensor]:
+def all_reduce_sum_async(tensor: torch.Tensor) -> Callable[..., torch.Tensor]:
     """Start summing ``tensor`` over all ranks; call the returned function for the sum.
 
     The all-reduce runs while the caller does other work (the loop issues its
     per-step flags before ``optimizer.step`` and reads them after), so a small
-    collective costs no time on the critical path. Every rank must call the returned
-    function before its next collective on the same group; it returns a new tensor
-    on the input's device.
+    collective costs no time on the critical path. The returned function (any
+    thread; ``timeout``: seconds, None waits as long as the process group does, past
+    it :class:`TimeoutError`) returns a new tensor on the input's device.
+
+    With NCCL a CPU input travels through pinned memory both ways with
+    ``non_blocking`` copies, and the result is read when an event recorded after the
+    copy back has passed: starting does not block the host, and reading waits only
+    for the device work queued before the sum started, not for what was queued after
+    it (a plain ``.to()`` at the read would wait for all of it: up to a step of
+    training that the host had queued meanwhile).
     """
     if not is_dist_ready():
         done = tensor.detach().clone()
-        return lambda: done
-    t = tensor.detach().to(_collective_device()).clone()
+        return lambda timeout=None: done
+    device = _collective_device()
+    if device.type == "cuda" and tensor.device.type == "cpu":
+        return _all_reduce_sum_cuda(tensor.detach(), device)
+    t = tensor.detach().to(device).clone()
     work = dist.all_reduce(t, op=dist.ReduceOp.SUM, async_op=True)
     hold_collective_tensor(t)  # never freed on gloo's thread, waited for or not
 
-    def result() -> torch.Tensor:
-        work.wait()
+    def result(timeout: float | None = None) -> torch.Tensor:
+        if timeout is None:
+            work.wait()
+        elif not work.wait(timeout=datetime.timedelta(seconds=timeout)):
+            raise TimeoutError(f"all-reduce not done within {timeout} s")
         return t.to(tensor.device)
+
+    return result
+
+
+def _all_reduce_sum_cuda(tensor: torch.Tensor, device: torch.device) -> Callable[..., torch.Tensor]:
+    """:func:`all_reduce_sum_async` of a CPU tensor over NCCL, without a device sync."""
+    src = tensor.contiguous().pin_memory()
+    t = src.to(device, non_blocking=True)
+    work = dist.all_reduce(t, op=dist.ReduceOp.SUM, async_op=True)
+    hold_collective_tensor(t)
+    work.wait()  # NCCL: the current stream waits for the collective; the host does not
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+
+    def result(timeout: float | None = None) -> torch.Tensor:
+        if timeout is None:
+            done.synchronize()
+        else:
+            deadline = time.monotonic() + timeout
+            while not done.query():
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"all-reduce not done within {timeout} s")
+                time.sleep(0.001)
+        return host.clone()
 
     return result
 

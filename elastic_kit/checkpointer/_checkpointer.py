@@ -294,8 +294,13 @@ class Checkpointer(Lifecycle):
         local rank 0; a failure switches snapshots off with a warning."""
         if self.snapshots is None:
             return
-        t0 = time.perf_counter()  # the audit's sync is part of a snapshot's cost
-        self._progress.sync_audit(self.audit)
-        if self.snapshots.writes:
-            _saving.save_snapshot(self.snapshots, self.state, self.info,
-                                  overlap_staging=self.overlap_staging, started=t0)
+        t0 = time.perf_counter()
+        writes = self.snapshots.writes
+        # The state is taken before the audit's sum is started (taking it folds the
+        # previous sum in); the writer thread adds this one, which training never waits for.
+        state_dict = self.state.state_dict() if writes else None
+        audit = self._progress.sync_audit_async(self.audit)
+        if state_dict is not None:
+            _saving.save_snapshot(self.snapshots, state_dict, self.state, self.info,
+                                  overlap_staging=self.overlap_staging, started=t0,
+                                  audit=audit)

@@ -19,7 +19,7 @@ import torch
 
 from elastic_kit._console import say
 from elastic_kit.errors import SampleAuditError
-from elastic_kit.state import AuditSpan, EpochAudit
+from elastic_kit.state import AuditSpan, AuditSum, EpochAudit
 
 if TYPE_CHECKING:
     from elastic_kit.sampler import ElasticDistributedSampler
@@ -92,6 +92,14 @@ class Progress:
             return
         self._span.digest(self.state.audit)
         self.state.audit.sync(self.state.epoch)
+
+    def sync_audit_async(self, mode: str) -> AuditSum | None:
+        """Start folding every rank's audit share in (collective, not waited for; None
+        when ``mode`` is off): what a snapshot writes, see :meth:`SampleAudit.sync_async`."""
+        if mode == "off":
+            return None
+        self._span.digest(self.state.audit)
+        return self.state.audit.sync_async(self.state.epoch)
 
     def finish_audit(self, mode: str, *, is_main: bool) -> EpochAudit | None:
         """Check the current epoch's audit (collective); None when ``mode`` is off."""

@@ -7,6 +7,7 @@ covered: :func:`agree` makes the ranks raise together.
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +20,7 @@ from elastic_kit.store import CheckpointStore
 if TYPE_CHECKING:
     from elastic_kit.checkpointer._store_like import StoreLike
     from elastic_kit.snapshot import SnapshotTier
+    from elastic_kit.state import AuditSum
     from elastic_kit.state import TrainState
 
 __all__ = ["open_store", "metadata", "save_durable", "save_snapshot", "close_store",
@@ -56,13 +58,28 @@ def save_durable(store: StoreLike, state: TrainState, info: DistInfo, *, blockin
     agree(err, info, f"saving checkpoint step {state.step} to {store.url}")
 
 
-def save_snapshot(tier: SnapshotTier, state: TrainState, info: DistInfo, *,
-                  overlap_staging: bool, started: float) -> None:
-    """Hand ``state`` to the snapshot tier (written in the background)."""
+def save_snapshot(tier: SnapshotTier, state_dict: dict[str, Any], state: TrainState,
+                  info: DistInfo, *, overlap_staging: bool, started: float,
+                  audit: AuditSum | None = None) -> None:
+    """Hand ``state_dict`` (``state``'s, taken now) to the snapshot tier (written in
+    the background); ``audit``: the audit's sum in flight, which the writer thread
+    waits for and writes in place of the state's audit."""
     later = (optimizer_tensors(state.optimizer)
              if overlap_staging and state.optimizer is not None else ())
-    tier.save(state.state_dict, step=state.step, metadata=metadata(state, info),
-              copy_later=later, started=started)
+    finish = None if audit is None else functools.partial(_with_audit, audit)
+    tier.save(state_dict, step=state.step, metadata=metadata(state, info),
+              copy_later=later, started=started, finish=finish)
+
+
+#: Seconds a snapshot's writer waits for the audit's sum over the ranks (issued with
+#: the snapshot, normally done within milliseconds; past it, a peer is gone and the
+#: snapshot is not written).
+AUDIT_WAIT_S = 10.0
+
+
+def _with_audit(audit: AuditSum, state_dict: dict[str, Any]) -> None:
+    """Put the audit as of the snapshot's step into its state (writer thread)."""
+    state_dict["audit"] = audit.state_dict(timeout=AUDIT_WAIT_S)
 
 
 def close_store(store: StoreLike, tier: SnapshotTier | None, info: DistInfo, *,

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import collections
 import math
 import os
 import re
 import secrets
 import shutil
 import socket
+import statistics
 import time
 from typing import Any, Callable, Iterable
 
@@ -52,8 +54,8 @@ NODE_ENV = "ELASTIC_KIT_SNAPSHOT_NODE"
 SPACE_FACTOR = 2.2
 _MAX_AUTO_EVERY = 10_000
 #: The share of the training thread's time automatic snapshots may take: what a
-#: snapshot stops training for (building the state dict, the audit's sync, the copy
-#: out of the live tensors, and the wait for the part of that copy overlapped with the
+#: snapshot stops training for (building the state dict, starting the audit's sum
+#: over the ranks, which the writer waits for, the copy out of the live tensors, and the wait for the part of that copy overlapped with the
 #: next forward and backward pass), not the write, which runs on a background thread
 #: and never holds training up. With a snapshot costing ``C`` seconds and failures
 #: every ``M`` seconds on average, the interval that loses the least time (Young's
@@ -62,6 +64,10 @@ _MAX_AUTO_EVERY = 10_000
 #: that failure rate would be best snapshotted less often still; spending more buys
 #: back only seconds of redone work per failure.
 DEFAULT_BUDGET = 0.01
+#: The automatic interval spreads the median cost of this many recent snapshots: one
+#: snapshot delayed by a busy core (or a page fault of a new buffer) is not taken for
+#: the cost of all of them.
+COST_WINDOW = 5
 #: Seconds :meth:`SnapshotTier.close` waits for the last snapshot's stream to a peer.
 FLUSH_TIMEOUT_S = 10.0
 #: Seconds the writer waits for the stream of an older snapshot to end before reusing
@@ -234,6 +240,7 @@ class SnapshotTier:
         #: the training thread's time in the last snapshot taken (seconds): taking it
         #: and waiting for its deferred copy before the optimizer step
         self._cost_s: float | None = None
+        self._costs: collections.deque[float] = collections.deque(maxlen=COST_WINDOW)
         self._space_checked = False
         self._writer = SnapshotWriter(self._write)
         self.replicate = replicate
@@ -290,9 +297,10 @@ class SnapshotTier:
     def proposal(self, step_s: float | None) -> int:
         """The interval K this node's snapshots suggest for steps of ``step_s`` seconds.
 
-        ``K = ceil(cost / (budget * step_s))``, where the cost is what the last
-        snapshot took of the training thread's time (the state dict, the audit's sync,
-        the staging copy, the wait for its deferred part before the optimizer step);
+        ``K = ceil(cost / (budget * step_s))``, where the cost is the median of what
+        the last :data:`COST_WINDOW` snapshots took of the training thread's time (the
+        state dict, starting the audit's sum, the staging copy, the wait for its
+        deferred part before the optimizer step);
         the background write is not counted: it never stops training (a snapshot
         due while one is written is queued), and the CPU time it takes from training,
         if any, shows in the step time. The step time is the checkpointer's (the one
@@ -301,19 +309,20 @@ class SnapshotTier:
         """
         if self.every is not None:
             return self.every
-        if self._cost_s is not None and step_s is not None and step_s > 0:
-            self._proposed = interval_for(self._cost_s, step_s, self.budget)
+        if self._costs and step_s is not None and step_s > 0:
+            self._proposed = interval_for(statistics.median(self._costs), step_s, self.budget)
         return self._proposed
 
     @property
     def cost_s(self) -> float | None:
         """The training thread's time in the last snapshot taken (seconds; None before
-        the first): what the automatic interval spreads over its steps."""
+        the first); the automatic interval spreads the median of the recent ones."""
         return self._cost_s
 
     def due(self, step: int) -> bool:
         """Whether a snapshot is due at ``step`` by the agreed interval (on every rank
-        alike, also where writing is off: taking one syncs the audit, a collective)."""
+        alike, also where writing is off: taking one starts the audit's sum, a
+        collective)."""
         return step % self.interval == 0
 
     @property
@@ -326,7 +335,8 @@ class SnapshotTier:
     # ------------------------------------------------------------------ writing
     def save(self, state_dict: dict[str, Any] | Callable[[], dict[str, Any]], *, step: int,
              metadata: dict[str, Any], copy_later: Iterable[torch.Tensor] = (),
-             started: float | None = None) -> None:
+             started: float | None = None,
+             finish: Callable[[dict[str, Any]], None] | None = None) -> None:
         """Take a snapshot of ``state_dict`` (or of what the callable returns, called
         only here: other ranks skip building it) and write it in the background
         (local rank 0 only). Never waits for an earlier snapshot's write.
@@ -336,6 +346,10 @@ class SnapshotTier:
         copied on the writer thread before :meth:`wait_staged` returns, when the
         writer is idle. ``started``: the ``time.perf_counter()`` at which taking the
         snapshot began (default: now), for the automatic interval's cost.
+        ``finish``: called with the staged state on the writer thread before it is
+        written, to put in values that are not known yet on the training thread (the
+        audit's sum over the ranks, in flight); an error it raises drops the snapshot
+        and switches snapshots off, like a failed write.
         """
         if not self.writes:
             return
@@ -377,9 +391,11 @@ class SnapshotTier:
             staged = buffers.stage(state_dict, later=later, into=into)
             if self.identity is not None:
                 metadata = {**metadata, IDENTITY_KEY: self.identity}
-            self._writer.submit(Job(staged, step, metadata, buffers, taken_at=t0, slot=slot))
+            self._writer.submit(Job(staged, step, metadata, buffers, taken_at=t0, slot=slot,
+                                    finish=finish))
             self.direct += slot is not None
             self._cost_s = time.perf_counter() - t0
+            self._costs.append(self._cost_s)
         except Exception as e:  # snapshots are an optimisation: never fail training
             self._disable(f"taking snapshot step {step} for {self.node_dir} failed: {e!r}")
 
@@ -387,6 +403,8 @@ class SnapshotTier:
         """Write and commit one staged snapshot (on the writer thread)."""
         assert self.store is not None
         sender = self._sender
+        if job.finish is not None:
+            job.finish(job.staged.state)
         if self.sharded:
             add_partials(job.staged.state, job.metadata)
         if self._slots is not None:
@@ -463,6 +481,7 @@ class SnapshotTier:
         t0 = time.perf_counter()
         if self._writer.wait_staged() and self._cost_s is not None:
             self._cost_s += time.perf_counter() - t0
+            self._costs[-1] = self._cost_s
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait until every snapshot taken so far is written (or replaced by a newer

@@ -40,6 +40,8 @@ class Job:
     taken_at: float = field(default_factory=time.perf_counter)
     #: the snapshot file it was staged into directly (None: into ``buffers``)
     slot: Slot | None = None
+    #: completes the staged state on the writer thread before it is written
+    finish: Callable[[Any], None] | None = None
 
 
 class SnapshotWriter:

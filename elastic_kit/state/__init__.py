@@ -9,7 +9,7 @@ below the checkpointer and the loop and imports neither.
 from __future__ import annotations
 
 from elastic_kit.state._audit import (
-    AuditSpan, EpochAudit, SampleAudit, expected_digest, normalize, sample_digest,
+    AuditSpan, AuditSum, EpochAudit, SampleAudit, expected_digest, normalize, sample_digest,
 )
 from elastic_kit.state._signals import TerminationFlag
 from elastic_kit.state._train_state import TrainState, rescale_lr
@@ -19,6 +19,7 @@ __all__ = [
     "rescale_lr",
     "EpochAudit",
     "AuditSpan",
+    "AuditSum",
     "SampleAudit",
     "sample_digest",
     "expected_digest",

@@ -15,13 +15,14 @@ repeated sample leaves the count but changes both sums (with probability
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
 
-__all__ = ["EpochAudit", "SampleAudit", "sample_digest", "expected_digest", "PRIME"]
+__all__ = ["EpochAudit", "SampleAudit", "AuditSum", "sample_digest", "expected_digest", "PRIME"]
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +145,48 @@ class EpochAudit:
                                           "expected_count", "ok", "message") if k in d})
 
 
+class AuditSum:
+    """The ranks' summed shares of one epoch, on their way (:meth:`SampleAudit.sync_async`).
+
+    A snapshot needs the audit as it is at its step, but waiting for the all-reduce on
+    the training thread costs a round trip between the ranks (and, with NCCL, a wait
+    for the device) at every snapshot. The sum is started at the snapshot's step and
+    read where its value is needed: by the snapshot's writer thread
+    (:meth:`state_dict`) and by the audit itself before it is next used.
+    """
+
+    def __init__(self, epoch: int, base: list[dict[str, Any]],
+                 result: Callable[[float | None], torch.Tensor]) -> None:
+        self.epoch = epoch
+        self._base = base  # the totals before this sum (plain types, a copy)
+        self._result = result
+        self._total: torch.Tensor | None = None
+        self._lock = threading.Lock()
+
+    def total(self, timeout: float | None = None) -> torch.Tensor:
+        """The summed digest (waits for the all-reduce, at most ``timeout`` seconds,
+        then :class:`TimeoutError`; any thread)."""
+        with self._lock:
+            if self._total is None:
+                self._total = normalize(self._result(timeout))
+            return self._total
+
+    def state_dict(self, timeout: float | None = None) -> list[dict[str, Any]]:
+        """What :meth:`SampleAudit.state_dict` returns once this sum is folded in
+        (waits for it as :meth:`total` does; any thread; the audit is not changed)."""
+        epochs = {int(d["epoch"]): EpochAudit.from_dict(d) for d in self._base}
+        _fold(epochs, self.epoch, self.total(timeout))
+        return [epochs[e].to_dict() for e in sorted(epochs)]
+
+
+def _fold(epochs: dict[int, EpochAudit], epoch: int, total: torch.Tensor) -> None:
+    """Add a rank-summed share of ``epoch`` (an epoch with nothing yet stays absent)."""
+    if epoch in epochs or bool(total.any()):
+        if epoch not in epochs:
+            epochs[epoch] = EpochAudit(epoch)
+        epochs[epoch].add(total)
+
+
 @dataclass
 class SampleAudit:
     """Per-epoch audits plus the local, not yet all-reduced, contributions.
@@ -152,11 +195,14 @@ class SampleAudit:
     optimizer step, and :meth:`sync` (collective) before every checkpoint and at the
     end of each epoch, which folds every rank's pending share into :attr:`epochs`.
     Only synced totals are saved, so after a restart the audit matches the restored
-    model exactly.
+    model exactly. A snapshot starts the sum instead (:meth:`sync_async`); it is
+    folded into :attr:`epochs` by the next :meth:`sync`, :meth:`sync_async`,
+    :meth:`epoch` or :meth:`settle`.
     """
 
     epochs: dict[int, EpochAudit] = field(default_factory=dict)
     _pending: dict[int, torch.Tensor] = field(default_factory=dict)
+    _inflight: AuditSum | None = field(default=None, repr=False)
 
     def record(self, epoch: int, ids: torch.Tensor) -> None:
         """Add this rank's contributing sample ids of one step (local, no collective)."""
@@ -172,26 +218,50 @@ class SampleAudit:
         """
         from elastic_kit.distributed import all_reduce_sum
 
+        self.settle()
+        total = normalize(all_reduce_sum(self._take_pending(epoch)))
+        _fold(self.epochs, epoch, total)
+
+    def sync_async(self, epoch: int) -> AuditSum:
+        """Start summing every rank's pending share of ``epoch`` (collective, like
+        :meth:`sync`, but not waited for): the returned sum gives the audit's state
+        with it folded in, on any thread; the audit folds it in when next used."""
+        from elastic_kit.distributed import all_reduce_sum_async
+
+        base = self.state_dict()  # settles the previous sum
+        result = all_reduce_sum_async(self._take_pending(epoch))
+        self._inflight = AuditSum(epoch, base, result)
+        return self._inflight
+
+    def settle(self) -> None:
+        """Fold in the sum :meth:`sync_async` started, if any (waits for it)."""
+        pending, self._inflight = self._inflight, None
+        if pending is not None:
+            _fold(self.epochs, pending.epoch, pending.total())
+
+    def _take_pending(self, epoch: int) -> torch.Tensor:
         local = self._pending.pop(epoch, torch.zeros(3, dtype=torch.int64))
         if self._pending:
             raise AssertionError(f"unsynced audit for epochs {sorted(self._pending)}")
-        total = normalize(all_reduce_sum(local))
-        if epoch in self.epochs or bool(total.any()):
-            self.epoch(epoch).add(total)
+        return local
 
     def epoch(self, epoch: int) -> EpochAudit:
         """The (created on demand) audit of ``epoch``."""
+        self.settle()
         if epoch not in self.epochs:
             self.epochs[epoch] = EpochAudit(epoch)
         return self.epochs[epoch]
 
     def state_dict(self) -> list[dict[str, Any]]:
-        # Only synced totals: the loop syncs right before it snapshots the state.
+        # Only synced totals: a save syncs right before it takes the state; a snapshot
+        # takes it first and writes its AuditSum's view.
+        self.settle()
         return [self.epochs[e].to_dict() for e in sorted(self.epochs)]
 
     def load_state_dict(self, sd: list[dict[str, Any]]) -> None:
         self.epochs = {int(d["epoch"]): EpochAudit.from_dict(d) for d in sd}
         self._pending.clear()
+        self._inflight = None
 
 
 class AuditSpan:

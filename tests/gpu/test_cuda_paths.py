@@ -48,6 +48,18 @@ def _init_and_devices(_: Any) -> dict[str, Any]:
             "rank": info.rank, "world": info.world_size}
 
 
+def _sum_without_device_sync(_: Any) -> dict[str, Any]:
+    from elastic_kit.distributed import all_reduce_sum_async
+
+    info = ek.init_distributed()
+    result = all_reduce_sum_async(torch.tensor([info.rank + 1, 7], dtype=torch.int64))
+    torch.cuda._sleep(2_000_000_000)  # ~1 s of device work queued after the sum
+    total = result()
+    still_busy = not torch.cuda.current_stream().query()
+    torch.cuda.synchronize()
+    return {"sum": total.tolist(), "device": str(total.device), "busy": still_busy}
+
+
 def _wrap_ddp_placement(_: Any) -> dict[str, Any]:
     info = ek.init_distributed()
     model = ek.wrap_ddp(nn.Linear(4, 3))
@@ -129,6 +141,14 @@ def test_init_distributed_picks_nccl_and_one_device_per_local_rank() -> None:
     assert [r["device"] for r in out] == [f"cuda:{r}" for r in range(n)]
     assert [r["current"] for r in out] == list(range(n))
     assert [r["sum"] for r in out] == [float(n * (n + 1) // 2)] * n
+
+
+def test_an_async_sum_over_nccl_is_read_without_waiting_for_later_device_work() -> None:
+    n = _ranks()
+    out = spawn_multi_process(n, _sum_without_device_sync, None, timeout=300, cuda=True)
+    for r in out:
+        assert r["sum"] == [n * (n + 1) // 2, 7 * n] and r["device"] == "cpu"
+        assert r["busy"]  # the sleep queued after the sum was still running
 
 
 def test_wrap_ddp_places_the_model_on_the_workers_device() -> None:

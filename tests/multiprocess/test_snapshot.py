@@ -195,12 +195,14 @@ def test_automatic_interval_keeps_the_write_within_the_budget(tmp_path: Path, sh
     tier = SnapshotTier(str(tmp_path / "run"), info=ek.DistInfo(run_id="t"), every=None,
                         budget=0.02, root=shm)
     assert tier.proposal(0.01) == 1   # no snapshot taken yet: every step
-    tier._cost_s = 0.05               # a 50 ms snapshot, 10 ms steps: 0.05 / (0.02 * 0.01)
+    tier._costs.extend([0.05])        # a 50 ms snapshot, 10 ms steps: 0.05 / (0.02 * 0.01)
     assert tier.proposal(0.01) == 250
     assert tier.proposal(None) == 250  # no step time: the last proposal
-    tier._cost_s = 0.0001             # a tiny state: every step
+    tier._costs.extend([0.0001] * 5)  # a tiny state: every step
     assert tier.proposal(0.01) == 1
-    tier._cost_s = 0.03 + 0.02        # 30 ms on the training thread + a 20 ms write
+    tier._costs.append(0.5)           # one snapshot delayed by a busy core: the median
+    assert tier.proposal(0.01) == 1
+    tier._costs.extend([0.03 + 0.02] * 3)  # 30 ms on the training thread + a 20 ms write
     assert tier.proposal(0.01) == 250
     assert tier.proposal(0.02) == 125  # slower steps: the same budget in fewer steps
 

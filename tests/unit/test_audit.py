@@ -68,3 +68,30 @@ def test_a_span_of_steps_digests_to_what_each_step_recorded_alone() -> None:
     span.digest(spanned)
     span.digest(spanned)  # nothing pending: digesting twice adds nothing
     assert torch.equal(spanned._pending[0], per_step._pending[0])
+
+
+def test_a_sum_started_for_a_snapshot_holds_its_step_and_is_folded_in_when_next_used() -> None:
+    audit = SampleAudit()
+    audit.record(0, torch.arange(0, 4))
+    audit.sync(0)
+    audit.record(0, torch.arange(4, 10))
+    started = audit.sync_async(0)
+    audit.record(0, torch.arange(10, 12))  # the next step: not the snapshot's
+    view = started.state_dict()
+    assert [(e["epoch"], e["count"]) for e in view] == [(0, 10)]
+    assert view[0]["digest"] == int(normalize(sample_digest(torch.arange(10)))[1])
+    assert audit.epochs[0].count == 4  # not folded in yet
+    assert audit.epoch(0).count == 10  # folded in when used
+    audit.sync(0)
+    assert audit.epochs[0].count == 12 and audit.state_dict()[0]["count"] == 12
+
+
+def test_a_sum_started_in_a_new_epoch_keeps_the_closed_epochs() -> None:
+    audit = SampleAudit()
+    audit.record(0, torch.arange(6))
+    audit.sync(0)
+    audit.epoch(0).finish(6)
+    audit.record(1, torch.arange(3))
+    view = audit.sync_async(1).state_dict()
+    assert [(e["epoch"], e["count"], e["ok"]) for e in view] == [(0, 6, True), (1, 3, None)]
+    assert [e["count"] for e in audit.state_dict()] == [6, 3]  # taking the state folds it
