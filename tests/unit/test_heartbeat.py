@@ -4,6 +4,7 @@ other local user can forge beats or stall their reading (real loopback sockets).
 from __future__ import annotations
 
 import socket
+import sys
 import threading
 import time
 
@@ -149,14 +150,17 @@ def test_a_watcher_that_was_paused_itself_does_not_blame_its_peer() -> None:
     # Holding the GIL pauses every thread of this process, the beater's and the
     # watcher's alike, as a stopped and resumed process (or a frozen and thawed host)
     # is paused: the watcher must not take its own pause for its peer's silence.
-    t0 = time.monotonic()
-    sum(range(2_000_000))
-    n = int(2_000_000 * 1.0 / max(time.monotonic() - t0, 1e-4))  # ~1 s on this machine
     watcher, beater, silences = _pair(timeout_s=0.6, interval_s=0.02)
+    switch = sys.getswitchinterval()
     try:
         time.sleep(0.2)
         paused = time.monotonic()
-        sum(range(n))  # a C loop that never lets the GIL go
+        sys.setswitchinterval(10.0)  # no other thread gets the GIL before 10 s
+        try:
+            while time.monotonic() - paused < 1.0:  # 1 s of work that never lets it go
+                sum(range(100_000))
+        finally:
+            sys.setswitchinterval(switch)
         assert time.monotonic() - paused > 0.6  # longer than the timeout
         time.sleep(0.4)
         assert silences.calls == [] and watcher.silent is None
