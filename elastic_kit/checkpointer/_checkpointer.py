@@ -23,6 +23,7 @@ from elastic_kit.checkpointer._departure import Departure
 from elastic_kit.checkpointer._hooks import Hooks
 from elastic_kit.checkpointer._lifecycle import Lifecycle
 from elastic_kit.checkpointer._progress import Progress
+from elastic_kit.checkpointer._step_end import StepEnd
 from elastic_kit.checkpointer._store_like import StoreLike
 from elastic_kit.distributed import DistInfo, get_dist_info
 import elastic_kit.health as health
@@ -122,6 +123,9 @@ class Checkpointer(Lifecycle):
         self._cadence = Cadence(state, self.info, self._hooks.stop, self.every_seconds,
                                 tier=lambda: self.snapshots, leaving=self._departure.noticed)
         self._progress = Progress(state)  # the sample position and the audit
+        # the state at the last step end, for a snapshot as this rank fails (restore())
+        self._step_end = StepEnd(state, enabled=False)
+        self._snapshot_step: int | None = None  # the step of the last snapshot taken
         self._heartbeat: health.Heartbeat | None = None  # beats to other nodes (from restore())
 
     def restore(self, *, map_location: Any = None) -> int:
@@ -155,11 +159,21 @@ class Checkpointer(Lifecycle):
             self._last_saved_step = self.restored_step
         _restore.resume(state, info, loaded, self.restored_step, self.restored_from,
                         self.snapshots, self.finish_audit)
+        self._progress.restored()
+        tier = self.snapshots
+        self._step_end = StepEnd(state, enabled=tier is not None and tier.writes and not sharded)
+        self._step_end.record()
         staging = self.store is not None and self.overlap_staging
+
+        def before_optimizer_step(*_: Any) -> None:
+            self._step_end.optimizer_started()
+            if staging:
+                _saving.wait_staged(self.store, self.snapshots)
+
         self._hooks.install(signals=self.handle_signals,
-                            optimizer=state.optimizer if staging else None,
-                            wait_staged=lambda *_: _saving.wait_staged(self.store, self.snapshots),
-                            at_exit=self._abandon_at_exit)
+                            optimizer=state.optimizer if staging or self._step_end.enabled
+                            else None,
+                            wait_staged=before_optimizer_step, at_exit=self._abandon_at_exit)
         self._cadence.saved()
         self._heartbeat = health.start_heartbeat(info, timeout_s=self.config.heartbeat_timeout)
         self._departure.start(info)
@@ -210,6 +224,7 @@ class Checkpointer(Lifecycle):
             raise ValueError(f"step(n={n}): n must be >= 0 (this rank's samples in the step)")
         self.state.step += 1
         self._progress.advance(n, audited=self.audit != "off")
+        self._step_end.record()
 
     def _act(self, flags: Flags) -> None:
         """Given the ranks' agreed flags: save and exit after SIGTERM, save when due,
@@ -260,6 +275,7 @@ class Checkpointer(Lifecycle):
             self._exit_after_save()
         if self._departure.pending:
             self._leave()
+        self._step_end.record()  # the next epoch's start
         self._take(*self._cadence.at_epoch_end(self.save_at_epoch_end))
 
     def finish_audit(self) -> EpochAudit | None:
@@ -300,7 +316,9 @@ class Checkpointer(Lifecycle):
         # previous sum in); the writer thread adds this one, which training never waits for.
         state_dict = self.state.state_dict() if writes else None
         audit = self._progress.sync_audit_async(self.audit)
+        self._snapshot_step = self.state.step
         if state_dict is not None:
             _saving.save_snapshot(self.snapshots, state_dict, self.state, self.info,
                                   overlap_staging=self.overlap_staging, started=t0,
                                   audit=audit)
+

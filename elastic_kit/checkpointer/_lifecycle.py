@@ -15,12 +15,15 @@ from typing import TYPE_CHECKING, Any, Callable, TypeVar
 from elastic_kit._console import say
 
 from elastic_kit.checkpointer import _saving
+from elastic_kit.checkpointer._step_end import plain_rng
 from elastic_kit.distributed import is_dist_ready
 
 if TYPE_CHECKING:
     from elastic_kit.checkpointer._cadence import Cadence
     from elastic_kit.checkpointer._departure import Departure
     from elastic_kit.checkpointer._hooks import Hooks
+    from elastic_kit.checkpointer._progress import Progress
+    from elastic_kit.checkpointer._step_end import StepEnd
     from elastic_kit.checkpointer._store_like import StoreLike
     from elastic_kit.distributed import DistInfo
     from elastic_kit.health import Heartbeat
@@ -50,6 +53,10 @@ class Lifecycle:
     exit_code: int
     save: Callable[..., None]  # the Checkpointer's methods
     snapshot: Callable[[], None]
+    audit: str
+    _progress: Progress
+    _step_end: StepEnd
+    _snapshot_step: int | None
 
     @property
     def stop_requested(self) -> bool:
@@ -96,6 +103,7 @@ class Lifecycle:
             return
         self._stop_heartbeat()
         self._cadence.abandon(settle=not at_exit)
+        self._snapshot_at_exit()
         _saving.abandon(self.store, self.snapshots)
 
     def _abandon_at_exit(self) -> None:
@@ -104,6 +112,41 @@ class Lifecycle:
         given its own wait: the collectives' exit handler, which runs next, settles
         it, so a worker whose peer died exits no later than before."""
         self._abandon(at_exit=True)
+
+    def _snapshot_at_exit(self) -> None:
+        """Write the state of the last step to this node's memory as this rank exits
+        alone (a peer died in the step in progress; see
+        :mod:`elastic_kit.checkpointer._step_end`): when this rank writes snapshots, the
+        state is still that step's and no snapshot or save of it exists. Never raises."""
+        tier, step_end = self.snapshots, self._step_end
+        mark = step_end.intact() if tier is not None and tier.writes and step_end.enabled \
+            else None
+        if tier is None or mark is None or mark.step in (self._snapshot_step,
+                                                          self._last_saved_step):
+            return
+        try:
+            audit, derived = (None, None) if self.audit == "off" else \
+                self._progress.audit_at_step_end(timeout=_saving.AUDIT_WAIT_S / 10)
+            state_dict = self.state.state_dict(rng=False)
+            state_dict["rng"] = plain_rng(mark.rng)
+            if audit is not None:
+                state_dict["audit"] = audit
+            model = state_dict["model"]
+            for name, kept in step_end.buffers_at_mark().items():
+                if name in model:  # a persistent buffer (a forward pass may change it)
+                    model[name] = kept
+            meta: dict[str, Any] = {**_saving.metadata(self.state, self.info), "at_exit": True}
+            if derived is not None:
+                meta["audit_derived"] = derived
+            tier.save(state_dict, step=mark.step, metadata=meta)
+            self._snapshot_step = mark.step
+            log.warning("rank %d exits alone: snapshot of step %d taken (a restart "
+                        "redoes only the step in progress)%s", self.info.rank, mark.step,
+                        "" if derived is None else
+                        f"; epoch {derived[0]}'s positions {derived[1]}..{derived[2]} are "
+                        "audited from the sampler's position")
+        except Exception as e:  # the process is failing: say so, never hide its error
+            log.warning("no snapshot of step %d at exit: %r", mark.step, e)
 
     def _exit_after_save(self) -> None:
         self.save(blocking=True)

@@ -19,7 +19,7 @@ import torch
 
 from elastic_kit._console import say
 from elastic_kit.errors import SampleAuditError
-from elastic_kit.state import AuditSpan, AuditSum, EpochAudit
+from elastic_kit.state import AuditSpan, AuditSum, EpochAudit, normalize, sample_digest
 
 if TYPE_CHECKING:
     from elastic_kit.sampler import ElasticDistributedSampler
@@ -38,6 +38,10 @@ class Progress:
         self._pass_key: tuple[int, ...] | None = None
         self._pass: tuple[torch.Tensor, torch.Tensor] | None = None  # indices, real mask
         self._span = AuditSpan()  # audited steps not yet digested
+        # (epoch, position): where the audit's folded totals end; the sum in flight,
+        # with where its totals will end
+        self._covered: tuple[int, int] = (-1, 0)
+        self._sum: tuple[AuditSum, tuple[int, int]] | None = None
 
     def _position(self, sampler: ElasticDistributedSampler, n: int) -> tuple[int, int, int]:
         """``(j0, n_real, W)``: this rank's local offset in the pass, the real samples
@@ -92,6 +96,42 @@ class Progress:
             return
         self._span.digest(self.state.audit)
         self.state.audit.sync(self.state.epoch)
+        self._covered, self._sum = self._position_now(), None
+
+    def _position_now(self) -> tuple[int, int]:
+        sampler = self.state.sampler
+        return (int(sampler.epoch), int(sampler.consumed)) if sampler is not None else (-1, 0)
+
+    def restored(self) -> None:
+        """The state was restored (or starts): its audit covers its position."""
+        self._covered, self._sum = self._position_now(), None
+
+    def audit_at_step_end(self, timeout: float) -> tuple[list[dict[str, Any]], list[int]]:
+        """The audit as of the sampler's position, summed over all ranks, without a
+        collective (for a rank that exits alone): the folded totals, the sum in flight
+        if it arrives within ``timeout`` seconds, and for the epoch's positions neither
+        covers, the samples the sampler put there. Returns the audit's state dict and
+        ``[epoch, first, end]``, the positions derived from the sampler."""
+        audit, sampler = self.state.audit, self.state.sampler
+        covered, view = self._covered, None
+        if self._sum is not None:
+            pending, ends_at = self._sum
+            try:
+                view, covered = pending.state_dict(timeout=timeout), ends_at
+            except Exception as e:  # a peer that never added its share
+                log.debug("the audit's sum in flight did not arrive: %r", e)
+                view = pending.base
+            audit.abandon_in_flight()
+        if view is None:
+            view = audit.state_dict()
+        epoch, end = self._position_now()
+        first = covered[1] if covered[0] == epoch else 0
+        if sampler is not None and end > first:
+            totals = {int(d["epoch"]): EpochAudit.from_dict(d) for d in view}
+            totals.setdefault(epoch, EpochAudit(epoch)).add(
+                normalize(sample_digest(sampler.permutation(epoch)[first:end])))
+            view = [totals[e].to_dict() for e in sorted(totals)]
+        return view, [epoch, first, end]
 
     def sync_audit_async(self, mode: str) -> AuditSum | None:
         """Start folding every rank's audit share in (collective, not waited for; None
@@ -99,7 +139,11 @@ class Progress:
         if mode == "off":
             return None
         self._span.digest(self.state.audit)
-        return self.state.audit.sync_async(self.state.epoch)
+        if self._sum is not None:  # folded in by the new sum
+            self._covered = self._sum[1]
+        pending = self.state.audit.sync_async(self.state.epoch)
+        self._sum = (pending, self._position_now())
+        return pending
 
     def finish_audit(self, mode: str, *, is_main: bool) -> EpochAudit | None:
         """Check the current epoch's audit (collective); None when ``mode`` is off."""
@@ -112,6 +156,7 @@ class Progress:
         if audit.ok is not None and audit.expected_count == sampler.dataset_length:
             return audit
         state.audit.sync(epoch)
+        self._covered, self._sum = self._position_now(), None
         if not audit.finish(sampler.dataset_length):
             if is_main:
                 log.error("SAMPLE AUDIT FAILED: %s", audit.message)

@@ -163,6 +163,11 @@ class AuditSum:
         self._total: torch.Tensor | None = None
         self._lock = threading.Lock()
 
+    @property
+    def base(self) -> list[dict[str, Any]]:
+        """The audit's state dict before this sum (a copy)."""
+        return [dict(d) for d in self._base]
+
     def total(self, timeout: float | None = None) -> torch.Tensor:
         """The summed digest (waits for the all-reduce, at most ``timeout`` seconds,
         then :class:`TimeoutError`; any thread)."""
@@ -238,6 +243,11 @@ class SampleAudit:
         pending, self._inflight = self._inflight, None
         if pending is not None:
             _fold(self.epochs, pending.epoch, pending.total())
+
+    def abandon_in_flight(self) -> None:
+        """Drop the sum :meth:`sync_async` started without waiting for it: for a rank
+        that exits alone (a peer may never add its share)."""
+        self._inflight = None
 
     def _take_pending(self, epoch: int) -> torch.Tensor:
         local = self._pending.pop(epoch, torch.zeros(3, dtype=torch.int64))

@@ -1,0 +1,133 @@
+"""The state at the end of the last step, for a snapshot taken as the process fails.
+
+A worker that fails because a peer died (its next collective raises) still holds the
+state of the last step every rank finished: the peer died in the step after it, and
+the parameters change only in the optimizer's step, which no rank reached. Written
+to this node's memory as the worker exits, that state makes the failure cost at most
+the step in progress, where the periodic snapshots cost the steps since the last one.
+
+Three things of that state do change in the step in progress, before the collective
+that fails, and are kept here at every step end (on the ranks that write snapshots,
+for a few tens of microseconds): the random number generators' states (a forward pass
+draws from them), the model's buffers (batch norm updates its running statistics in
+the forward pass; copied into buffers kept for it) and the gradient scaler's scale
+(watched through its version counter, not copied: a change means the state is not
+the step's; the scaler's own update is an in-place op that bumps it). The optimizer's
+pre-hook marks the step in progress as changing the rest: from then on no snapshot is
+taken at exit.
+
+The sample audit of the steps since its last sum over the ranks is not known on one
+rank: it is derived from the sampler's position (the samples at the epoch's positions
+the last sum did not cover, over all ranks), and the snapshot says so in its metadata.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from elastic_kit.distributed import unwrap_model
+
+__all__ = ["StepEnd", "Mark"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Mark:
+    """What the state was at the end of step :attr:`step`."""
+
+    step: int
+    rng: dict[str, Any]
+    scale_version: tuple[int, int] | None
+
+
+def _rng_now() -> dict[str, Any]:
+    """The generators' states, as they come (converted only when a snapshot is taken)."""
+    cuda = (torch.cuda.get_rng_state() if torch.cuda.is_available()
+            and torch.cuda.is_initialized() else None)
+    return {"torch": torch.get_rng_state(), "cuda": cuda, "numpy": np.random.get_state(),
+            "python": random.getstate()}
+
+
+def plain_rng(raw: dict[str, Any]) -> dict[str, Any]:
+    """:func:`_rng_now`'s states in the layout of ``TrainState.state_dict()["rng"]``."""
+    name, keys, pos, has_gauss, gauss = raw["numpy"]
+    version, internal, gauss_next = raw["python"]
+    return {
+        "torch": raw["torch"],
+        "cuda": raw["cuda"],
+        "numpy": {"name": str(name),
+                  "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64).copy()),
+                  "pos": int(pos), "has_gauss": int(has_gauss),
+                  "cached_gaussian": float(gauss)},
+        "python": {"version": int(version),
+                   "internal": torch.from_numpy(np.array(internal, dtype=np.int64)),
+                   "gauss_next": gauss_next},
+    }
+
+
+class StepEnd:
+    """Marks of the state at each step end, and whether it is still intact.
+
+    Args:
+        state: the training state (a ``TrainState``).
+        enabled: whether to keep marks (only where this rank writes snapshots of
+            unsharded state: elsewhere it costs nothing).
+    """
+
+    def __init__(self, state: Any, *, enabled: bool) -> None:
+        self.state = state
+        self.enabled = enabled
+        self.mark: Mark | None = None
+        self._changing = False
+        self._names: list[str] = []
+        self._buffers: list[torch.Tensor] = []
+        self._copies: list[torch.Tensor] = []
+        if enabled:
+            named = list(unwrap_model(state.model).named_buffers())
+            self._names = [n for n, _ in named]
+            self._buffers = [b for _, b in named]
+            self._copies = [torch.empty_like(b) for b in self._buffers]
+
+    def _scale_version(self) -> tuple[int, int] | None:
+        """The scaler's scale tensor and its version counter (None: no scale to watch)."""
+        scale = getattr(self.state.scaler, "_scale", None)
+        return (id(scale), scale._version) if isinstance(scale, torch.Tensor) else None
+
+    def record(self) -> None:
+        """Mark the state as it is now: the end of step ``state.step``."""
+        if not self.enabled:
+            return
+        if self._buffers:
+            torch._foreach_copy_(self._copies, self._buffers)
+        self.mark = Mark(step=int(self.state.step), rng=_rng_now(),
+                         scale_version=self._scale_version())
+        self._changing = False
+
+    def optimizer_started(self) -> None:
+        """The optimizer began changing the parameters: the mark no longer holds."""
+        self._changing = True
+
+    def intact(self) -> Mark | None:
+        """The mark, when the state is still that of its step (apart from what the
+        mark kept: the generators and the buffers); None when it is not, or when
+        there is no mark."""
+        mark = self.mark
+        if (mark is None or self._changing or int(self.state.step) != mark.step
+                or self._scale_version() != mark.scale_version
+                or self.state.scaler is not None and mark.scale_version is None):
+            return None
+        return mark
+
+    def buffers_at_mark(self) -> dict[str, torch.Tensor]:
+        """The model's buffers as they were at the mark, by their names in the model's
+        state dict. All of them: a forward pass may have changed any since, and not
+        every change shows (batch norm's kernels update their running statistics
+        without bumping the tensors' version counters)."""
+        return dict(zip(self._names, self._copies))

@@ -1,0 +1,117 @@
+"""A peer dies in the middle of a step: the survivor's collective fails and, as it
+exits, it writes the state of the last step every rank finished to its node's memory.
+The restart redoes only the step in progress, and ends bitwise equal to a run that
+was never interrupted (batch norm's statistics and dropout's generator included) with
+every sample audited exactly once."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import elastic_kit as ek
+from elastic_kit.snapshot import snapshot_dir
+from elastic_kit.testing import MultiProcessError, spawn_multi_process
+
+pytestmark = pytest.mark.timeout(240)
+
+N = 48
+BATCH = 4  # per rank: 6 steps an epoch over two ranks
+EPOCHS = 2
+
+
+def _run(url: str, shm: str, die_at: int | None, where: str = "forward") -> dict[str, Any]:
+    """Train (two ranks, each its own "node"); rank 1 SIGKILLs itself in the step after
+    ``die_at``, after its forward pass (``where="forward"``) or after its optimizer
+    step (``where="optimizer"``: every step then sums the loss over the ranks after
+    the optimizer's step, where rank 0 fails with its parameters already changed)."""
+    os.environ["ELASTIC_KIT_SNAPSHOT_DIR"] = shm
+    os.environ["ELASTIC_KIT_SNAPSHOT_NODE"] = f"node{os.environ['GROUP_RANK']}"
+    torch.set_num_threads(1)
+    info = ek.init_distributed()
+    torch.manual_seed(0)
+    model = ek.wrap_ddp(nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(),
+                                      nn.Dropout(0.3), nn.Linear(8, 1)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    g = torch.Generator().manual_seed(7)
+    xs, ys = torch.randn(N, 4, generator=g), torch.randn(N, 1, generator=g)
+    sampler = ek.ElasticDistributedSampler(torch.utils.data.TensorDataset(xs, ys), seed=3)
+    state = ek.TrainState(model, opt, sampler=sampler)
+    with ek.Checkpointer(state, url, every_steps=1000, snapshot_every=100, audit=True,
+                         handle_signals=False) as ckpt:
+        start = ckpt.restore()
+        for epoch in range(start, EPOCHS):
+            sampler.set_epoch(epoch)
+            order = list(sampler)  # no DataLoader: its seed would draw from torch's generator
+            for i in range(0, len(order), BATCH):
+                idx = order[i:i + BATCH]
+                dying = info.rank == 1 and state.step == die_at
+                loss = nn.functional.mse_loss(model(xs[idx]), ys[idx])
+                if dying and where == "forward":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                if where == "optimizer":  # a script that sums the loss for its log
+                    if dying:
+                        os.kill(os.getpid(), signal.SIGKILL)
+                    torch.distributed.all_reduce(loss.detach())
+                ckpt.step(len(idx))
+            ckpt.end_epoch()
+    return {"step": state.step, "history": state.history,
+            "params": {k: v.numpy().copy()  # numpy: a tensor would be shared by descriptor
+                       for k, v in ek.unwrap_model(model).state_dict().items()},
+            "audit": [(a.epoch, a.count, a.ok) for _, a in sorted(state.audit.epochs.items())]}
+
+
+def _steps(shm: Path, url: str, node: str) -> list[str]:
+    d = Path(snapshot_dir(str(shm), "test", url)) / node
+    return sorted(p.name for p in d.iterdir() if p.name.startswith("step-"))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    tmp = tmp_path_factory.mktemp("reference")
+    (tmp / "shm").mkdir()
+    return spawn_multi_process(2, _run, str(tmp / "ref"), str(tmp / "shm"), None,
+                               local_world_size=1)[0]
+
+
+def test_the_survivor_writes_the_last_finished_step_and_the_restart_redoes_only_the_next(
+        tmp_path: Path, reference: dict[str, Any]) -> None:
+    url, shm = str(tmp_path / "run"), tmp_path / "shm"
+    shm.mkdir()
+    with pytest.raises(MultiProcessError):
+        spawn_multi_process(2, _run, url, str(shm), 8, local_world_size=1)
+    assert _steps(shm, url, "node0") == ["step-000000000008"]   # no periodic one: every 100
+    manifest = Path(snapshot_dir(str(shm), "test", url)) / "node0" / "step-000000000008"
+    meta = json.loads((manifest / "manifest.json").read_text())["metadata"]
+    assert meta["at_exit"] is True
+    assert meta["audit_derived"] == [1, 0, 16]  # epoch 1's steps 7 and 8, 8 samples each
+    out = spawn_multi_process(2, _run, url, str(shm), None, local_world_size=1)
+    last = out[0]["history"][-1]
+    assert last["restored_step"] == 8 and last["restored_from"] == "memory"
+    assert out[0]["step"] == reference["step"] == EPOCHS * N // (2 * BATCH)
+    assert out[0]["params"].keys() == reference["params"].keys()
+    for k, v in reference["params"].items():
+        np.testing.assert_array_equal(out[0]["params"][k], v, err_msg=k)
+    assert out[0]["audit"] == [(0, N, True), (1, N, True)]
+
+
+def test_no_snapshot_at_exit_once_the_optimizer_began_the_next_step(tmp_path: Path) -> None:
+    """Rank 0 fails in a collective after its optimizer step changed the parameters,
+    before the step was recorded: the state is no longer a step's, so nothing is
+    written."""
+    url, shm = str(tmp_path / "run"), tmp_path / "shm"
+    shm.mkdir()
+    with pytest.raises(MultiProcessError):
+        spawn_multi_process(2, _run, url, str(shm), 8, "optimizer", local_world_size=1)
+    assert _steps(shm, url, "node0") == []
