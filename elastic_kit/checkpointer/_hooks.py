@@ -57,8 +57,14 @@ class Hooks:
             self._at_exit = run
             atexit.register(run)
 
-    def close(self) -> bool:
-        """Remove the hooks; False when they were already removed (nothing to do)."""
+    def close(self, *, keep_signals: bool = False) -> bool:
+        """Remove the hooks; False when they were already removed (nothing to do).
+
+        ``keep_signals``: leave the SIGTERM handler in place (remove it with
+        ``stop.uninstall()``): a rank abandoning its checkpointer writes its last state
+        first, and torchrun's SIGTERM, which may come meanwhile, must not end the
+        process before it is written (the default action would; the handler only
+        notes it)."""
         if self.closed:
             return False
         self.closed = True
@@ -68,5 +74,6 @@ class Hooks:
         if self._step_hook is not None:
             self._step_hook.remove()
             self._step_hook = None
-        self.stop.uninstall()
+        if not keep_signals:
+            self.stop.uninstall()
         return True

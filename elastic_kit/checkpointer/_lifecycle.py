@@ -99,12 +99,18 @@ class Lifecycle:
         self._abandon()
 
     def _abandon(self, *, at_exit: bool = False) -> None:
-        if not self._hooks.close():
+        # SIGTERM (torchrun stopping the group, likely now: a peer failed) is only
+        # noted until what this rank took, and its last step, are written; then the
+        # exchange in flight is let go.
+        if not self._hooks.close(keep_signals=True):
             return
-        self._stop_heartbeat()
+        try:
+            self._stop_heartbeat()
+            self._snapshot_at_exit()
+            _saving.abandon(self.store, self.snapshots)
+        finally:
+            self._hooks.stop.uninstall()
         self._cadence.abandon(settle=not at_exit)
-        self._snapshot_at_exit()
-        _saving.abandon(self.store, self.snapshots)
 
     def _abandon_at_exit(self) -> None:
         """:meth:`abandon` at interpreter exit, for a script that never closed (it died

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -67,3 +68,60 @@ def test_the_last_snapshot_taken_is_written_when_the_script_dies_of_an_exception
     node = Path(snapshot_dir(str(shm), "local", url)) / "node0"
     steps = sorted(p.name for p in node.iterdir() if p.name.startswith("step-"))
     assert steps == ["step-000000000006"], steps
+
+
+SIGTERM_SCRIPT = textwrap.dedent("""
+    import sys, time
+    import torch
+    import elastic_kit as ek
+    from elastic_kit.snapshot import SnapshotTier
+
+    write = SnapshotTier._write
+    def slow_write(self, job):  # the write torchrun's SIGTERM arrives in
+        print("writing", job.step, flush=True)
+        time.sleep(1.5)
+        write(self, job)
+    SnapshotTier._write = slow_write
+
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = ek.TrainState(model, opt)
+    ckpt = ek.Checkpointer(state, sys.argv[1], every_steps=1000, snapshot_every=3)
+    ckpt.restore()
+    for _ in range(4):
+        model(torch.ones(3, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        ckpt.step(3)
+    raise RuntimeError("a collective failed")
+""")
+
+
+def test_a_sigterm_while_the_last_state_is_written_at_exit_does_not_cut_it_short(
+        tmp_path: Path) -> None:
+    """The failing rank's group is being stopped: torchrun's SIGTERM comes while the
+    exiting rank writes its last step (step 4, after the periodic one at step 3); the
+    rank finishes the write and exits with its own error, not killed by the signal."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    url = str(tmp_path / "ckpt")
+    env = {**os.environ, "ELASTIC_KIT_SNAPSHOT_DIR": str(shm),
+           "ELASTIC_KIT_SNAPSHOT_NODE": "node0", "PYTHONPATH": str(ROOT)}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "MASTER_ADDR"):
+        env.pop(k, None)
+    proc = subprocess.Popen([sys.executable, "-c", SIGTERM_SCRIPT, url], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().split() == ["writing", "3"]  # the periodic one
+        assert proc.stdout.readline().split() == ["writing", "4"]  # the one at exit
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 1 and "a collective failed" in err, (proc.returncode, err)
+    node = Path(snapshot_dir(str(shm), "local", url)) / "node0"
+    steps = sorted(p.name for p in node.iterdir() if p.name.startswith("step-"))
+    assert steps == ["step-000000000004"], steps
