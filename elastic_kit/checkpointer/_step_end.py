@@ -123,6 +123,11 @@ class StepEnd:
                 or self._scale_version() != mark.scale_version
                 or self.state.scaler is not None and mark.scale_version is None):
             return None
+        # buffers replaced since (a module moved after the restore): their copies are
+        # of tensors the model no longer holds
+        now = [b for _, b in unwrap_model(self.state.model).named_buffers()]
+        if len(now) != len(self._buffers) or any(a is not b for a, b in zip(now, self._buffers)):
+            return None
         return mark
 
     def buffers_at_mark(self) -> dict[str, torch.Tensor]:
