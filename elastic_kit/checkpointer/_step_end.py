@@ -44,7 +44,7 @@ class Mark:
 
     step: int
     rng: dict[str, Any]
-    scale_version: tuple[int, int] | None
+    scale_version: tuple[int, ...] | None
 
 
 def _rng_now() -> dict[str, Any]:
@@ -95,10 +95,17 @@ class StepEnd:
             self._buffers = [b for _, b in named]
             self._copies = [torch.empty_like(b) for b in self._buffers]
 
-    def _scale_version(self) -> tuple[int, int] | None:
-        """The scaler's scale tensor and its version counter (None: no scale to watch)."""
-        scale = getattr(self.state.scaler, "_scale", None)
-        return (id(scale), scale._version) if isinstance(scale, torch.Tensor) else None
+    def _scale_version(self) -> tuple[int, ...] | None:
+        """The scaler's scale tensor and its version counter; ``()`` where there is no
+        scale (no scaler, a disabled one, or one not used yet); None where it cannot be
+        watched (a scaler without the ``_scale`` tensor torch's has)."""
+        scaler = self.state.scaler
+        if scaler is None or not getattr(scaler, "is_enabled", lambda: True)():
+            return ()
+        if not hasattr(scaler, "_scale"):
+            return None
+        scale = scaler._scale
+        return (id(scale), scale._version) if isinstance(scale, torch.Tensor) else ()
 
     def record(self) -> None:
         """Mark the state as it is now: the end of step ``state.step``."""
@@ -119,9 +126,9 @@ class StepEnd:
         mark kept: the generators and the buffers); None when it is not, or when
         there is no mark."""
         mark = self.mark
+        scale = self._scale_version()
         if (mark is None or self._changing or int(self.state.step) != mark.step
-                or self._scale_version() != mark.scale_version
-                or self.state.scaler is not None and mark.scale_version is None):
+                or scale is None or scale != mark.scale_version):
             return None
         # buffers replaced since (a module moved after the restore): their copies are
         # of tensors the model no longer holds

@@ -1,7 +1,8 @@
 """In-memory snapshots under real torchrun agents (gloo, CPU, 127.0.0.1).
 
 Durable checkpoints are far apart (every 1000 steps, and at epoch ends), snapshots are
-taken every step. A worker SIGKILLed at a random moment (c10d and etcd-v2), and the
+taken every step (or far apart too, where the survivors' last step is what counts).
+A worker SIGKILLed at a random moment (c10d and etcd-v2), and the
 whole first node, agent and workers, SIGKILLed (etcd-v2, where any node may die), each
 cost at most one step: the restarted group resumes from the newest snapshot that any
 surviving node holds. A finished run leaves nothing in the snapshot directory.
@@ -53,7 +54,11 @@ def run_to_end(cluster: LocalCluster, codes: list[int | None]) -> None:
         pytest.fail(f"agent exit codes {got}, expected {codes}\n{cluster.logs()[-20000:]}")
 
 
-def test_worker_killed_at_a_random_moment_loses_at_most_one_step(tmp_path: Path) -> None:
+@pytest.mark.parametrize("snapshot_every", [1, 1000])
+def test_worker_killed_at_a_random_moment_loses_at_most_one_step(
+        tmp_path: Path, snapshot_every: int) -> None:
+    """With a snapshot every step, the newest one; with snapshots far apart, the one
+    the survivor writes of the last step it finished as it exits."""
     shm = tmp_path / "shm"
     shm.mkdir()
     env = {"OMP_NUM_THREADS": "1", "ELASTIC_KIT_SNAPSHOT_DIR": str(shm)}
@@ -64,8 +69,9 @@ def test_worker_killed_at_a_random_moment_loses_at_most_one_step(tmp_path: Path)
     reference = json.loads((tmp_path / "ref" / "summary.json").read_text())
 
     rng = random.Random(7)
-    with LocalCluster(script_args(tmp_path, "run", 1), nnodes="1", nproc_per_node=2,
-                      max_restarts=1, env=env, log_dir=tmp_path / "logs") as cluster:
+    with LocalCluster(script_args(tmp_path, "run", snapshot_every), nnodes="1",
+                      nproc_per_node=2, max_restarts=1, env=env,
+                      log_dir=tmp_path / "logs") as cluster:
         agent = cluster.add_agent()
         kill_after = rng.randint(4, 12)
         wait_for(lambda: last_step_of_epoch_0(cluster.logs()) >= kill_after, 120,

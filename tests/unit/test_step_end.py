@@ -83,3 +83,14 @@ def test_a_disabled_mark_keeps_nothing() -> None:
     marks = StepEnd(state, enabled=False)
     marks.record()
     assert marks.mark is None and marks.intact() is None
+
+
+def test_a_disabled_or_unused_scaler_does_not_break_the_mark() -> None:
+    state = _state()
+    state.scaler = torch.amp.GradScaler("cpu", enabled=False)  # as on a CPU run
+    marks = StepEnd(state, enabled=True)
+    marks.record()
+    assert marks.intact() is not None
+    state.scaler = torch.amp.GradScaler("cpu")  # enabled, its scale not made yet
+    marks.record()
+    assert marks.intact() is not None
