@@ -125,7 +125,6 @@ class Checkpointer(Lifecycle):
         self._progress = Progress(state)  # the sample position and the audit
         # the state at the last step end, for a snapshot as this rank fails (restore())
         self._step_end = StepEnd(state, enabled=False)
-        self._snapshot_step: int | None = None  # the step of the last snapshot taken
         self._heartbeat: health.Heartbeat | None = None  # beats to other nodes (from restore())
 
     def restore(self, *, map_location: Any = None) -> int:
@@ -316,7 +315,6 @@ class Checkpointer(Lifecycle):
         # previous sum in); the writer thread adds this one, which training never waits for.
         state_dict = self.state.state_dict() if writes else None
         audit = self._progress.sync_audit_async(self.audit)
-        self._snapshot_step = self.state.step
         if state_dict is not None:
             _saving.save_snapshot(self.snapshots, state_dict, self.state, self.info,
                                   overlap_staging=self.overlap_staging, started=t0,

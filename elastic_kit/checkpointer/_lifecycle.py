@@ -56,7 +56,6 @@ class Lifecycle:
     audit: str
     _progress: Progress
     _step_end: StepEnd
-    _snapshot_step: int | None
 
     @property
     def stop_requested(self) -> bool:
@@ -123,12 +122,15 @@ class Lifecycle:
         """Write the state of the last step to this node's memory as this rank exits
         alone (a peer died in the step in progress; see
         :mod:`elastic_kit.checkpointer._step_end`): when this rank writes snapshots, the
-        state is still that step's and no snapshot or save of it exists. Never raises."""
+        state is still that step's and no snapshot of it was written nor a save of it
+        made. Never raises."""
         tier, step_end = self.snapshots, self._step_end
         mark = step_end.intact() if tier is not None and tier.writes and step_end.enabled \
             else None
-        if tier is None or mark is None or mark.step in (self._snapshot_step,
-                                                          self._last_saved_step):
+        # A snapshot of the step taken but not written yet is replaced (queued) or
+        # followed (being written) by this one: its audit sum may never arrive.
+        if tier is None or mark is None or mark.step == self._last_saved_step or \
+                mark.step in tier.written:
             return
         try:
             audit, derived = (None, None) if self.audit == "off" else \
@@ -144,8 +146,7 @@ class Lifecycle:
             meta: dict[str, Any] = {**_saving.metadata(self.state, self.info), "at_exit": True}
             if derived is not None:
                 meta["audit_derived"] = derived
-            tier.save(state_dict, step=mark.step, metadata=meta)
-            self._snapshot_step = mark.step
+            tier.save(state_dict, step=mark.step, metadata=meta, last=True)
             log.warning("rank %d exits alone: snapshot of step %d taken (a restart "
                         "redoes only the step in progress)%s", self.info.rank, mark.step,
                         "" if derived is None else

@@ -336,7 +336,8 @@ class SnapshotTier:
     def save(self, state_dict: dict[str, Any] | Callable[[], dict[str, Any]], *, step: int,
              metadata: dict[str, Any], copy_later: Iterable[torch.Tensor] = (),
              started: float | None = None,
-             finish: Callable[[dict[str, Any]], None] | None = None) -> None:
+             finish: Callable[[dict[str, Any]], None] | None = None,
+             last: bool = False) -> None:
         """Take a snapshot of ``state_dict`` (or of what the callable returns, called
         only here: other ranks skip building it) and write it in the background
         (local rank 0 only). Never waits for an earlier snapshot's write.
@@ -349,13 +350,17 @@ class SnapshotTier:
         ``finish``: called with the staged state on the writer thread before it is
         written, to put in values that are not known yet on the training thread (the
         audit's sum over the ranks, in flight); an error it raises drops the snapshot
-        and switches snapshots off, like a failed write.
+        and switches snapshots off, like a failed write. ``last``: the last snapshot
+        of a rank that fails (its peer died): taken even when the write before failed
+        (a snapshot whose audit sum the dead peer never joined), which is logged.
         """
         if not self.writes:
             return
         t0 = time.perf_counter() if started is None else started
         err = self._writer.take_error()
-        if err is not None:  # snapshots are an optimisation: never fail training
+        if err is not None and last:
+            log.warning("writing a snapshot to %s failed: %r", self.node_dir, err)
+        elif err is not None:  # snapshots are an optimisation: never fail training
             self._disable(f"writing a snapshot to {self.node_dir} failed: {err!r}")
             return
         if callable(state_dict):

@@ -28,11 +28,14 @@ BATCH = 4  # per rank: 6 steps an epoch over two ranks
 EPOCHS = 2
 
 
-def _run(url: str, shm: str, die_at: int | None, where: str = "forward") -> dict[str, Any]:
+def _run(url: str, shm: str, die_at: int | None, where: str = "forward",
+         snapshot_every: int = 100) -> dict[str, Any]:
     """Train (two ranks, each its own "node"); rank 1 SIGKILLs itself in the step after
     ``die_at``, after its forward pass (``where="forward"``) or after its optimizer
     step (``where="optimizer"``: every step then sums the loss over the ranks after
-    the optimizer's step, where rank 0 fails with its parameters already changed)."""
+    the optimizer's step, where rank 0 fails with its parameters already changed;
+    ``where="unrecorded"``: rank 0 records the step, takes its snapshot, and fails in
+    the next forward pass)."""
     os.environ["ELASTIC_KIT_SNAPSHOT_DIR"] = shm
     os.environ["ELASTIC_KIT_SNAPSHOT_NODE"] = f"node{os.environ['GROUP_RANK']}"
     torch.set_num_threads(1)
@@ -45,8 +48,8 @@ def _run(url: str, shm: str, die_at: int | None, where: str = "forward") -> dict
     xs, ys = torch.randn(N, 4, generator=g), torch.randn(N, 1, generator=g)
     sampler = ek.ElasticDistributedSampler(torch.utils.data.TensorDataset(xs, ys), seed=3)
     state = ek.TrainState(model, opt, sampler=sampler)
-    with ek.Checkpointer(state, url, every_steps=1000, snapshot_every=100, audit=True,
-                         handle_signals=False) as ckpt:
+    with ek.Checkpointer(state, url, every_steps=1000, snapshot_every=snapshot_every,
+                         audit=True, handle_signals=False) as ckpt:
         start = ckpt.restore()
         for epoch in range(start, EPOCHS):
             sampler.set_epoch(epoch)
@@ -60,6 +63,8 @@ def _run(url: str, shm: str, die_at: int | None, where: str = "forward") -> dict
                 opt.zero_grad()
                 loss.backward()
                 opt.step()
+                if dying and where == "unrecorded":
+                    os.kill(os.getpid(), signal.SIGKILL)
                 if where == "optimizer":  # a script that sums the loss for its log
                     if dying:
                         os.kill(os.getpid(), signal.SIGKILL)
@@ -115,3 +120,21 @@ def test_no_snapshot_at_exit_once_the_optimizer_began_the_next_step(tmp_path: Pa
     with pytest.raises(MultiProcessError):
         spawn_multi_process(2, _run, url, str(shm), 8, "optimizer", local_world_size=1)
     assert _steps(shm, url, "node0") == []
+
+
+def test_a_snapshot_whose_audit_sum_the_dead_peer_never_joined_is_replaced(
+        tmp_path: Path, reference: dict[str, Any]) -> None:
+    """A snapshot every step: rank 1 dies after its optimizer step, before recording
+    step 9; rank 0 records it and takes its snapshot, whose audit sum rank 1 never
+    joins. The survivor's snapshot of step 9 replaces it (not the one of step 8)."""
+    url, shm = str(tmp_path / "run"), tmp_path / "shm"
+    shm.mkdir()
+    with pytest.raises(MultiProcessError):
+        spawn_multi_process(2, _run, url, str(shm), 8, "unrecorded", 1, local_world_size=1)
+    assert _steps(shm, url, "node0") == ["step-000000000009"]
+    out = spawn_multi_process(2, _run, url, str(shm), None, "forward", 1, local_world_size=1)
+    last = out[0]["history"][-1]
+    assert last["restored_step"] == 9 and last["restored_from"] == "memory"
+    for k, v in reference["params"].items():
+        np.testing.assert_array_equal(out[0]["params"][k], v, err_msg=k)
+    assert out[0]["audit"] == [(0, N, True), (1, N, True)]
