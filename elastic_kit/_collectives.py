@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import atexit
 import ctypes
-import datetime
 import logging
 import pickle
 import threading
@@ -98,7 +97,8 @@ def all_reduce_sum_async(tensor: torch.Tensor) -> Callable[..., torch.Tensor]:
     per-step flags before ``optimizer.step`` and reads them after), so a small
     collective costs no time on the critical path. The returned function (any
     thread; ``timeout``: seconds, None waits as long as the process group does, past
-    it :class:`TimeoutError`) returns a new tensor on the input's device.
+    it :class:`TimeoutError`, after which it may be called again) returns a new tensor
+    on the input's device.
 
     With NCCL a CPU input travels through pinned memory both ways with
     ``non_blocking`` copies, and the result is read when an event recorded after the
@@ -118,10 +118,13 @@ def all_reduce_sum_async(tensor: torch.Tensor) -> Callable[..., torch.Tensor]:
     hold_collective_tensor(t)  # never freed on gloo's thread, waited for or not
 
     def result(timeout: float | None = None) -> torch.Tensor:
-        if timeout is None:
-            work.wait()
-        elif not work.wait(timeout=datetime.timedelta(seconds=timeout)):
-            raise TimeoutError(f"all-reduce not done within {timeout} s")
+        if timeout is not None:  # polled, so a timed-out wait can be waited for again
+            deadline = time.monotonic() + timeout
+            while not work.is_completed():
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"all-reduce not done within {timeout} s")
+                time.sleep(0.001)
+        work.wait()  # raises the collective's error, if any
         return t.to(tensor.device)
 
     return result

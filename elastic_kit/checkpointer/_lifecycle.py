@@ -36,6 +36,11 @@ log = logging.getLogger(__name__)
 
 _Self = TypeVar("_Self", bound="Lifecycle")
 
+#: Seconds a rank that abandons its checkpointer waits for the audit's sum of its last
+#: snapshot (the peers that are alive joined it within milliseconds; a dead one never
+#: does, and waiting longer would only delay the exit, and so the restart).
+AUDIT_GRACE_S = 0.5
+
 
 class Lifecycle:
     """The closing half of :class:`~elastic_kit.Checkpointer` (a base it builds on)."""
@@ -105,6 +110,8 @@ class Lifecycle:
             return
         try:
             self._stop_heartbeat()
+            # the audit sum of a snapshot in flight: a dead peer never joins it
+            self._progress.give_up_audit_sum(grace=AUDIT_GRACE_S)
             self._snapshot_at_exit()
             _saving.abandon(self.store, self.snapshots)
         finally:
@@ -134,7 +141,7 @@ class Lifecycle:
             return
         try:
             audit, derived = (None, None) if self.audit == "off" else \
-                self._progress.audit_at_step_end(timeout=_saving.AUDIT_WAIT_S / 10)
+                self._progress.audit_at_step_end(timeout=0.0)
             state_dict = self.state.state_dict(rng=False)
             state_dict["rng"] = plain_rng(mark.rng)
             if audit is not None:

@@ -106,6 +106,19 @@ class Progress:
         """The state was restored (or starts): its audit covers its position."""
         self._covered, self._sum = self._position_now(), None
 
+    def give_up_audit_sum(self, grace: float) -> None:
+        """Wait at most ``grace`` seconds for the audit's sum in flight, then stop
+        waiting for it everywhere (the snapshot writer too): for a rank that exits
+        alone, whose peers may never join it."""
+        if self._sum is None:
+            return
+        pending = self._sum[0]
+        try:
+            pending.total(timeout=grace)
+        except Exception as e:  # a peer that never added its share
+            log.debug("the audit's sum in flight did not arrive: %r", e)
+        pending.give_up()
+
     def audit_at_step_end(self, timeout: float) -> tuple[list[dict[str, Any]], list[int]]:
         """The audit as of the sampler's position, summed over all ranks, without a
         collective (for a rank that exits alone): the folded totals, the sum in flight

@@ -246,6 +246,9 @@ class SnapshotTier:
         self.replicate = replicate
         self._receiver: ReplicaReceiver | None = None
         self._sender: ReplicaSender | None = None
+        # how long the writer waits for a stream of an older snapshot before reusing
+        # its file (0 once the tier is abandoned: its peer may be the node that died)
+        self._release_wait_s = RELEASE_WAIT_S
         #: whether this node's restore read its own snapshot (not a replica) of the
         #: step that was loaded (local rank 0; set by :meth:`load`)
         self.loaded_own = False
@@ -468,7 +471,7 @@ class SnapshotTier:
                     layout.delete(d)
                     continue
                 idle = self._sender is None or self._sender.wait_not_sending(
-                    d.step, RELEASE_WAIT_S)
+                    d.step, self._release_wait_s)
                 moved = idle and release_flat(layout, d, to=slot.path, inode=slot.inode)
                 if not idle:
                     layout.delete(d)  # the stream keeps its open file; a new slot is made
@@ -818,6 +821,8 @@ class SnapshotTier:
         while the peer may be the lost node itself, whose host no longer answers (a
         stream to it blocks until its socket times out). Waiting would only delay
         the worker's exit, and with it the restart."""
+        if not flush:  # no write waits for a stream that cannot land
+            self._release_wait_s = 0.0
         if self.store is not None:
             try:
                 # writes the snapshots taken, then stops the writer's and the store's

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -162,6 +163,7 @@ class AuditSum:
         self._result = result
         self._total: torch.Tensor | None = None
         self._lock = threading.Lock()
+        self._given_up = threading.Event()
 
     @property
     def base(self) -> list[dict[str, Any]]:
@@ -170,11 +172,33 @@ class AuditSum:
 
     def total(self, timeout: float | None = None) -> torch.Tensor:
         """The summed digest (waits for the all-reduce, at most ``timeout`` seconds,
-        then :class:`TimeoutError`; any thread)."""
-        with self._lock:
-            if self._total is None:
-                self._total = normalize(self._result(timeout))
-            return self._total
+        then :class:`TimeoutError`; any thread, several at once). Raises
+        :class:`RuntimeError` once the sum was given up (:meth:`give_up`)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self._lock:
+                if self._total is not None:
+                    return self._total
+            if self._given_up.is_set():
+                raise RuntimeError(f"the audit's sum of epoch {self.epoch} was given up "
+                                   "(a peer never joined it)")
+            left = _POLL_S if deadline is None else min(
+                _POLL_S, max(0.0, deadline - time.monotonic()))
+            try:
+                total = normalize(self._result(left))
+            except TimeoutError:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise
+                continue
+            with self._lock:
+                if self._total is None:
+                    self._total = total
+                return self._total
+
+    def give_up(self) -> None:
+        """Stop waiting for the sum, on every thread (a rank that exits alone: a peer
+        may never join it)."""
+        self._given_up.set()
 
     def state_dict(self, timeout: float | None = None) -> list[dict[str, Any]]:
         """What :meth:`SampleAudit.state_dict` returns once this sum is folded in
@@ -182,6 +206,10 @@ class AuditSum:
         epochs = {int(d["epoch"]): EpochAudit.from_dict(d) for d in self._base}
         _fold(epochs, self.epoch, self.total(timeout))
         return [epochs[e].to_dict() for e in sorted(epochs)]
+
+
+#: Seconds between checks, while waiting for a sum, of whether it was given up.
+_POLL_S = 0.05
 
 
 def _fold(epochs: dict[int, EpochAudit], epoch: int, total: torch.Tensor) -> None:

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
+import pytest
 import torch
 
 from elastic_kit.loop import EpochAudit, SampleAudit, expected_digest, sample_digest
-from elastic_kit.state._audit import normalize
+from elastic_kit.state._audit import AuditSum, normalize
 
 N = 50
 
@@ -95,3 +99,30 @@ def test_a_sum_started_in_a_new_epoch_keeps_the_closed_epochs() -> None:
     view = audit.sync_async(1).state_dict()
     assert [(e["epoch"], e["count"], e["ok"]) for e in view] == [(0, 6, True), (1, 3, None)]
     assert [e["count"] for e in audit.state_dict()] == [6, 3]  # taking the state folds it
+
+
+def test_giving_up_a_sum_ends_every_wait_for_it() -> None:
+    """A peer that died never joins the sum: the rank exiting alone gives it up, and
+    the snapshot writer waiting for it (with a long timeout) stops at once."""
+    def never(timeout: float | None) -> torch.Tensor:
+        time.sleep(timeout if timeout is not None else 0.01)
+        raise TimeoutError("not done")
+
+    pending = AuditSum(0, [], never)
+    outcome: list[BaseException] = []
+
+    def writer() -> None:
+        try:
+            pending.total(timeout=60.0)
+        except BaseException as e:
+            outcome.append(e)
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    with pytest.raises(TimeoutError):
+        pending.total(timeout=0.1)  # the exiting rank's grace
+    pending.give_up()
+    thread.join(timeout=30)
+    assert not thread.is_alive()
+    assert len(outcome) == 1 and isinstance(outcome[0], RuntimeError)
+    assert "given up" in str(outcome[0])
