@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any, Callable, TypeVar
 from elastic_kit._console import say
 
 from elastic_kit.checkpointer import _saving
-from elastic_kit.checkpointer._step_end import plain_rng
 from elastic_kit.distributed import is_dist_ready
+from elastic_kit.state import plain_rng_state
 
 if TYPE_CHECKING:
     from elastic_kit.checkpointer._cadence import Cadence
@@ -143,7 +143,7 @@ class Lifecycle:
             audit, derived = (None, None) if self.audit == "off" else \
                 self._progress.audit_at_step_end(timeout=0.0)
             state_dict = self.state.state_dict(rng=False)
-            state_dict["rng"] = plain_rng(mark.rng)
+            state_dict["rng"] = plain_rng_state(mark.rng)
             if audit is not None:
                 state_dict["audit"] = audit
             model = state_dict["model"]

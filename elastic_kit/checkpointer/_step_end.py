@@ -24,14 +24,13 @@ the last sum did not cover, over all ranks), and the snapshot says so in its met
 from __future__ import annotations
 
 import logging
-import random
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from elastic_kit.distributed import unwrap_model
+from elastic_kit.state import raw_rng_state
 
 __all__ = ["StepEnd", "Mark"]
 
@@ -45,31 +44,6 @@ class Mark:
     step: int
     rng: dict[str, Any]
     scale_version: tuple[int, ...] | None
-
-
-def _rng_now() -> dict[str, Any]:
-    """The generators' states, as they come (converted only when a snapshot is taken)."""
-    cuda = (torch.cuda.get_rng_state() if torch.cuda.is_available()
-            and torch.cuda.is_initialized() else None)
-    return {"torch": torch.get_rng_state(), "cuda": cuda, "numpy": np.random.get_state(),
-            "python": random.getstate()}
-
-
-def plain_rng(raw: dict[str, Any]) -> dict[str, Any]:
-    """:func:`_rng_now`'s states in the layout of ``TrainState.state_dict()["rng"]``."""
-    name, keys, pos, has_gauss, gauss = raw["numpy"]
-    version, internal, gauss_next = raw["python"]
-    return {
-        "torch": raw["torch"],
-        "cuda": raw["cuda"],
-        "numpy": {"name": str(name),
-                  "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64).copy()),
-                  "pos": int(pos), "has_gauss": int(has_gauss),
-                  "cached_gaussian": float(gauss)},
-        "python": {"version": int(version),
-                   "internal": torch.from_numpy(np.array(internal, dtype=np.int64)),
-                   "gauss_next": gauss_next},
-    }
 
 
 class StepEnd:
@@ -113,7 +87,7 @@ class StepEnd:
             return
         if self._buffers:
             torch._foreach_copy_(self._copies, self._buffers)
-        self.mark = Mark(step=int(self.state.step), rng=_rng_now(),
+        self.mark = Mark(step=int(self.state.step), rng=raw_rng_state(),
                          scale_version=self._scale_version())
         self._changing = False
 

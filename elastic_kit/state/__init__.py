@@ -12,11 +12,15 @@ from elastic_kit.state._audit import (
     AuditSpan, AuditSum, EpochAudit, SampleAudit, expected_digest, normalize, sample_digest,
 )
 from elastic_kit.state._signals import TerminationFlag
-from elastic_kit.state._train_state import TrainState, rescale_lr
+from elastic_kit.state._train_state import (
+    TrainState, plain_rng_state, raw_rng_state, rescale_lr,
+)
 
 __all__ = [
     "TrainState",
     "rescale_lr",
+    "raw_rng_state",
+    "plain_rng_state",
     "EpochAudit",
     "AuditSpan",
     "AuditSum",

@@ -25,35 +25,53 @@ from elastic_kit.errors import CheckpointMismatchError
 from elastic_kit.state._audit import SampleAudit
 from elastic_kit.store import is_dtensor, validate_state
 
-__all__ = ["TrainState", "capture_rng_state", "restore_rng_state"]
+__all__ = ["TrainState", "capture_rng_state", "plain_rng_state", "raw_rng_state",
+           "restore_rng_state"]
 
 log = logging.getLogger(__name__)
 
 STATE_FORMAT = 1
 
 
-def capture_rng_state() -> dict[str, Any]:
-    """torch CPU, current CUDA device, numpy and Python ``random`` states as plain types."""
-    np_state = np.random.get_state()
-    py_version, py_internal, py_gauss = random.getstate()
+def raw_rng_state() -> dict[str, Any]:
+    """torch CPU, current CUDA device, numpy and Python ``random`` states as their
+    getters return them: cheap enough to take at every step, converted by
+    :func:`plain_rng_state` only when kept."""
     return {
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available()
         and torch.cuda.is_initialized() else None,
+        "numpy": np.random.get_state(),
+        "python": random.getstate(),
+    }
+
+
+def plain_rng_state(raw: dict[str, Any]) -> dict[str, Any]:
+    """:func:`raw_rng_state`'s states as plain types and tensors (what a checkpoint holds)."""
+    name, keys, pos, has_gauss, gauss = raw["numpy"]
+    version, internal, gauss_next = raw["python"]
+    return {
+        "torch": raw["torch"],
+        "cuda": raw["cuda"],
         "numpy": {
-            "name": str(np_state[0]),
-            "keys": torch.from_numpy(np.asarray(np_state[1], dtype=np.int64).copy()),
-            "pos": int(np_state[2]),
-            "has_gauss": int(np_state[3]),
-            "cached_gaussian": float(np_state[4]),
+            "name": str(name),
+            "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64).copy()),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(gauss),
         },
         "python": {
-            "version": int(py_version),
+            "version": int(version),
             # through numpy: a third of the time of torch.tensor() on a 625-int tuple
-            "internal": torch.from_numpy(np.array(py_internal, dtype=np.int64)),
-            "gauss_next": py_gauss,
+            "internal": torch.from_numpy(np.array(internal, dtype=np.int64)),
+            "gauss_next": gauss_next,
         },
     }
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """torch CPU, current CUDA device, numpy and Python ``random`` states as plain types."""
+    return plain_rng_state(raw_rng_state())
 
 
 def restore_rng_state(state: dict[str, Any]) -> None:

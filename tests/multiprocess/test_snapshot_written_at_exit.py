@@ -21,29 +21,58 @@ ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.timeout(180)
 
-SCRIPT = textwrap.dedent("""
-    import os, sys, time
+_TRAIN = textwrap.dedent("""
+    import sys, time
     import torch
     import elastic_kit as ek
     from elastic_kit.snapshot import SnapshotTier
 
     write = SnapshotTier._write
     def slow_write(self, job):  # a writer that falls behind training
-        time.sleep(0.3)
+        if PRINT_WRITES:
+            print("writing", job.step, flush=True)
+        time.sleep(WRITE_S)
         write(self, job)
     SnapshotTier._write = slow_write
 
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     state = ek.TrainState(model, opt)
-    ckpt = ek.Checkpointer(state, sys.argv[1], every_steps=1000, snapshot_every=1,
-                           handle_signals=False)
+    ckpt = ek.Checkpointer(state, sys.argv[1], every_steps=1000, snapshot_every=EVERY,
+                           handle_signals=HANDLE_SIGNALS)
     ckpt.restore()
-    for _ in range(6):
+    for _ in range(STEPS):
         model(torch.ones(3, 4)).sum().backward()
         opt.step()
         opt.zero_grad()
         ckpt.step(3)
+""")
+
+
+def _script(*, every: int, steps: int, write_s: float, print_writes: bool,
+            handle_signals: bool, end: str) -> str:
+    """A script that trains ``steps`` steps with a slow snapshot writer, then ``end``."""
+    head = (f"PRINT_WRITES, WRITE_S, EVERY, STEPS, HANDLE_SIGNALS = "
+            f"{print_writes}, {write_s}, {every}, {steps}, {handle_signals}\n")
+    return head + _TRAIN + textwrap.dedent(end)
+
+
+def _env(shm: Path) -> dict[str, str]:
+    """A process outside torchrun whose node snapshots into ``shm``."""
+    env = {**os.environ, "ELASTIC_KIT_SNAPSHOT_DIR": str(shm),
+           "ELASTIC_KIT_SNAPSHOT_NODE": "node0", "PYTHONPATH": str(ROOT)}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "MASTER_ADDR"):
+        env.pop(k, None)
+    return env
+
+
+def _steps(shm: Path, url: str) -> list[str]:
+    node = Path(snapshot_dir(str(shm), "local", url)) / "node0"
+    return sorted(p.name for p in node.iterdir() if p.name.startswith("step-"))
+
+
+SCRIPT = _script(every=1, steps=6, write_s=0.3, print_writes=False, handle_signals=False,
+                 end="""
     print("taken", state.step, "written", ckpt.snapshots.written, flush=True)
     raise RuntimeError("a collective failed")  # no close, no with-block
 """)
@@ -54,10 +83,7 @@ def test_the_last_snapshot_taken_is_written_when_the_script_dies_of_an_exception
     shm = tmp_path / "shm"
     shm.mkdir()
     url = str(tmp_path / "ckpt")
-    env = {**os.environ, "ELASTIC_KIT_SNAPSHOT_DIR": str(shm),
-           "ELASTIC_KIT_SNAPSHOT_NODE": "node0", "PYTHONPATH": str(ROOT)}
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "MASTER_ADDR"):
-        env.pop(k, None)
+    env = _env(shm)
     done = subprocess.run([sys.executable, "-c", SCRIPT, url], env=env, capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 1 and "a collective failed" in done.stderr, done.stderr
@@ -65,34 +91,12 @@ def test_the_last_snapshot_taken_is_written_when_the_script_dies_of_an_exception
     taken, written = done.stdout.split("written")
     assert taken.split() == ["taken", "6"]
     assert 6 not in json.loads(written.strip())
-    node = Path(snapshot_dir(str(shm), "local", url)) / "node0"
-    steps = sorted(p.name for p in node.iterdir() if p.name.startswith("step-"))
+    steps = _steps(shm, url)
     assert steps == ["step-000000000006"], steps
 
 
-SIGTERM_SCRIPT = textwrap.dedent("""
-    import sys, time
-    import torch
-    import elastic_kit as ek
-    from elastic_kit.snapshot import SnapshotTier
-
-    write = SnapshotTier._write
-    def slow_write(self, job):  # the write torchrun's SIGTERM arrives in
-        print("writing", job.step, flush=True)
-        time.sleep(1.5)
-        write(self, job)
-    SnapshotTier._write = slow_write
-
-    model = torch.nn.Linear(4, 2)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    state = ek.TrainState(model, opt)
-    ckpt = ek.Checkpointer(state, sys.argv[1], every_steps=1000, snapshot_every=3)
-    ckpt.restore()
-    for _ in range(4):
-        model(torch.ones(3, 4)).sum().backward()
-        opt.step()
-        opt.zero_grad()
-        ckpt.step(3)
+SIGTERM_SCRIPT = _script(every=3, steps=4, write_s=1.5, print_writes=True,
+                         handle_signals=True, end="""
     raise RuntimeError("a collective failed")
 """)
 
@@ -105,10 +109,7 @@ def test_a_sigterm_while_the_last_state_is_written_at_exit_does_not_cut_it_short
     shm = tmp_path / "shm"
     shm.mkdir()
     url = str(tmp_path / "ckpt")
-    env = {**os.environ, "ELASTIC_KIT_SNAPSHOT_DIR": str(shm),
-           "ELASTIC_KIT_SNAPSHOT_NODE": "node0", "PYTHONPATH": str(ROOT)}
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "MASTER_ADDR"):
-        env.pop(k, None)
+    env = _env(shm)
     proc = subprocess.Popen([sys.executable, "-c", SIGTERM_SCRIPT, url], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -125,6 +126,5 @@ def test_a_sigterm_while_the_last_state_is_written_at_exit_does_not_cut_it_short
             proc.kill()
             proc.wait()
     assert proc.returncode == 1 and "a collective failed" in err, (proc.returncode, err)
-    node = Path(snapshot_dir(str(shm), "local", url)) / "node0"
-    steps = sorted(p.name for p in node.iterdir() if p.name.startswith("step-"))
+    steps = _steps(shm, url)
     assert steps == ["step-000000000004"], steps

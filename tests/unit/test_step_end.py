@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 import elastic_kit as ek
-from elastic_kit.checkpointer._step_end import StepEnd, plain_rng
+from elastic_kit.checkpointer._step_end import StepEnd
+from elastic_kit.state import plain_rng_state
 from elastic_kit.state._train_state import restore_rng_state
 
 
@@ -40,7 +41,7 @@ def test_the_mark_keeps_the_buffers_and_generators_of_its_step_while_a_forward_c
     assert not torch.equal(bn.running_mean, before["running_mean"])
     for name in ("running_mean", "running_var", "num_batches_tracked"):
         assert torch.equal(kept[f"1.{name}"], before[name])
-    restore_rng_state(plain_rng(mark.rng))
+    restore_rng_state(plain_rng_state(mark.rng))
     assert torch.equal(torch.rand(3), draws[0])  # the generators as they were at the mark
     np.testing.assert_array_equal(np.random.rand(2), draws[1])
     assert random.random() == draws[2]
