@@ -75,12 +75,14 @@ def capture_rng_state() -> dict[str, Any]:
 
 
 def restore_rng_state(state: dict[str, Any]) -> None:
-    """Inverse of :func:`capture_rng_state`."""
+    """Inverse of :func:`capture_rng_state`. The states may have been loaded onto a
+    device (a restore's ``map_location``): every generator takes its state from the
+    CPU."""
     torch.set_rng_state(state["torch"].to(torch.uint8).cpu())
     if state.get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"].to(torch.uint8).cpu())
     n = state["numpy"]
-    np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), int(n["pos"]),
+    np.random.set_state((n["name"], n["keys"].cpu().numpy().astype(np.uint32), int(n["pos"]),
                          int(n["has_gauss"]), float(n["cached_gaussian"])))
     p = state["python"]
     random.setstate((int(p["version"]), tuple(int(x) for x in p["internal"].tolist()),

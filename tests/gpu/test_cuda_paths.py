@@ -221,6 +221,48 @@ def test_load_map_location(tmp_path: Path, map_location: Any, device: str) -> No
         assert torch.equal(v.cpu(), expected[k]), k
 
 
+@pytest.mark.parametrize("snapshot_every", [None, 1], ids=["durable", "snapshot"])
+def test_restore_onto_the_gpu_restores_the_random_generators(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, snapshot_every: Any) -> None:
+    """``restore(map_location="cuda:0")`` moves the generators' saved states to the
+    device too; each generator still takes its state back (numpy's failed)."""
+    import random
+
+    import numpy as np
+    (tmp_path / "shm").mkdir()
+    monkeypatch.setenv("ELASTIC_KIT_SNAPSHOT_DIR", str(tmp_path / "shm"))
+    model = nn.Linear(8, 8).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    url = str(tmp_path / "ckpt")
+    # left by abandon(), as by a failure: a clean close() removes the snapshots
+    ck = ek.Checkpointer(ek.TrainState(model, opt), url, handle_signals=False,
+                         snapshot_every=snapshot_every, info=ek.DistInfo(run_id="j"))
+    ck.restore()
+    model(torch.ones(2, 8, device="cuda")).sum().backward()
+    opt.step()
+    torch.manual_seed(11), np.random.seed(12), random.seed(13)
+    ck.step(2)
+    if snapshot_every is None:
+        ck.save(blocking=True)
+    expected = (torch.rand(3), np.random.rand(3), random.random(),
+                torch.rand(3, device="cuda").cpu())
+    weights = model.weight.detach().clone()
+    ck.abandon()
+    with torch.no_grad():
+        model.weight.zero_()
+    torch.manual_seed(0), np.random.seed(0), random.seed(0)
+    with ek.Checkpointer(ek.TrainState(model, opt), url, handle_signals=False,
+                         snapshot_every=snapshot_every, info=ek.DistInfo(run_id="j")) as ck:
+        ck.restore(map_location="cuda:0")
+        assert ck.restored_step == 1
+        assert ck.restored_from == ("memory" if snapshot_every else "store")
+        got = (torch.rand(3), np.random.rand(3), random.random(),
+               torch.rand(3, device="cuda").cpu())
+    assert torch.equal(model.weight, weights)
+    assert torch.equal(got[0], expected[0]) and np.array_equal(got[1], expected[1])
+    assert got[2] == expected[2] and torch.equal(got[3], expected[3])
+
+
 @needs_two_gpus
 @pytest.mark.parametrize("map_location", ["cpu", "cuda:0"])
 def test_node_local_broadcast_over_nccl(tmp_path: Path, map_location: Any) -> None:
