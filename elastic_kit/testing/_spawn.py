@@ -23,6 +23,7 @@ import os
 import socket
 import time
 import traceback
+from multiprocessing import forkserver
 from typing import Any, Callable, TypeVar
 
 import torch.multiprocessing as mp
@@ -69,8 +70,8 @@ def _worker(rank: int, world_size: int, port: int, local_world_size: int | None,
             fn: Callable[..., Any], args: tuple[Any, ...], queue: Any) -> None:
     os.environ.update(torchrun_env(rank, world_size, port, local_world_size=local_world_size))
     if not cuda:
-        # Before anything asks CUDA for its devices (nothing has: the forkserver only
-        # imported torch), so torch.cuda.is_available() is False in this rank.
+        # The forkserver these ranks come from started without GPUs (see _context);
+        # this also hides them from the processes the rank starts.
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
     ok = False
     try:
@@ -133,18 +134,36 @@ class MultiProcessError(RuntimeError):
 _CTX: Any = None
 
 
-def _context() -> Any:
-    """A forkserver context that has imported torch and elastic_kit once.
+def _context(cuda: bool) -> Any:
+    """The start method for ranks that see the GPUs (``cuda``) or do not.
 
-    The ``spawn`` start method re-imports torch in every rank (seconds each on a
-    small machine); a forkserver that preloaded them forks ready ranks in
-    milliseconds, while still starting each rank from a clean, single-threaded
-    process (unlike a plain ``fork`` of the test process, which may hold threads).
+    Ranks that see no GPU come from a forkserver that has imported torch and
+    elastic_kit once: the ``spawn`` start method re-imports torch in every rank
+    (seconds each on a small machine); a forkserver that preloaded them forks ready
+    ranks in milliseconds, while still starting each rank from a clean,
+    single-threaded process (unlike a plain ``fork`` of the test process, which may
+    hold threads). The forkserver itself is started with ``CUDA_VISIBLE_DEVICES=""``:
+    whatever its imports ask CUDA (a device count is cached for the process's life,
+    and its forks inherit it), the answer is no GPU.
+
+    Ranks that see the GPUs are spawned: a fresh interpreter, whose CUDA state
+    nothing before it has touched.
     """
+    if cuda:
+        return mp.get_context("spawn")
     global _CTX
     if _CTX is None:
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(["torch", "torch.distributed", "elastic_kit"])
+        saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        try:
+            forkserver.ensure_running()
+        finally:
+            if saved is None:
+                del os.environ["CUDA_VISIBLE_DEVICES"]
+            else:
+                os.environ["CUDA_VISIBLE_DEVICES"] = saved
         _CTX = ctx
     return _CTX
 
@@ -181,7 +200,7 @@ def spawn_multi_process(
     """
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be >= 1")
-    ctx = _context()
+    ctx = _context(cuda)
     queue = ctx.SimpleQueue()
     port = free_port()
     procs = [
