@@ -112,10 +112,15 @@ class Slot:
         refusal is logged: the copies then go through pageable memory, slower."""
         if self.registered or not torch.cuda.is_available() or not self.mapped.numel():
             return
-        err = torch.cuda.cudart().cudaHostRegister(self.mapped.data_ptr(), self.mapped.numel(), 0)
+        cudart = torch.cuda.cudart()
+        err = cudart.cudaHostRegister(self.mapped.data_ptr(), self.mapped.numel(), 0)
         if int(err) != 0:
-            log.warning("cannot register snapshot file %s as pinned memory (cuda error "
-                        "%s): its copies go through pageable memory", self.path, err)
+            # Linux refuses to pin a shared mapping of a file on a disk's file system
+            # for long: the snapshot directory should be on a tmpfs (/dev/shm)
+            log.warning("cannot register snapshot file %s as pinned memory (CUDA error %d: "
+                        "%s): its copies go through pageable memory; is its directory on a "
+                        "tmpfs such as /dev/shm?", self.path, int(err),
+                        cudart.cudaGetErrorString(err))
             return
         self.registered = True
 

@@ -9,6 +9,9 @@ Skipped without CUDA; run by ``scripts/gpu-check``.
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,12 +24,16 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is n
 
 
 @pytest.fixture()
-def shm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
-    root = tmp_path / "shm"
-    root.mkdir()
-    monkeypatch.setenv("ELASTIC_KIT_SNAPSHOT_DIR", str(root))
+def shm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """A snapshot root in /dev/shm, as in use: Linux refuses to pin a shared mapping
+    of a file on a disk's file system for long (CUDA's host registration), and
+    pytest's temporary directory may be on one."""
+    root = tempfile.mkdtemp(prefix="ek-gpu-test-", dir="/dev/shm" if os.path.isdir("/dev/shm")
+                            else str(tmp_path))
+    monkeypatch.setenv("ELASTIC_KIT_SNAPSHOT_DIR", root)
     monkeypatch.setenv("ELASTIC_KIT_SNAPSHOT_NODE", "node0")
-    return str(root)
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
 
 
 def _cuda_state(seed: int) -> dict[str, torch.Tensor]:
