@@ -47,6 +47,8 @@ the next block. Reported (the JSON's last line):
   beyond the plain blocks, per snapshot written: what the snapshots take from cores
   training may need (on a machine with few cores, the throughput they cost beyond
   the blocked time);
+- ``ek_interval``: the agreed snapshot interval (first, last and median over the
+  ``ek`` steps): with ``--every auto``, what the automatic interval chose;
 - ``ek_commit_s``: from taking a snapshot to its commit (median of those written);
   ``ek_written`` / ``ek_replaced``: snapshots written, and replaced by a newer one
   while they waited for a write;
@@ -249,8 +251,9 @@ def main() -> None:
                     help="CPU: the state's size (parameters + AdamW moments); default 256")
     ap.add_argument("--layers", type=int, default=None,
                     help="Linear layers (default: from --state-mib on CPU, 24 on CUDA)")
-    ap.add_argument("--every", type=int, default=None,
-                    help="snapshot every K steps (default 1 on CPU, 10 on CUDA)")
+    ap.add_argument("--every", default=None,
+                    help="snapshot every K steps, or 'auto' (the checkpointer's automatic "
+                         "interval; DCP then saves every 10) (default 1 on CPU, 10 on CUDA)")
     ap.add_argument("--wait-s", type=float, default=None,
                     help="sleep per step (default 0.4 s on CPU, 0 on CUDA)")
     ap.add_argument("--block", type=int, default=None, help="steps per block")
@@ -269,7 +272,8 @@ def main() -> None:
         mib = args.state_mib if args.state_mib is not None else (2 if args.smoke else 256)
         args.layers = 24 if cuda and not args.smoke else max(
             1, round(mib * 2**20 / (12 * (args.d * args.d + args.d))))
-    every = args.every or (10 if cuda else 1)
+    auto = args.every == "auto"
+    every = 10 if auto else int(args.every or (10 if cuda else 1))
     args.wait_s = args.wait_s if args.wait_s is not None else (
         0.0 if cuda else (0.01 if args.smoke else 0.4))
     args.batch = 16384 if cuda and not args.smoke else 8
@@ -280,6 +284,8 @@ def main() -> None:
     work = tempfile.mkdtemp(prefix="bench-snapshot-", dir=shm)
     os.environ["ELASTIC_KIT_SNAPSHOT_DIR"] = work
     os.environ["ELASTIC_KIT_SNAPSHOT_NODE"] = "bench"
+    if auto:  # the automatic interval is on only under torchrun, which this stands for
+        os.environ.setdefault("TORCHELASTIC_RUN_ID", "bench")
     load_start = _common.load_avg()
     try:
         loop = Loop(args)
@@ -291,7 +297,8 @@ def main() -> None:
         del tensors
         state = ek.TrainState(loop.model, loop.opt)
         ckpt = ek.Checkpointer(state, os.path.join(work, "durable"), handle_signals=False,
-                               snapshot_every=every, info=ek.DistInfo(run_id="bench"))
+                               snapshot_every="auto" if auto else every,
+                               info=ek.DistInfo(run_id="bench"))
         ckpt.restore()
         tier = ckpt.snapshots
         assert tier is not None and tier.enabled, "snapshots are off (see the warning)"
@@ -302,6 +309,7 @@ def main() -> None:
         hashing: list[float] = []  # the writer's parallel checksums per snapshot
         committing: list[float] = []  # payload, manifest, the older one's release
         snap_steps: list[bool] = []
+        intervals: list[int] = []  # the agreed interval after each step (auto: it moves)
 
         last_was_snap = [False]
 
@@ -310,8 +318,9 @@ def main() -> None:
                 # final now: this step's optimizer pre-hook waited for its deferred copy
                 blocked.append(tier.cost_s)
             before = len(tier.written)
+            due = tier.due(state.step + 1)
             ckpt.step(1)
-            due = state.step % every == 0
+            intervals.append(tier.interval)
             snap_steps.append(due)
             last_was_snap[0] = due
             if len(tier.written) > before:
@@ -355,8 +364,9 @@ def main() -> None:
         direct = tier.direct
         files_made = tier._slots.made if tier._slots is not None else None
         identity = tier.identity
-        ckpt.snapshots.close(remove=False)  # type: ignore[union-attr]
-        ckpt.store.close()  # type: ignore[union-attr]
+        # closed as a failing run is (its snapshots stay for the restore below; the
+        # last step's state is written if no snapshot holds it), not as a finished one
+        ckpt.abandon()
 
         # the tier's load alone: map the file, verify its chunks, views (CPU) or the
         # copy to the device through the registered mapping (CUDA)
@@ -397,7 +407,9 @@ def main() -> None:
         "baseline": "the same loop without snapshots (interleaved blocks); DCP async_save",
         "device": args.device,
         "state_bytes": nbytes,
-        "every": every,
+        "every": "auto" if auto else every,
+        "ek_interval": {"first": intervals[0], "last": intervals[-1],
+                        "median": statistics.median(intervals)} if intervals else None,
         "wait_s": args.wait_s,
         "steps_per_kind": len(times["plain"]),
         "plain_step_s": round(plain_med, 4),
