@@ -10,7 +10,16 @@ issued without waiting (an event marks its end, which the writer thread waits fo
 
 Tensors the caller promises not to change until :meth:`StagedState.wait_staged`
 (parameters and optimizer state, which change only in ``optimizer.step()``) may be
-copied later, on the writer thread, overlapping the next forward and backward pass.
+copied later, overlapping the next forward and backward pass:
+
+- CUDA tensors going into pinned buffers (pinned staging, or a snapshot file
+  registered as pinned memory) are copied on a side stream, issued at once: the
+  training thread never waits for them. :meth:`StagedState.wait_staged` (before the
+  optimizer step) makes the caller's stream wait for the copies on the device, so
+  the step's kernels run after them while the CPU goes on; the device idles only
+  where a copy outlasts the forward and backward pass it overlaps.
+- The rest (CPU tensors, or pageable destinations, whose device-to-host copy would
+  block the thread that issues it) are copied on the writer thread.
 """
 
 from __future__ import annotations
@@ -23,7 +32,7 @@ import torch
 
 from elastic_kit.store import map_tree
 
-__all__ = ["StagingBuffers", "StagedState", "storage_keys"]
+__all__ = ["DeviceStall", "StagingBuffers", "StagedState", "storage_keys"]
 
 
 
@@ -32,6 +41,28 @@ def storage_keys(tensors: Iterable[torch.Tensor]) -> frozenset[int]:
     view its module's ``state_dict()`` returns)."""
     return frozenset(t.untyped_storage().data_ptr() for t in tensors
                      if isinstance(t, torch.Tensor) and t.layout == torch.strided)
+
+
+@dataclass
+class DeviceStall:
+    """How long a stream waited on the device for a snapshot's side-stream copies.
+
+    Attributes:
+        done: the event recorded after the copies on the side stream.
+        mark: the event recorded on the waiting stream just before its wait (None
+            until a stream waits). Both time their completion.
+    """
+
+    done: Any
+    mark: Any = None
+
+    def seconds(self) -> float | None:
+        """The wait (0 when the copies were done before the stream got there); None
+        until both are known (no stream waited, or they are still running)."""
+        mark, done = self.mark, self.done
+        if mark is None or not (mark.query() and done.query()):
+            return None
+        return max(0.0, mark.elapsed_time(done) / 1000.0)
 
 
 @dataclass
@@ -45,7 +76,12 @@ class StagedState:
             copies wait for it, so they see every update issued before.
         copied: a CUDA event marking the end of the copies issued at staging time
             (None without CUDA tensors).
-        staged: set once nothing reads the live tensors any more.
+        staged: set once nothing reads the live tensors any more, or (device
+            copies on the side stream) once the caller's stream waits for them.
+        side_done: a CUDA event recorded on the side stream after the copies issued
+            there at staging time (None without them).
+        side_device: the device of those copies.
+        stall: the device's wait for them before the optimizer step.
         nbytes: the tensors' bytes.
     """
 
@@ -53,6 +89,9 @@ class StagedState:
     deferred: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     after: Any = None
     copied: Any = None
+    side_done: Any = None
+    side_device: torch.device | None = None
+    stall: DeviceStall | None = None
     staged: threading.Event = field(default_factory=threading.Event)
     nbytes: int = 0
     _cond: threading.Condition = field(default_factory=threading.Condition, repr=False)
@@ -99,6 +138,8 @@ class StagedState:
                 stream.synchronize()
             if self.copied is not None:
                 self.copied.synchronize()
+            if self.side_done is not None:
+                self.side_done.synchronize()
         finally:
             self.staged.set()
 
@@ -111,24 +152,34 @@ class StagedState:
         self.staged.set()
 
     def wait_staged(self) -> None:
-        """Return once nothing reads the live tensors any more.
+        """Return once nothing reads the live tensors any more, or, for the copies on
+        the side stream, once the caller's current stream waits for them (on the
+        device: the CPU does not wait).
 
         The caller (the training thread, before the optimizer step) copies deferred
         CPU tensors the writer thread has not reached yet instead of waiting for it:
         on a busy machine the writer may get little CPU, and the wait stays bounded
         by one copy of what is left."""
-        if not self.staged.is_set():
-            cpu = self._cpu_pairs()
-            self._copy_cpu(cpu)
-            if len(cpu) == len(self.deferred):
-                # no deferred CUDA copy: done once the last CPU copy ends (copies
-                # issued at staging time run on the caller's stream, ahead of any
-                # later update; only the writer waits for them)
-                with self._cond:
-                    self._cond.wait_for(lambda: self._active == 0)
-                self.staged.set()
+        if self.staged.is_set():
+            return
+        if self.stall is not None:
+            with self._cond:
+                if self.stall.mark is None:  # once, on the training thread's stream
+                    stream = torch.cuda.current_stream(self.side_device)
+                    mark = torch.cuda.Event(enable_timing=True)
+                    mark.record(stream)
+                    stream.wait_event(self.stall.done)
+                    self.stall.mark = mark
+        cpu = self._cpu_pairs()
+        self._copy_cpu(cpu)
+        if len(cpu) == len(self.deferred):
+            # no deferred copy left to the writer thread: done once the last CPU copy
+            # ends (copies issued at staging time run on the caller's stream, or on
+            # the side stream it now waits for, ahead of any later update)
+            with self._cond:
+                self._cond.wait_for(lambda: self._active == 0)
+            self.staged.set()
         self.staged.wait()
-
 
 class StagingBuffers:
     """CPU buffers for one snapshot in flight, reused from one snapshot to the next."""
@@ -142,26 +193,32 @@ class StagingBuffers:
         return sum(b.numel() * b.element_size() for b in self._pool.values())
 
     def stage(self, state: Any, *, later: frozenset[int] = frozenset(),
-              into: dict[str, torch.Tensor] | None = None) -> StagedState:
+              into: dict[str, torch.Tensor] | None = None,
+              into_pinned: bool = False) -> StagedState:
         """Copy ``state``'s tensors into the buffers (those whose storage is in
-        ``later`` are left for :meth:`StagedState.copy_deferred`) and return the
-        state to write. Buffers of keys that disappeared are freed.
+        ``later`` are left for later: see the module) and return the state to write.
+        Buffers of keys that disappeared are freed.
 
         ``into``: key path -> the tensor to copy that key's tensor into instead (views
         of a snapshot file's mapping, which are then the staged tensors: one copy,
-        straight into the snapshot); the pooled buffers are kept for the next
-        snapshot that cannot go straight into a file."""
+        straight into the snapshot); ``into_pinned``: those are pinned memory (the
+        file is registered). The pooled buffers are kept for the next snapshot that
+        cannot go straight into a file."""
         used: dict[str, torch.Tensor] = {}
         out = StagedState(state=None)
-        out.state = map_tree(state, lambda path, x: self._leaf(path, x, later, used, out, into))
+        side: list[tuple[torch.Tensor, torch.Tensor]] = []
+        out.state = map_tree(state, lambda path, x: self._leaf(path, x, later, used, out, into,
+                                                               into_pinned, side))
         if into is None:
             self._pool = used
+        if side:
+            _copy_on_side_stream(side, out)
         if any(src.device.type == "cuda" for src, _ in out.deferred):
             out.after = torch.cuda.Event()
             out.after.record()
         if out.copied is not None:
             out.copied.record()
-        if not out.deferred:
+        if not out.deferred and out.side_done is None:
             # CUDA copies run on the caller's stream, ahead of any later update to
             # the live tensors: only the writer waits for them (``copied``)
             out.staged.set()
@@ -169,21 +226,27 @@ class StagingBuffers:
 
     def _leaf(self, path: str, x: Any, later: frozenset[int],
               used: dict[str, torch.Tensor], out: StagedState,
-              into: dict[str, torch.Tensor] | None) -> Any:
+              into: dict[str, torch.Tensor] | None, into_pinned: bool,
+              side: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
         if not isinstance(x, torch.Tensor):
             return x  # primitives; anything else the store's validator refuses, naming it
         t = x.detach()
         if t.layout != torch.strided:
             return t.to("cpu", copy=True)
         buf = None if into is None else into.get(path)
+        pinned = into_pinned
         if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
             buf = self._pool.get(path)
             if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
                 buf = torch.empty(t.shape, dtype=t.dtype, device="cpu",
                                   pin_memory=t.device.type == "cuda")
             used[path] = buf
+            pinned = t.device.type == "cuda"
         out.nbytes += buf.numel() * buf.element_size()
-        if later and t.untyped_storage().data_ptr() in later:
+        deferred = bool(later) and t.untyped_storage().data_ptr() in later
+        if deferred and t.device.type == "cuda" and pinned:
+            side.append((t, buf))
+        elif deferred:
             out.deferred.append((t, buf))
         elif t.device.type == "cuda":
             if out.copied is None:
@@ -192,3 +255,27 @@ class StagingBuffers:
         else:
             buf.copy_(t)
         return buf
+
+
+_SIDE_STREAMS: dict[torch.device, Any] = {}
+
+
+def _copy_on_side_stream(pairs: list[tuple[torch.Tensor, torch.Tensor]],
+                         out: StagedState) -> None:
+    """Issue the device-to-host copies of ``pairs`` (CUDA source, pinned buffer) on
+    the device's snapshot stream, after the work queued so far on the caller's
+    stream; ``out.side_done`` marks their end."""
+    device = pairs[0][0].device
+    stream = _SIDE_STREAMS.get(device)
+    if stream is None:
+        stream = _SIDE_STREAMS[device] = torch.cuda.Stream(device=device)
+    current = torch.cuda.current_stream(device)
+    stream.wait_stream(current)  # sees every update issued before the snapshot
+    with torch.cuda.stream(stream):
+        for src, dst in pairs:
+            dst.copy_(src, non_blocking=True)
+            src.record_stream(stream)  # not reused by the allocator while read here
+        out.side_done = torch.cuda.Event(enable_timing=True)
+        out.side_done.record(stream)
+    out.side_device = device
+    out.stall = DeviceStall(out.side_done)

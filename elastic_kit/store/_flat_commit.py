@@ -85,7 +85,7 @@ def _pool() -> ThreadPoolExecutor:
     global _POOL
     with _POOL_LOCK:
         if _POOL is None:
-            _POOL = ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1)),
+            _POOL = ThreadPoolExecutor(max(1, min(8, os.cpu_count() or 1)),
                                        thread_name_prefix="ek-flat-hash")
         return _POOL
 

@@ -68,7 +68,7 @@ def test_a_cuda_snapshot_copied_later_lands_in_the_file_before_the_optimizer_ste
     """Parameters deferred to the writer thread are copied (stream-ordered after
     the snapshot was taken) straight into the file's registered pages."""
     tier = SnapshotTier("/durable", info=ek.DistInfo(run_id="job"), every=1, root=shm)
-    live = torch.full((1 << 20,), 1.0, device="cuda")
+    live = torch.full((1 << 26,), 1.0, device="cuda")   # 256 MiB: the copy takes a while
     tier.save({"w": live}, step=1, metadata={})          # makes the files
     assert tier.wait(timeout=60)
     live.fill_(2.0)
@@ -78,5 +78,5 @@ def test_a_cuda_snapshot_copied_later_lands_in_the_file_before_the_optimizer_ste
     assert tier.wait(timeout=60)
     loaded = tier.load()
     assert loaded is not None and loaded.step == 2
-    assert torch.equal(loaded.state["w"], torch.full((1 << 20,), 2.0))
+    assert torch.equal(loaded.state["w"], torch.full((1 << 26,), 2.0))
     tier.close(remove=True)

@@ -60,6 +60,28 @@ def test_snapshot_staging_is_pinned_and_sees_work_queued_before_it() -> None:
         assert got.is_pinned() and torch.equal(got, v), k
 
 
+def test_deferred_cuda_copies_are_waited_for_on_the_device_not_by_the_cpu() -> None:
+    """Deferred CUDA copies go on a side stream at once; wait_staged() makes the
+    caller's stream wait for them, so an update issued right after it (the optimizer
+    step) cannot change what is copied, and the CPU never waited for the copy."""
+    from elastic_kit.snapshot._staging import storage_keys
+
+    live = torch.ones(1 << 26, device="cuda")      # 256 MiB: a copy of milliseconds
+    live.mul_(2.0)                                 # queued before the snapshot
+    staged = StagingBuffers().stage({"w": live}, later=storage_keys([live]))
+    assert staged.side_done is not None and not staged.deferred
+    assert not staged.staged.is_set()
+    staged.wait_staged()                           # the optimizer-step pre-hook
+    assert staged.staged.is_set()
+    live.fill_(3.0)                                # the update, issued at once
+    torch.cuda.synchronize()
+    got = staged.state["w"]
+    assert got.is_pinned() and torch.equal(got, torch.full_like(got, 2.0))
+    assert staged.stall is not None
+    stall = staged.stall.seconds()
+    assert stall is not None and 0.0 <= stall < 10.0
+
+
 def test_a_cuda_snapshot_taken_during_a_write_is_queued_and_written_next(
         tmp_path: Path) -> None:
     fs = FaultFileSystem(fsspec.filesystem("file"))
@@ -81,7 +103,7 @@ def test_a_cuda_snapshot_taken_during_a_write_is_queued_and_written_next(
     for v in live.values():
         v.fill_(2.0)
     tier.save(live, step=2, metadata={}, copy_later=list(live.values()))
-    tier.wait_staged()                             # queued: copied at once, not deferred
+    tier.wait_staged()                             # queued: copies already on the side stream
     for v in live.values():
         v.fill_(-1.0)
     opened.set()
