@@ -20,8 +20,8 @@ import torch
 
 from elastic_kit.store import (
     CheckpointStore, FlatCheckpoint, Layout, LoadedCheckpoint, Manifest, agree_on_holder,
-    broadcast_state, commit_flat, hash_flat, is_flat, map_tree, open_flat, release_flat,
-    resolve_url, split_state, state_nbytes, target_device,
+    broadcast_state, commit_flat, copy_tensors, hash_flat, is_flat, map_tree, open_flat,
+    release_flat, resolve_url, split_state, state_nbytes, target_device,
 )
 from elastic_kit.distributed import DistInfo, all_gather_object, broadcast_object, is_dist_ready
 from elastic_kit.errors import CheckpointError
@@ -446,8 +446,8 @@ class SnapshotTier:
         payload, items = split_state(state)
         if slot is None:
             slot = self._slots.acquire(items)
-            for view, (_, t) in zip(slot.views, items):
-                view.copy_(t)  # the second copy: only when staged while a write ran
+            # the second copy: only when staged while a write ran
+            copy_tensors([(view, t) for view, (_, t) in zip(slot.views, items)])
         try:
             t0 = time.perf_counter()
             hashes = hash_flat(slot.mapped, slot.plan)

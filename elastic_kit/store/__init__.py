@@ -31,8 +31,8 @@ from __future__ import annotations
 from elastic_kit.store._api import load_checkpoint, save_checkpoint
 from elastic_kit.store._broadcast import agree_on_holder, broadcast_state, target_device
 from elastic_kit.store._flat_commit import (
-    FLAT_NAME, FlatCheckpoint, FlatHashes, FlatPlan, commit_flat, hash_flat, is_flat,
-    open_flat, plan_flat, release_flat, split_state, tensor_views,
+    FLAT_NAME, FlatCheckpoint, FlatHashes, FlatPlan, commit_flat, copy_tensors, hash_flat,
+    is_flat, open_flat, plan_flat, release_flat, split_state, tensor_views,
 )
 from elastic_kit.store._digest import combine as combine_digest, partial as digest_partial
 from elastic_kit.store._fs import resolve_url
@@ -75,6 +75,7 @@ __all__ = [
     "plan_flat",
     "tensor_views",
     "map_file",
+    "copy_tensors",
     "hash_flat",
     "commit_flat",
     "release_flat",

@@ -21,8 +21,9 @@ manifest is written last, by the local backend's staging directory and rename).
 The functions, in the order a writer and a reader use them:
 
 - :func:`split_state` / :func:`plan_flat`: the tensors of a state and their layout;
-- :func:`hash_flat`: every chunk's checksum, the whole file's and the tensors'
-  digests, on a small thread pool (xxhash and numpy release the GIL);
+- :func:`hash_flat`: every chunk's checksum, the file's (a digest of the chunks'
+  checksums, :mod:`._chunk_listing`) and the tensors' digests, on a small thread pool
+  (xxhash and numpy release the GIL);
 - :func:`commit_flat`: move the written file into the step directory with the
   payload and the manifest; :func:`release_flat` un-commits a step and moves its file
   back out, for reuse;
@@ -46,6 +47,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from elastic_kit.errors import CheckpointCorruptError
+from elastic_kit.store._chunk_listing import FLAT_PLACEMENT, flat_file, is_flat, listing_digest
 from elastic_kit.store._digest import combine, partial
 from elastic_kit.store._fs import is_local, join
 from elastic_kit.store._layout import Layout, StepDir
@@ -63,19 +65,15 @@ from elastic_kit.store._tree import map_tree
 
 __all__ = ["FLAT_NAME", "FLAT_PLACEMENT", "CHUNK_BYTES", "FlatPlan", "FlatHashes",
            "FlatCheckpoint", "split_state", "plan_flat", "tensor_views", "hash_flat",
-           "commit_flat", "release_flat", "flat_file", "is_flat", "open_flat"]
+           "commit_flat", "release_flat", "flat_file", "is_flat", "open_flat", "copy_tensors"]
 
 log = logging.getLogger(__name__)
 
 #: The tensor file's name in a step directory (first save of the step).
 FLAT_NAME = "tensors.bin"
-#: The placements recorded for a flat checkpoint's tensors (whole tensors, one writer).
-FLAT_PLACEMENT = "flat"
 #: Target bytes per checksummed chunk: large enough that a chunk's hash dwarfs the
 #: thread hand-off, small enough that a few threads share a large tensor.
 CHUNK_BYTES = 32 << 20
-#: Bytes hashed at a time for the file and then its chunk (fits a core's L2 cache).
-_PIECE = 1 << 20
 _POOL_LOCK = threading.Lock()
 _POOL: ThreadPoolExecutor | None = None
 
@@ -207,13 +205,37 @@ def tensor_views(mapped: torch.Tensor, plan: FlatPlan) -> list[torch.Tensor]:
 
 @dataclass(frozen=True)
 class FlatHashes:
-    """What :func:`hash_flat` computed: each chunk's checksum (plan order), the whole
-    file's, and each tensor's layout-independent digest."""
+    """What :func:`hash_flat` computed: each chunk's checksum (plan order), the file's
+    (of its chunk listing), and each tensor's layout-independent digest."""
 
     chunks: tuple[str, ...]
     file: str
     digests: tuple[str, ...]
     checksum: str
+
+
+def copy_tensors(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """``dst.copy_(src)`` for each ``(dst, src)``, in pieces of about
+    :data:`CHUNK_BYTES` on the shared thread pool (a copy releases the GIL): a
+    snapshot staged while another was written is copied into its file at the
+    machine's memory bandwidth, not one core's (torch's own copy uses one thread
+    under torchrun, which sets ``OMP_NUM_THREADS=1``)."""
+    futures = []
+    for dst, src in pairs:
+        if (dst.is_contiguous() and src.is_contiguous() and dst.dtype == src.dtype
+                and dst.shape == src.shape and dst.numel()):
+            d, s = dst.view(-1), src.view(-1)
+            step = max(1, CHUNK_BYTES // d.element_size())
+            futures += [_submit(_copy_range, d, s, a, min(a + step, d.numel()))
+                        for a in range(0, d.numel(), step)]
+        else:
+            futures.append(_submit(dst.copy_, src))
+    for f in futures:
+        f.result()
+
+
+def _copy_range(dst: torch.Tensor, src: torch.Tensor, start: int, end: int) -> None:
+    dst[start:end].copy_(src[start:end])
 
 
 def _hash(mv: memoryview, checksum: str) -> str:
@@ -222,41 +244,26 @@ def _hash(mv: memoryview, checksum: str) -> str:
     return str(h.hexdigest())
 
 
-def _hash_file(mapped: torch.Tensor, plan: FlatPlan, checksum: str) -> tuple[str, list[str]]:
-    """The whole file's checksum and every chunk's, in one pass: each piece is hashed
-    for the file and then, still in the cache, for its chunk."""
-    mv = tensor_bytes(mapped[:plan.size])
-    whole = new_hasher(checksum)
-    chunks, pos = [], 0
-    for _, _, _, offset, nbytes in sorted(plan.chunks, key=lambda c: c[3]):
-        if offset > pos:
-            whole.update(mv[pos:offset])  # the zero padding between tensors
-        h = new_hasher(checksum)
-        for start in range(offset, offset + nbytes, _PIECE):
-            piece = mv[start:min(start + _PIECE, offset + nbytes)]
-            whole.update(piece)
-            h.update(piece)
-        chunks.append((offset, nbytes, str(h.hexdigest())))
-        pos = max(pos, offset + nbytes)
-    if pos < plan.size:
-        whole.update(mv[pos:plan.size])
-    by_place = {(o, n): d for o, n, d in chunks}
-    return str(whole.hexdigest()), [by_place[(c[3], c[4])] for c in plan.chunks]
+def _hash_range(mapped: torch.Tensor, offset: int, nbytes: int, checksum: str) -> str:
+    return _hash(tensor_bytes(mapped[offset:offset + nbytes]), checksum)
 
 
 def hash_flat(mapped: torch.Tensor, plan: FlatPlan, *, checksum: str = "xxh3_128") -> FlatHashes:
-    """Checksums of a written flat file, on the shared thread pool: the whole file's
-    and every chunk's in one pass on one thread (which bounds the time), each
-    tensor's digest (:mod:`._digest`) on the others. ``mapped``: the file's bytes
-    (1-D ``uint8``)."""
+    """Checksums of a written flat file, on the shared thread pool: every chunk's (one
+    task each), the file's (the digest of its chunk listing, see
+    :mod:`._chunk_listing`) and each tensor's layout-independent digest
+    (:mod:`._digest`). ``mapped``: the file's bytes (1-D ``uint8``)."""
     if mapped.numel() < plan.size:
         raise ValueError(f"mapping of {mapped.numel()} bytes cannot hold the plan's "
                          f"{plan.size}; expected at least that many")
-    hashed = _submit(_hash_file, mapped, plan, checksum)
+    chunk_futures = [_submit(_hash_range, mapped, offset, nbytes, checksum)
+                     for _, _, _, offset, nbytes in plan.chunks]
     views = tensor_views(mapped, plan)
     digests = [_submit(lambda t=t: combine([partial(t, (0,) * t.dim(), t.shape)]))
                for t in views]
-    whole, chunks = hashed.result()
+    chunks = [f.result() for f in chunk_futures]
+    whole = listing_digest(plan.size, [(c[3], c[4], h) for c, h in zip(plan.chunks, chunks)],
+                           checksum)
     return FlatHashes(chunks=tuple(chunks), file=whole,
                       digests=tuple(f.result() for f in digests), checksum=checksum)
 
@@ -340,20 +347,6 @@ def commit_flat(layout: Layout, *, step: int, flat_path: str, plan: FlatPlan,
             except Exception as e:
                 log.debug("could not remove the replaced %s: %r", n, e)
     return d.path, manifest
-
-
-def is_flat(manifest: Manifest) -> bool:
-    """Whether ``manifest`` is a flat checkpoint's (one tensor file, whole tensors)."""
-    index = manifest.sharded
-    return (index is not None and all(t.placements == FLAT_PLACEMENT for t in index.tensors)
-            and len({c.file for c in index.chunks}) <= 1
-            and len(manifest.files) <= 2)
-
-
-def flat_file(manifest: Manifest) -> str | None:
-    """The name of a flat checkpoint's tensor file (None: it holds no tensor)."""
-    names = [n for n in manifest.files if n != manifest.payload]
-    return names[0] if names else None
 
 
 def release_flat(layout: Layout, d: StepDir, *, to: str, inode: int) -> bool:

@@ -54,6 +54,7 @@ import fsspec
 from elastic_kit.store._backend import Backend
 from elastic_kit.store._backend_local import LocalBackend
 from elastic_kit.store._backend_object import ObjectBackend
+from elastic_kit.store._chunk_listing import flat_file, is_flat, verify_flat_file
 from elastic_kit.store._fs import is_local, join, retrying
 from elastic_kit.store._manifest import (
     MANIFEST_NAME, MAX_MANIFEST_BYTES, PAYLOAD_NAME, FileEntry, Manifest, check_file_name,
@@ -222,6 +223,10 @@ class Layout:
                         f"{d.path}: {name} is {size} bytes but the manifest says "
                         f"{entry.size} (truncated or partially written)")
                 if not deep:
+                    return None
+                if is_flat(m) and name == flat_file(m) and not keep:
+                    # its checksum is of its chunks' (see _chunk_listing)
+                    verify_flat_file(f, m, name, where=d.path)
                     return None
                 buf = self.backend.kept_copy() if keep else None
                 n, digest = hash_stream(f, m.checksum, chunk=_CHUNK,

@@ -21,8 +21,8 @@ from elastic_kit import cli
 import elastic_kit.snapshot._tier as tier_module
 from elastic_kit.snapshot import SnapshotTier
 from elastic_kit.store import (
-    FLAT_NAME, MANIFEST_NAME, Layout, commit_flat, hash_flat, is_flat, map_file, open_flat,
-    plan_flat, resolve_url, split_state, tensor_views,
+    FLAT_NAME, MANIFEST_NAME, Layout, commit_flat, copy_tensors, hash_flat, is_flat, map_file,
+    open_flat, plan_flat, resolve_url, split_state, tensor_views,
 )
 
 
@@ -228,3 +228,66 @@ def test_a_flat_step_is_a_checkpoint_the_store_and_the_cli_verify(
         open_flat(layout, layout.dir_of(2))
     assert cli.main(["verify", str(root)]) != 0     # `python -m elastic_kit verify`
     assert "0 ok, 1 corrupt" in capsys.readouterr().out
+
+
+def test_a_flat_files_checksum_is_the_digest_of_its_chunks_which_verify_checks(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Each chunk is hashed on its own (in parallel) and the file's checksum is the
+    digest of the chunk listing, not one more pass over the bytes."""
+    import xxhash
+
+    from elastic_kit.store._chunk_listing import listing_digest
+
+    root = tmp_path / "store"
+    root.mkdir()
+    payload, items = split_state(_state(3))
+    plan = plan_flat(items, chunk_bytes=8192)
+    slot = str(tmp_path / "file")
+    with open(slot, "wb") as f:
+        f.truncate(plan.size)
+    mapped = map_file(slot, plan.size)
+    for view, (_, t) in zip(tensor_views(mapped, plan), items):
+        view.copy_(t)
+    hashes = hash_flat(mapped, plan)
+    raw = bytes(mapped.numpy())
+    want = [xxhash.xxh3_128(raw[o:o + n]).hexdigest() for _, _, _, o, n in plan.chunks]
+    assert list(hashes.chunks) == want
+    assert hashes.file == listing_digest(
+        plan.size, [(o, n, h) for (_, _, _, o, n), h in zip(plan.chunks, want)], "xxh3_128")
+    assert hashes.file != xxhash.xxh3_128(raw).hexdigest()
+    fs, path = resolve_url(str(root))
+    layout = Layout(fs, path, url=str(root))
+    commit_flat(layout, step=3, flat_path=slot, plan=plan, hashes=hashes, payload=payload,
+                metadata={})
+    assert cli.main(["verify", str(root)]) == 0
+    assert "1 ok, 0 corrupt" in capsys.readouterr().out
+    # a manifest whose file checksum does not match its chunk listing is corrupt
+    manifest = root / "step-000000000003" / MANIFEST_NAME
+    doc = json.loads(manifest.read_text())
+    doc["files"][FLAT_NAME]["checksum"] = "0" * 32
+    manifest.write_text(json.dumps(doc))
+    with pytest.raises(ek.CheckpointCorruptError, match="chunks of tensors.bin do not match"):
+        layout.verify(layout.dir_of(3), deep=True)
+    assert cli.main(["verify", str(root)]) != 0
+    assert "0 ok, 1 corrupt" in capsys.readouterr().out
+
+
+def test_copy_tensors_copies_in_pieces_on_the_pool_every_kind_of_tensor(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import elastic_kit.store._flat_commit as flat
+
+    monkeypatch.setattr(flat, "CHUNK_BYTES", 4096)   # many pieces for the large ones
+    g = torch.Generator().manual_seed(0)
+    srcs = [torch.randn(300, 64, generator=g), torch.arange(10_000, dtype=torch.int64),
+            torch.rand(5000, generator=g) > 0.5, torch.tensor(3.5, dtype=torch.float64),
+            torch.empty(0, 3), torch.randn(64, 300, generator=g).t()]  # last: strided
+    dsts = [torch.zeros_like(s, memory_format=torch.contiguous_format) for s in srcs]
+    pieces = []
+    real = flat._copy_range
+    monkeypatch.setattr(flat, "_copy_range", lambda d, s, a, b: (pieces.append((a, b)),
+                                                                real(d, s, a, b)))
+    copy_tensors(list(zip(dsts, srcs)))
+    for d, s in zip(dsts, srcs):
+        assert torch.equal(d, s)
+    # the 76,800-byte tensor went in 19 pieces of 1,024 floats, the rest likewise
+    assert len(pieces) == 19 + 20 + 2 + 1
