@@ -58,6 +58,7 @@ HEADLINE: dict[str, tuple[str, ...]] = {
     "bench_snapshot.py": (
         "ratio_ek_vs_plain", "ratio_blocked_vs_copy", "ratio_max_blocked_vs_two_copies",
         "ratio_dcp_vs_plain", "ratio_restore_vs_h2d"),
+    "bench_wrap_ddp.py": ("ratio_wrap_vs_plain_ddp",),
     "bench_goodput.py": (
         "ratio_goodput_snapshots_vs_pytorch_elastic", "ratio_goodput_snapshots_vs_durable",
         "ratio_goodput_durable_vs_pytorch_elastic"),

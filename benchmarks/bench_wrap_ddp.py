@@ -13,13 +13,13 @@ same model, constructed after it in the same process: ``ratio_wrap_vs_plain_ddp`
 
 Usage::
 
-    python benchmarks/probe_wrap_ddp.py --device cuda          # 24 x 4096: 403 M parameters
-    python benchmarks/probe_wrap_ddp.py --layers 4 --d 1024    # CPU, small
+    python benchmarks/bench_wrap_ddp.py --device cuda          # 24 x 4096: 403 M parameters
+    python benchmarks/bench_wrap_ddp.py                        # CPU: 4 x 1024
+    python benchmarks/bench_wrap_ddp.py --smoke                # seconds, for the test suite
 """
 
 from __future__ import annotations
 
-import argparse
 import cProfile
 import io
 import os
@@ -61,15 +61,16 @@ def _print_profile(title: str, prof: cProfile.Profile, n: int) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = _common.parser(__doc__)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--layers", type=int, default=None, help="default 24 on CUDA, 4 on CPU")
     ap.add_argument("--d", type=int, default=None, help="default 4096 on CUDA, 1024 on CPU")
-    ap.add_argument("--results", default=None)
     args = ap.parse_args()
     cuda = args.device == "cuda"
-    layers = args.layers or (24 if cuda else 4)
-    d = args.d or (4096 if cuda else 1024)
+    if cuda and not torch.cuda.is_available():
+        ap.error("--device cuda: torch.cuda.is_available() is False")
+    layers = args.layers or (1 if args.smoke else 24 if cuda else 4)
+    d = args.d or (64 if args.smoke else 4096 if cuda else 1024)
     os.environ.update(torchrun_env(0, 1, free_port()))
     if not cuda:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
