@@ -70,7 +70,9 @@ the next block. Reported (the JSON's last line):
 - ``restore_s``: a new ``Checkpointer.restore()`` from this node's memory, against
   ``h2d_s`` (the copy back: memory copy, or pinned host-to-device); ``load_s``: the
   tier's load alone (map, verify the chunks, views or the copy to the device), as
-  ``ratio_load_vs_h2d``;
+  ``ratio_load_vs_h2d``, and ``load_phases``, where it went (``SnapshotTier.
+  last_load_phases``: choosing, mapping and verifying; on CUDA registering the
+  mapping, the copy, unregistering);
 - ``dcp_blocked_s`` / ``dcp_commit_s``: DCP's ``async_save`` call and its completion.
 
 Usage::
@@ -415,6 +417,8 @@ def main() -> None:
         if cuda:
             torch.cuda.synchronize()
         load_s = time.perf_counter() - t0
+        load_phases = {k: round(v, 4)
+                       for k, v in getattr(probe, "last_load_phases", {}).items()}
         assert probed is not None
         del probed
         probe.close(remove=False)
@@ -465,6 +469,7 @@ def main() -> None:
         "ek_hash_s": _common.spread(hashing) if hashing else None,
         "ek_commit_write_s": _common.spread(committing) if committing else None,
         "load_s": round(load_s, 4),
+        "load_phases": load_phases,
         "restore_s": round(restore_s, 4),
         "restored_from": restored_from,
         "load_avg_1m": load_start,

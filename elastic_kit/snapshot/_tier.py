@@ -242,6 +242,10 @@ class SnapshotTier:
         self._cost_s: float | None = None
         self._costs: collections.deque[float] = collections.deque(maxlen=COST_WINDOW)
         self._last_stall: DeviceStall | None = None
+        #: where the last :meth:`load` of a snapshot file spent its time (seconds):
+        #: choosing, mapping and verifying it, and on CUDA registering the mapping,
+        #: the copy to the device and unregistering (``registered``: 1.0 if it was)
+        self.last_load_phases: dict[str, float] = {}
         #: seconds the device waited for each snapshot's side-stream copies before
         #: the optimizer step (CUDA; the newest last, known at the next snapshot)
         self.device_stalls: collections.deque[float] = collections.deque(maxlen=1000)
@@ -724,7 +728,7 @@ class SnapshotTier:
         when the file is one this tier will write again (its own slot)."""
         state = opened.state
         if device is not None and device.type == "cuda":
-            return _to_device(opened, device)
+            return _to_device(opened, device, self.last_load_phases)
         if device is not None and device.type != "cpu":
             return map_tree(state, lambda _, v: v.to(device) if isinstance(v, torch.Tensor)
                             else v)
@@ -755,8 +759,11 @@ class SnapshotTier:
         if self.sharded:
             return self._load_parts(map_location, into)
         root, step, opened = (self.node_dir, None, None)
+        t0 = time.perf_counter()
+        self.last_load_phases = {}
         if self.info.local_rank == 0 and self.enabled:
             root, step, opened = self._choose_root()
+        self.last_load_phases["choose_map_verify_s"] = time.perf_counter() - t0
         distributed = is_dist_ready() and self.info.world_size > 1
         device = None if map_location is None else target_device(map_location)
         if not distributed:
@@ -902,7 +909,8 @@ class _TierStore(CheckpointStore):
 _HOST_REGISTER_READ_ONLY = 8
 
 
-def _to_device(opened: FlatCheckpoint, device: torch.device) -> Any:
+def _to_device(opened: FlatCheckpoint, device: torch.device,
+               phases: dict[str, float] | None = None) -> Any:
     """The mapped snapshot's tensors copied to the CUDA ``device``: the mapping is
     registered as pinned memory for the copies (host-to-device at the bus's speed,
     no pageable bounce buffer), then unregistered.
@@ -911,22 +919,30 @@ def _to_device(opened: FlatCheckpoint, device: torch.device) -> Any:
     pinning it for writing makes the kernel give the pinning its own copy of every
     page first (on an H100 host the tier's load of 4.83 GB went from 3.3 s to 2.8 s
     with read-only registration; the copy to the device itself takes 0.09 s). Where
-    read-only registration is refused, the copies go from pageable memory."""
+    read-only registration is refused, the copies go from pageable memory.
+    ``phases``: receives the seconds each part took (register, copy, unregister)."""
+    phases = {} if phases is None else phases
     mapped = opened.mapped
     registered = False
+    t0 = time.perf_counter()
     if mapped.numel():
         registered = int(torch.cuda.cudart().cudaHostRegister(
             mapped.data_ptr(), mapped.numel(), _HOST_REGISTER_READ_ONLY)) == 0
         if not registered:
             log.debug("read-only registration of %s refused: copying from pageable memory",
                       opened.path)
+    t1 = time.perf_counter()
+    phases["register_s"], phases["registered"] = t1 - t0, float(registered)
     try:
         out = map_tree(opened.state, lambda _, v: v.to(device, non_blocking=registered)
                        if isinstance(v, torch.Tensor) else v)
         torch.cuda.synchronize(device)
+        t2 = time.perf_counter()
+        phases["copy_s"] = t2 - t1
     finally:
         if registered:
             torch.cuda.cudart().cudaHostUnregister(mapped.data_ptr())
+    phases["unregister_s"] = time.perf_counter() - t1 - phases.get("copy_s", 0.0)
     return out
 
 
