@@ -32,6 +32,7 @@ checksum verified.
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import json
 import logging
 import os
@@ -50,7 +51,8 @@ from elastic_kit.store import (
     MANIFEST_NAME, TMP_PREFIX, Manifest, check_file_name, parse_step_dir, step_dir_name,
 )
 
-__all__ = ["ADDR_ENV", "REPLICAS", "ReplicaReceiver", "ReplicaSender", "advertised_host"]
+__all__ = ["ADDR_ENV", "REPLICAS", "ReplicaReceiver", "ReplicaSender", "advertised_host",
+           "writer_addresses"]
 
 log = logging.getLogger(__name__)
 
@@ -185,7 +187,9 @@ class ReplicaReceiver:
     second: when it is spent the receiver stops accepting until it refills, so a
     flood of them costs the training process a bounded share of its time (the
     kernel's listen queue holds the rest). Nothing is made on disk before the header
-    validated; a failed stream's temporary directory is removed.
+    validated; a failed stream's temporary directory is removed. Once the group's
+    writers are known (:attr:`peers`), a connection from any other address is closed
+    before it can send a byte, counted as refused.
 
     Args:
         node_dir: this node's snapshot directory.
@@ -217,6 +221,8 @@ class ReplicaReceiver:
         self.received: list[tuple[str, int]] = []
         #: connections refused or dropped so far (for logs and tests)
         self.refused = 0
+        #: the addresses streams may come from (the group's writers'); None: any
+        self.peers: frozenset[str] | None = None
         self._thread = threading.Thread(target=self._serve, name="ek-replica-recv", daemon=True)
         self._thread.start()
 
@@ -262,8 +268,18 @@ class ReplicaReceiver:
 
     def _accept(self, sel: selectors.BaseSelector) -> None:
         try:
-            conn, _ = self._sock.accept()
+            conn, addr = self._sock.accept()
         except OSError:
+            return
+        peers = self.peers
+        if peers is not None and _plain_address(addr[0]) not in peers:
+            conn.close()  # not one of the group's writers: not a byte read
+            self.refused += 1
+            self._budget -= 1.0
+            (log.debug if self._warned else log.warning)(
+                "refused a replica connection from %s, which is not one of the group's "
+                "snapshot writers %s", addr[0], sorted(peers))
+            self._warned = True
             return
         conn.setblocking(False)
         waiting = [s for s in self._streams if not s.receiving]
@@ -466,12 +482,39 @@ class ReplicaReceiver:
             self._wake_r.close()
 
 
+def _plain_address(host: str) -> str:
+    """``host`` without an IPv4-mapped IPv6 prefix (``::ffff:10.0.0.1`` -> ``10.0.0.1``)."""
+    return host[7:] if host.lower().startswith("::ffff:") and "." in host else host
+
+
+def writer_addresses(hosts: list[str]) -> frozenset[str] | None:
+    """The addresses the group's writers' streams come from, for
+    :attr:`ReplicaReceiver.peers`: their advertised hosts (each sender binds its
+    connection to its own, see :class:`ReplicaSender`). None (any address) when one
+    of them is a wildcard address or a name, which says nothing about the source."""
+    out = set()
+    for h in hosts:
+        try:
+            ip = ipaddress.ip_address(_plain_address(h))
+        except ValueError:
+            return None
+        if ip.is_unspecified:
+            return None
+        out.add(str(ip))
+    return frozenset(out)
+
+
 class ReplicaSender:
     """Streams this node's newest committed snapshot to its ring successor (a daemon
-    thread); :meth:`offer` never blocks."""
+    thread); :meth:`offer` never blocks.
 
-    def __init__(self, peer: tuple[str, int], *, source: str, run: str, token: str) -> None:
+    ``bind``: the local address its connections come from (this node's advertised
+    host, which the receiver checks), or None for the kernel's choice."""
+
+    def __init__(self, peer: tuple[str, int], *, source: str, run: str, token: str,
+                 bind: str | None = None) -> None:
         self.peer, self.source, self.run, self.token = peer, source, run, token
+        self.bind = bind
         self._cond = threading.Condition()
         self._offered: tuple[int, str] | None = None
         self._busy = False
@@ -558,7 +601,9 @@ class ReplicaSender:
             left = deadline - time.monotonic()
             conn = None
             try:
-                conn = socket.create_connection(self.peer, timeout=max(0.05, min(left, wait)))
+                conn = socket.create_connection(
+                    self.peer, timeout=max(0.05, min(left, wait)),
+                    source_address=None if self.bind is None else (self.bind, 0))
                 conn.sendall(header)
                 return conn, _recv_line(conn, 2000).decode(errors="replace")
             except (OSError, ValueError) as e:

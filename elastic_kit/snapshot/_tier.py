@@ -29,7 +29,7 @@ from elastic_kit.snapshot._private import (
     UnsafeTreeError, check_root, is_private_entry, private_dir, user_dir_name,
 )
 from elastic_kit.snapshot._replica import (
-    REPLICAS, ReplicaReceiver, ReplicaSender, advertised_host,
+    REPLICAS, ReplicaReceiver, ReplicaSender, advertised_host, writer_addresses,
 )
 from elastic_kit.snapshot._shards import (
     Listing, add_partials, describe, is_part, listing, load_parts, local_tensors, localize,
@@ -576,6 +576,7 @@ class SnapshotTier:
         writers = [e for e in sorted(everyone) if e[2] is not None]
         if r is not None:
             r.token = token
+            r.peers = writer_addresses([e[2][0] for e in writers])
         if r is None and not (self.sharded and self.writes):
             return
         names = [e[1] for e in writers]
@@ -588,8 +589,10 @@ class SnapshotTier:
         if self._sender is not None:
             self._sender.close(timeout=FLUSH_TIMEOUT_S)
         source = part_source(mine[1], self.info.local_rank) if self.sharded else mine[1]
+        # from this node's advertised address, which the successor's receiver checks
+        bind = next((e[2][0] for e in writers if e[1] == mine[1]), None)
         self._sender = ReplicaSender(succ[2], source=source, run=self._run_label(),
-                                     token=token)
+                                     token=token, bind=_bindable(bind))
         log.info("snapshots of %s are replicated to node %s at %s:%d", mine[1], succ[1],
                  *succ[2])
 
@@ -903,6 +906,20 @@ class _TierStore(CheckpointStore):
         if self.writer is not None:
             self.writer.close()
         super().close()
+
+
+def _bindable(host: str | None) -> str | None:
+    """``host`` if a socket can bind to it here (a sender's source address: the
+    receiver checks it), else None (the kernel's choice)."""
+    if host is None:
+        return None
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+        return host
+    except OSError:
+        return None
 
 
 #: ``cudaHostRegisterReadOnly``: the device only reads the registered pages.

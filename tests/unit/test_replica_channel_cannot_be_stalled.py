@@ -176,3 +176,40 @@ def test_a_stream_whose_manifest_does_not_validate_leaves_nothing(
     assert out.startswith(b"error: the streamed manifest does not validate")
     assert receiver.received == [] and _leftovers(receiver) == []
     assert list(Path(receiver.dir, "nodeA").iterdir()) == []
+
+
+def test_a_connection_from_an_address_outside_the_group_is_closed_unread(
+        tmp_path: Path, receiver: ReplicaReceiver) -> None:
+    """Once the group's writers are known, a stranger on another address is hung up
+    on before it can send a byte, even with the right token; the writers' streams
+    (bound to their advertised address) still arrive."""
+    from elastic_kit.snapshot._replica import writer_addresses
+
+    receiver.peers = writer_addresses(["127.0.0.1"])
+    assert receiver.peers == frozenset({"127.0.0.1"})
+    header = {"token": TOKEN, "run": "run-1", "source": "nodeX", "step": 9,
+              "files": [["state.pt", 10], ["manifest.json", 10]]}
+    with socket.create_connection((receiver.host, receiver.port), timeout=30,
+                                  source_address=("127.0.0.2", 0)) as stranger:
+        try:
+            stranger.sendall(json.dumps(header).encode() + b"\n")
+            reply = stranger.recv(200)
+        except ConnectionError:
+            reply = b""
+    assert reply == b""                                # closed, no "go", no error text
+    assert receiver.refused == 1 and not Path(receiver.dir).exists()
+    sender = ReplicaSender((receiver.host, receiver.port), source="nodeA", run="run-1",
+                           token=TOKEN, bind="127.0.0.1")
+    sender.offer(5, str(_snapshot(tmp_path / "own", 5)))
+    assert sender.flush(timeout=60)
+    sender.close()
+    assert sender.sent == [5] and receiver.received == [("nodeA", 5)]
+
+
+def test_writer_addresses_normalise_and_give_up_on_wildcards_and_names() -> None:
+    from elastic_kit.snapshot._replica import writer_addresses
+
+    assert writer_addresses(["10.0.0.1", "::ffff:10.0.0.2", "fe80::1"]) == frozenset(
+        {"10.0.0.1", "10.0.0.2", "fe80::1"})
+    assert writer_addresses(["10.0.0.1", "0.0.0.0"]) is None
+    assert writer_addresses(["10.0.0.1", "node-3.cluster"]) is None
