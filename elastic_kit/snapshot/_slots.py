@@ -29,7 +29,7 @@ from typing import Sequence
 
 import torch
 
-from elastic_kit.store import FlatPlan, map_file, plan_flat, tensor_views
+from elastic_kit.store import FlatPlan, map_file, plan_flat, tensor_views, zero_bytes
 
 __all__ = ["SLOT_PREFIX", "Slot", "Slots", "remove_dead_slots"]
 
@@ -97,8 +97,9 @@ class Slot:
         self.path = path
         self.plan = plan
         self.mapped = map_file(path, plan.size, shared=True)
-        # first touch of the tmpfs pages, here (the writer thread), not in a snapshot
-        self.mapped.zero_()
+        # first touch of the tmpfs pages, here (the writer thread, with the hashing
+        # threads), not in a snapshot
+        zero_bytes(self.mapped)
         self.views = tensor_views(self.mapped, plan)
         self.step: int | None = None
         self.busy = False

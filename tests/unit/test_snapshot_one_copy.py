@@ -291,3 +291,17 @@ def test_copy_tensors_copies_in_pieces_on_the_pool_every_kind_of_tensor(
         assert torch.equal(d, s)
     # the 76,800-byte tensor went in 19 pieces of 1,024 floats, the rest likewise
     assert len(pieces) == 19 + 20 + 2 + 1
+
+
+def test_zero_bytes_zeroes_every_piece(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import elastic_kit.store._flat_commit as flat
+
+    monkeypatch.setattr(flat, "CHUNK_BYTES", 4096)
+    path = str(tmp_path / "f")
+    with open(path, "wb") as f:
+        f.write(b"\xab" * 10_000)                  # 2 whole pieces and a partial one
+    mapped = map_file(path, 10_000)
+    flat.zero_bytes(mapped)
+    assert int(mapped.count_nonzero()) == 0
+    with open(path, "rb") as f:
+        assert f.read() == bytes(10_000)
