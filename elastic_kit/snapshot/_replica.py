@@ -273,9 +273,9 @@ class ReplicaReceiver:
             return
         peers = self.peers
         if peers is not None and _plain_address(addr[0]) not in peers:
-            conn.close()  # not one of the group's writers: not a byte read
             self.refused += 1
             self._budget -= 1.0
+            conn.close()  # not one of the group's writers: not a byte read
             (log.debug if self._warned else log.warning)(
                 "refused a replica connection from %s, which is not one of the group's "
                 "snapshot writers %s", addr[0], sorted(peers))
