@@ -5,6 +5,7 @@ Subcommands::
     elastic-kit ls URL                 committed checkpoints: step, size, time, status
     elastic-kit verify URL [--step N]  recompute every checksum
     elastic-kit prune URL --keep K     delete all but the newest K checkpoints
+    elastic-kit snapshots [--remove]   this user's in-memory snapshot runs on this host
 
 Nothing here needs a process group: the tools run on a laptop against the same URL
 the job writes to (``--storage-options '{"profile": "x"}'`` for credentials).
@@ -39,6 +40,7 @@ examples:
   python -m elastic_kit ls /shared/ckpt
   python -m elastic_kit verify s3://bucket/run1 --storage-options '{"profile": "train"}'
   python -m elastic_kit prune /shared/ckpt --keep 2
+  python -m elastic_kit snapshots --remove --idle-minutes 120
 """
 
 
@@ -48,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="elastic-kit", description="Inspect elastic_kit checkpoint stores.",
         epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    sub = p.add_subparsers(dest="command", required=True, metavar="{ls,verify,prune}")
+    sub = p.add_subparsers(dest="command", required=True,
+                           metavar="{ls,verify,prune,snapshots}")
 
     def common(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("url", help="store path or fsspec URL (file://, s3://, gs://, az://...)")
@@ -68,6 +71,21 @@ def build_parser() -> argparse.ArgumentParser:
     common(pr)
     pr.add_argument("--keep", type=int, required=True, metavar="K", help="checkpoints to keep (>= 1)")
     pr.add_argument("--dry-run", action="store_true", help="print what would be deleted")
+    sn = sub.add_parser(
+        "snapshots", help="this user's in-memory snapshot runs on this host; --remove "
+        "deletes those left behind", epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="A run's snapshots stay in shared memory while it may restart; a run "
+                    "abandoned for good leaves them. Lists this user's runs under the "
+                    "snapshot root, and with --remove deletes those that no live "
+                    "snapshot writer uses and where nothing was written for "
+                    "--idle-minutes.")
+    sn.add_argument("--root", default=None,
+                    help="the snapshot root (default: $ELASTIC_KIT_SNAPSHOT_DIR, else /dev/shm)")
+    sn.add_argument("--remove", action="store_true", help="delete the idle runs")
+    sn.add_argument("--idle-minutes", type=float, default=60.0, metavar="M",
+                    help="a run is idle after M minutes without a write (default 60)")
+    sn.add_argument("--json", action="store_true", help="one JSON object per line")
     return p
 
 
@@ -159,6 +177,39 @@ def _cmd_prune(store: Any, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _cmd_snapshots(args: argparse.Namespace) -> int:
+    from elastic_kit.snapshot import default_root, remove_idle_runs, snapshot_runs
+
+    if args.idle_minutes < 0:
+        print(f"error: --idle-minutes={args.idle_minutes} must be >= 0", file=sys.stderr)
+        return EXIT_USAGE
+    root = args.root or default_root()
+    found = snapshot_runs(root)
+    idle = {r.path for r in remove_idle_runs(root, idle_s=args.idle_minutes * 60.0,
+                                             dry_run=not args.remove)}
+    rows = []
+    for r in found:
+        status = (("removed" if args.remove else "idle") if r.path in idle else
+                  f"in use (writer pid {', '.join(map(str, r.writers))})" if r.writers else
+                  "recent")
+        rows.append({"path": r.path, "size_bytes": r.size_bytes, "time": r.newest,
+                     "status": status})
+    if args.json:
+        for row in rows:
+            print(json.dumps(row))
+        return EXIT_OK
+    if not rows:
+        print(f"no snapshot runs of this user under {root}")
+        return EXIT_OK
+    print(f"{'SIZE':>10}  {'LAST WRITE':<23}  {'STATUS':<24}  PATH")
+    for row in rows:
+        print(f"{_fmt_size(row['size_bytes']):>10}  {_fmt_time(row['time']):<23}  "
+              f"{row['status']:<24}  {row['path']}")
+    if not args.remove and any(row["status"] == "idle" for row in rows):
+        print("idle runs are removed with --remove")
+    return EXIT_OK
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``elastic-kit`` and ``python -m elastic_kit``; returns the exit code.
 
@@ -171,6 +222,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from elastic_kit.errors import CheckpointError
 
+    if args.command == "snapshots":
+        try:
+            return _cmd_snapshots(args)
+        except (OSError, ValueError) as e:  # PermissionError: an untrusted tree
+            print(f"error: snapshots: {e}", file=sys.stderr)
+            return EXIT_USAGE
     try:
         store = _open_store(args)
         return {"ls": _cmd_ls, "verify": _cmd_verify, "prune": _cmd_prune}[args.command](store, args)

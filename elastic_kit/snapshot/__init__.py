@@ -56,10 +56,11 @@ rest) and streams it to the next node; a restore at any world size takes each ra
 rank now owns from whichever node holds it (:mod:`elastic_kit.snapshot._shards`).
 """
 
+from elastic_kit.snapshot._leftovers import SnapshotRun, remove_idle_runs, snapshot_runs
 from elastic_kit.snapshot._tier import (
     DEFAULT_BUDGET, SnapshotTier, agree_run_identity, default_root, interval_for,
     snapshot_dir,
 )
 
 __all__ = ["DEFAULT_BUDGET", "SnapshotTier", "agree_run_identity", "default_root",
-           "interval_for", "snapshot_dir"]
+           "interval_for", "snapshot_dir", "SnapshotRun", "snapshot_runs", "remove_idle_runs"]

@@ -1,0 +1,105 @@
+"""This user's snapshot runs on this host, and removing the ones left behind.
+
+A run's snapshots live in shared memory (``<root>/elastic_kit-<uid>/<run>-<hash>/``)
+as long as the run lives, so that restarted workers find them; a finished run removes
+them. A run abandoned for good (its job killed with no restart to come, a node taken
+out of service) leaves them: RAM that stays in use until the host reboots. Nothing can
+tell from inside the tree that no restart will come, so nothing removes a run's tree
+on its own; :func:`snapshot_runs` lists what is there, with the signs of life a run
+leaves (a snapshot writer's live process, the newest write), and
+:func:`remove_idle_runs` removes runs without either (``python -m elastic_kit
+snapshots --remove``).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+
+from elastic_kit.snapshot._private import check_root, is_private_entry, private_dir, user_dir_name
+from elastic_kit.snapshot._slots import SLOT_PREFIX, _pid_alive
+
+__all__ = ["SnapshotRun", "snapshot_runs", "remove_idle_runs"]
+
+
+@dataclass
+class SnapshotRun:
+    """One run's snapshot tree.
+
+    Attributes:
+        path: the run's directory.
+        size_bytes: the bytes of its files.
+        newest: the newest modification time in it (seconds since the epoch).
+        writers: the live processes whose snapshot files are in it (pids).
+    """
+
+    path: str
+    size_bytes: int = 0
+    newest: float = 0.0
+    writers: list[int] = field(default_factory=list)
+
+    def idle_s(self, now: float | None = None) -> float:
+        """Seconds since anything in it was written."""
+        return max(0.0, (time.time() if now is None else now) - self.newest)
+
+
+def _user_dir(root: str) -> str | None:
+    check_root(root)
+    try:
+        return private_dir(root, [user_dir_name()], create=False)
+    except FileNotFoundError:
+        return None
+
+
+def _survey(path: str) -> SnapshotRun:
+    run = SnapshotRun(path=path, newest=os.lstat(path).st_mtime)
+    for dirpath, dirnames, filenames in os.walk(path, followlinks=False):
+        for name in dirnames + filenames:
+            try:
+                st = os.lstat(os.path.join(dirpath, name))
+            except OSError:
+                continue
+            run.newest = max(run.newest, st.st_mtime)
+            if name in filenames:
+                run.size_bytes += st.st_size
+            if not name.startswith(SLOT_PREFIX):
+                continue
+            pid = name[len(SLOT_PREFIX):].split("-", 1)[0]
+            if pid.isdigit() and int(pid) not in run.writers and _pid_alive(int(pid)):
+                run.writers.append(int(pid))
+    return run
+
+
+def snapshot_runs(root: str) -> list[SnapshotRun]:
+    """This user's snapshot runs under ``root`` (``/dev/shm`` by default in the tier),
+    oldest write first. Only real directories of this user's are looked into.
+
+    Raises:
+        UnsafeTreeError: the root or this user's directory in it is not to be trusted.
+    """
+    user = _user_dir(root)
+    if user is None:
+        return []
+    runs = [_survey(os.path.join(user, n)) for n in sorted(os.listdir(user))
+            if is_private_entry(os.path.join(user, n))]
+    return sorted(runs, key=lambda r: r.newest)
+
+
+def remove_idle_runs(root: str, *, idle_s: float, dry_run: bool = False,
+                     now: float | None = None) -> list[SnapshotRun]:
+    """Remove (unless ``dry_run``) this user's snapshot runs under ``root`` that no live
+    snapshot writer uses and where nothing was written for ``idle_s`` seconds; the
+    runs removed (or that would be).
+
+    Raises:
+        ValueError: ``idle_s`` is negative.
+    """
+    if idle_s < 0:
+        raise ValueError(f"idle_s={idle_s!r} must be >= 0 seconds")
+    doomed = [r for r in snapshot_runs(root) if not r.writers and r.idle_s(now) >= idle_s]
+    if not dry_run:
+        for r in doomed:
+            shutil.rmtree(r.path)  # fd-based on Linux: a symlink inside is not followed
+    return doomed
