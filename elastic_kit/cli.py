@@ -121,6 +121,19 @@ def _open_store(args: argparse.Namespace) -> Any:
                            read_attempts=2, io_timeout=10.0)
 
 
+def _printed_as_json_or_none(rows: list[dict[str, Any]], as_json: bool, none: str) -> bool:
+    """Print ``rows`` one JSON object a line (``as_json``), or ``none`` when there are
+    none; whether that was all there is to print (else the caller prints a table)."""
+    if as_json:
+        for r in rows:
+            print(json.dumps(r))
+        return True
+    if not rows:
+        print(none)
+        return True
+    return False
+
+
 def _cmd_ls(store: Any, args: argparse.Namespace) -> int:
     infos = {i.step: i for i in store.list()}
     rows = []
@@ -131,12 +144,7 @@ def _cmd_ls(store: Any, args: argparse.Namespace) -> int:
                      "time": i.time if i else None, "epoch": i.epoch if i else None,
                      "status": "ok" if problem is None else
                      "INVALID: " + problem.split(": ", 1)[-1]})
-    if args.json:
-        for r in rows:
-            print(json.dumps(r))
-        return EXIT_OK
-    if not rows:
-        print(f"no checkpoints in {store.url}")
+    if _printed_as_json_or_none(rows, args.json, f"no checkpoints in {store.url}"):
         return EXIT_OK
     print(f"{'STEP':>12}  {'SIZE':>10}  {'EPOCH':>5}  {'TIME':<23}  STATUS")
     for r in rows:
@@ -194,12 +202,7 @@ def _cmd_snapshots(args: argparse.Namespace) -> int:
                   "recent")
         rows.append({"path": r.path, "size_bytes": r.size_bytes, "time": r.newest,
                      "status": status})
-    if args.json:
-        for row in rows:
-            print(json.dumps(row))
-        return EXIT_OK
-    if not rows:
-        print(f"no snapshot runs of this user under {root}")
+    if _printed_as_json_or_none(rows, args.json, f"no snapshot runs of this user under {root}"):
         return EXIT_OK
     print(f"{'SIZE':>10}  {'LAST WRITE':<23}  {'STATUS':<24}  PATH")
     for row in rows:

@@ -195,20 +195,27 @@ def test_a_snapshot_taken_while_one_is_written_is_copied_into_the_file_after(
     tier.close(remove=True)
 
 
-def test_a_flat_step_is_a_checkpoint_the_store_and_the_cli_verify(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    root = tmp_path / "store"
-    root.mkdir()
-    state = _state(2)
+def _flat_file(tmp_path: Path, state: Any) -> tuple[Any, list[tuple[str, torch.Tensor]],
+                                                    Any, str, torch.Tensor]:
+    """``state`` written as a flat file of several chunks per large tensor: its payload,
+    tensors, plan, the file's path and its mapping."""
     payload, items = split_state(state)
     plan = plan_flat(items, chunk_bytes=8192)      # several chunks for the large tensor
-    assert len(plan.chunks) > len(items)
     slot = str(tmp_path / "file")
     with open(slot, "wb") as f:
         f.truncate(plan.size)
     mapped = map_file(slot, plan.size)
     for view, (_, t) in zip(tensor_views(mapped, plan), items):
         view.copy_(t)
+    return payload, items, plan, slot, mapped
+
+
+def test_a_flat_step_is_a_checkpoint_the_store_and_the_cli_verify(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    root = tmp_path / "store"
+    root.mkdir()
+    payload, items, plan, slot, mapped = _flat_file(tmp_path, _state(2))
+    assert len(plan.chunks) > len(items)
     fs, path = resolve_url(str(root))
     layout = Layout(fs, path, url=str(root))
     commit_flat(layout, step=2, flat_path=slot, plan=plan, hashes=hash_flat(mapped, plan),
@@ -240,14 +247,7 @@ def test_a_flat_files_checksum_is_the_digest_of_its_chunks_which_verify_checks(
 
     root = tmp_path / "store"
     root.mkdir()
-    payload, items = split_state(_state(3))
-    plan = plan_flat(items, chunk_bytes=8192)
-    slot = str(tmp_path / "file")
-    with open(slot, "wb") as f:
-        f.truncate(plan.size)
-    mapped = map_file(slot, plan.size)
-    for view, (_, t) in zip(tensor_views(mapped, plan), items):
-        view.copy_(t)
+    payload, items, plan, slot, mapped = _flat_file(tmp_path, _state(3))
     hashes = hash_flat(mapped, plan)
     raw = bytes(mapped.numpy())
     want = [xxhash.xxh3_128(raw[o:o + n]).hexdigest() for _, _, _, o, n in plan.chunks]
