@@ -9,6 +9,7 @@ the audit), ``_saving`` (writing the state), ``_hooks`` (what it installs) and
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import operator
 import os
 import time
@@ -69,7 +70,10 @@ class Checkpointer(Lifecycle):
             and process group by :meth:`restore` when None.
 
     Attributes:
-        loaded: the :class:`~elastic_kit.LoadedCheckpoint` :meth:`restore` loaded, or None.
+        loaded: the :class:`~elastic_kit.LoadedCheckpoint` :meth:`restore` loaded (its
+            step, epoch, metadata and path), or None. Its ``state`` is empty: the
+            state was loaded into the live objects, and keeping its tensors would hold
+            a whole copy (for a restore from memory, the snapshot's mapped file).
         restored_step: its step, or None.
         info: this worker's :class:`~elastic_kit.DistInfo` (set by :meth:`restore`).
 
@@ -153,11 +157,17 @@ class Checkpointer(Lifecycle):
             self.store, self.snapshots, info, map_location,
             into=state.state_dict if sharded else None)
         if loaded is not None:
+            if self.restored_from in ("memory", "peer") and not sharded:
+                _restore.own_cpu_optimizer_state(state, loaded.state)
             state.load_state_dict(loaded.state)
-            self.loaded, self.restored_step = loaded, int(loaded.step)
+            self.restored_step = int(loaded.step)
             self._last_saved_step = self.restored_step
         _restore.resume(state, info, loaded, self.restored_step, self.restored_from,
                         self.snapshots, self.finish_audit)
+        if loaded is not None:
+            # what was loaded, without its state: that is in the live objects now, and
+            # a snapshot's tensors would hold its mapped file for the rest of the run
+            self.loaded = dataclasses.replace(loaded, state={})
         self._progress.restored()
         tier = self.snapshots
         self._step_end = StepEnd(state, enabled=tier is not None and tier.writes and not sharded)

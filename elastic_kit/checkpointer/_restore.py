@@ -12,9 +12,12 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, Callable
 
+import torch
+
 from elastic_kit._console import say
 from elastic_kit.distributed import DistInfo, all_reduce_max
 from elastic_kit.snapshot import SnapshotTier, agree_run_identity
+from elastic_kit.store import map_tree
 
 if TYPE_CHECKING:
     from elastic_kit.checkpointer._store_like import StoreLike
@@ -127,6 +130,22 @@ def load_newest(store: StoreLike | None, tier: SnapshotTier | None, info: DistIn
             return loaded, "memory" if held else "peer"
     loaded = load_durable(store, map_location, into)
     return loaded, "store" if loaded is not None else None
+
+
+def own_cpu_optimizer_state(state: TrainState, sd: dict[str, Any]) -> None:
+    """Give the optimizer state of ``sd`` (loaded from a snapshot: views of its mapped
+    file) memory of its own where the optimizer keeps it as given (CPU parameters:
+    ``Optimizer.load_state_dict`` keeps a tensor already of the parameter's device and
+    dtype), so that the snapshot's file is not held for the rest of the run. Tensors
+    for CUDA parameters are copied to the device by the optimizer anyway."""
+    opt = state.optimizer
+    if opt is None or not isinstance(sd.get("optimizer"), dict):
+        return
+    if not any(p.device.type == "cpu" for g in opt.param_groups for p in g["params"]):
+        return
+    sd["optimizer"] = map_tree(sd["optimizer"], lambda _, v: v.clone()
+                               if isinstance(v, torch.Tensor) and v.device.type == "cpu"
+                               else v)
 
 
 def close_exhausted_epoch(state: TrainState, info: DistInfo,

@@ -305,3 +305,42 @@ def test_zero_bytes_zeroes_every_piece(monkeypatch: pytest.MonkeyPatch, tmp_path
     assert int(mapped.count_nonzero()) == 0
     with open(path, "rb") as f:
         assert f.read() == bytes(10_000)
+
+
+def test_a_checkpointer_restored_from_memory_does_not_hold_the_snapshots_file(
+        shm: str, tmp_path: Path) -> None:
+    """After a CPU restore from a snapshot the run keeps nothing mapped of its file:
+    the model copies from the views, the optimizer state gets memory of its own and
+    ``loaded`` keeps no state (before, both held the mapping for the rest of the run,
+    one state's size of shared memory after the file was deleted)."""
+    import gc
+
+    def make() -> tuple[ek.Checkpointer, torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(64, 64)
+        opt = torch.optim.Adam(model.parameters(), lr=0.1)
+        ck = ek.Checkpointer(ek.TrainState(model, opt), str(tmp_path / "durable"),
+                             handle_signals=False, snapshot_every=1,
+                             info=ek.DistInfo(run_id="job"))
+        return ck, model, opt
+
+    ck, model, opt = make()
+    ck.restore()
+    model(torch.ones(2, 64)).sum().backward()
+    opt.step()
+    ck.step(2)
+    assert ck.snapshots is not None and ck.snapshots.wait(timeout=60)
+    want = {k: v.clone() for k, v in opt.state[model.weight].items()}
+    ck.abandon()                                    # a failing worker: the snapshot stays
+    del ck, model, opt
+    gc.collect()
+    ck, model, opt = make()
+    ck.restore()
+    assert ck.restored_from == "memory" and ck.restored_step == 1
+    assert ck.loaded is not None and ck.loaded.step == 1 and ck.loaded.state == {}
+    got = opt.state[model.weight]
+    assert all(torch.equal(got[k], v) for k, v in want.items())
+    gc.collect()
+    flat = str(Path(ck.snapshots.node_dir, "step-000000000001", FLAT_NAME))  # type: ignore[union-attr]
+    assert os.path.exists(flat) and _mapped_ranges(flat) == []
+    ck.close()
