@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 
 from elastic_kit.snapshot._private import check_root, is_private_entry, private_dir, user_dir_name
-from elastic_kit.snapshot._slots import SLOT_PREFIX, _pid_alive
+from elastic_kit.snapshot._slots import _pid_alive, slot_pid
 
 __all__ = ["SnapshotRun", "snapshot_runs", "remove_idle_runs"]
 
@@ -64,11 +64,9 @@ def _survey(path: str) -> SnapshotRun:
             run.newest = max(run.newest, st.st_mtime)
             if name in filenames:
                 run.size_bytes += st.st_size
-            if not name.startswith(SLOT_PREFIX):
-                continue
-            pid = name[len(SLOT_PREFIX):].split("-", 1)[0]
-            if pid.isdigit() and int(pid) not in run.writers and _pid_alive(int(pid)):
-                run.writers.append(int(pid))
+            pid = slot_pid(name)
+            if pid is not None and pid not in run.writers and _pid_alive(pid):
+                run.writers.append(pid)
     return run
 
 

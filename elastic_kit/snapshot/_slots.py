@@ -50,6 +50,14 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def slot_pid(name: str) -> int | None:
+    """The pid of the process whose slot file is named ``name``; None for another name."""
+    if not name.startswith(SLOT_PREFIX):
+        return None
+    pid = name[len(SLOT_PREFIX):].split("-", 1)[0]
+    return int(pid) if pid.isdigit() else None
+
+
 def remove_dead_slots(node_dir: str) -> int:
     """Remove slot files left by processes that are gone (a killed worker's); returns
     how many. A live process's slots stay (another tier of it may use them)."""
@@ -61,8 +69,8 @@ def remove_dead_slots(node_dir: str) -> int:
     for name in names:
         if not name.startswith(SLOT_PREFIX):
             continue
-        pid = name[len(SLOT_PREFIX):].split("-", 1)[0]
-        if pid.isdigit() and _pid_alive(int(pid)):
+        pid = slot_pid(name)
+        if pid is not None and _pid_alive(pid):
             continue
         try:
             os.remove(os.path.join(node_dir, name))

@@ -129,7 +129,7 @@ class StagedState:
             with self._cond:  # a pair the training thread took may still be copied
                 self._cond.wait_for(lambda: self._active == 0)
             if cuda:
-                stream = torch.cuda.Stream(device=cuda[0][0].device)
+                stream = _side_stream(cuda[0][0].device)
                 if self.after is not None:
                     stream.wait_event(self.after)
                 with torch.cuda.stream(stream):
@@ -260,15 +260,22 @@ class StagingBuffers:
 _SIDE_STREAMS: dict[torch.device, Any] = {}
 
 
+def _side_stream(device: torch.device) -> Any:
+    """The device's snapshot stream, made once (a stream made per snapshot costs a
+    driver call each time)."""
+    stream = _SIDE_STREAMS.get(device)
+    if stream is None:
+        stream = _SIDE_STREAMS[device] = torch.cuda.Stream(device=device)
+    return stream
+
+
 def _copy_on_side_stream(pairs: list[tuple[torch.Tensor, torch.Tensor]],
                          out: StagedState) -> None:
     """Issue the device-to-host copies of ``pairs`` (CUDA source, pinned buffer) on
     the device's snapshot stream, after the work queued so far on the caller's
     stream; ``out.side_done`` marks their end."""
     device = pairs[0][0].device
-    stream = _SIDE_STREAMS.get(device)
-    if stream is None:
-        stream = _SIDE_STREAMS[device] = torch.cuda.Stream(device=device)
+    stream = _side_stream(device)
     current = torch.cuda.current_stream(device)
     stream.wait_stream(current)  # sees every update issued before the snapshot
     with torch.cuda.stream(stream):
