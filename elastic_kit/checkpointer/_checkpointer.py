@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import operator
 import os
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -130,6 +131,7 @@ class Checkpointer(Lifecycle):
         # the state at the last step end, for a snapshot as this rank fails (restore())
         self._step_end = StepEnd(state, enabled=False)
         self._heartbeat: health.Heartbeat | None = None  # beats to other nodes (from restore())
+        self._leaving = threading.Event()  # a silent peer: the last step is being written
 
     def restore(self, *, map_location: Any = None) -> int:
         """Load the newest checkpoint into the state; return the epoch to start.
@@ -176,6 +178,7 @@ class Checkpointer(Lifecycle):
 
         def before_optimizer_step(*_: Any) -> None:
             self._step_end.optimizer_started()
+            self._hold_if_leaving()  # after the mark above: see _leave_silent
             if staging:
                 _saving.wait_staged(self.store, self.snapshots)
 
@@ -184,7 +187,8 @@ class Checkpointer(Lifecycle):
                             else None,
                             wait_staged=before_optimizer_step, at_exit=self._abandon_at_exit)
         self._cadence.saved()
-        self._heartbeat = health.start_heartbeat(info, timeout_s=self.config.heartbeat_timeout)
+        self._heartbeat = health.start_heartbeat(info, timeout_s=self.config.heartbeat_timeout,
+                                                 on_silent=self._leave_silent)
         self._departure.start(info)
         return int(state.epoch)
 

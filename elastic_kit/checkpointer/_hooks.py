@@ -15,6 +15,7 @@ abandoned (no collective): what was taken is written.
 from __future__ import annotations
 
 import atexit
+import threading
 import weakref
 from typing import Any, Callable
 
@@ -34,6 +35,8 @@ class Hooks:
         self._step_hook: Any = None
         self._at_exit: Callable[[], None] | None = None
         self.closed = False
+        # the training thread and the heartbeat's (a silent peer) may close at once
+        self._lock = threading.Lock()
 
     def install(self, *, signals: bool, optimizer: torch.optim.Optimizer | None,
                 wait_staged: Callable[..., None],
@@ -57,21 +60,25 @@ class Hooks:
             self._at_exit = run
             atexit.register(run)
 
-    def close(self, *, keep_signals: bool = False) -> bool:
+    def close(self, *, keep_signals: bool = False, keep_step_hook: bool = False) -> bool:
         """Remove the hooks; False when they were already removed (nothing to do).
+        Thread-safe: of two threads closing at once, one gets True.
 
         ``keep_signals``: leave the SIGTERM handler in place (remove it with
         ``stop.uninstall()``): a rank abandoning its checkpointer writes its last state
         first, and torchrun's SIGTERM, which may come meanwhile, must not end the
         process before it is written (the default action would; the handler only
-        notes it)."""
-        if self.closed:
-            return False
-        self.closed = True
+        notes it). ``keep_step_hook``: leave the optimizer's pre-hook in place, for a
+        process that ends without returning to the training thread (the hook is what
+        holds that thread out of the optimizer's step meanwhile)."""
+        with self._lock:
+            if self.closed:
+                return False
+            self.closed = True
         if self._at_exit is not None:
             atexit.unregister(self._at_exit)
             self._at_exit = None
-        if self._step_hook is not None:
+        if self._step_hook is not None and not keep_step_hook:
             self._step_hook.remove()
             self._step_hook = None
         if not keep_signals:

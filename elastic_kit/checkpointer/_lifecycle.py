@@ -10,10 +10,12 @@ read in one place.
 from __future__ import annotations
 
 import logging
+import threading
 from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 from elastic_kit._console import say
 
+from elastic_kit import health
 from elastic_kit.checkpointer import _saving
 from elastic_kit.distributed import is_dist_ready
 from elastic_kit.state import plain_rng_state
@@ -41,6 +43,11 @@ _Self = TypeVar("_Self", bound="Lifecycle")
 #: does, and waiting longer would only delay the exit, and so the restart).
 AUDIT_GRACE_S = 0.5
 
+#: Seconds a rank that leaves a silent peer behind gives the write of its last step
+#: (and of a checkpoint in flight) before it exits anyway: a write that hangs must not
+#: keep the process, and so the restart, waiting.
+SILENT_EXIT_WRITE_S = 20.0
+
 
 class Lifecycle:
     """The closing half of :class:`~elastic_kit.Checkpointer` (a base it builds on)."""
@@ -61,6 +68,7 @@ class Lifecycle:
     audit: str
     _progress: Progress
     _step_end: StepEnd
+    _leaving: threading.Event  # set once the heartbeat's thread writes the last step
 
     @property
     def stop_requested(self) -> bool:
@@ -124,6 +132,48 @@ class Lifecycle:
         given its own wait: the collectives' exit handler, which runs next, settles
         it, so a worker whose peer died exits no later than before."""
         self._abandon(at_exit=True)
+
+    def _leave_silent(self, rank: int, seconds: float) -> None:
+        """The heartbeat's action on a silent peer, on the heartbeat's thread: write the
+        last step, then end the process (:func:`elastic_kit.health.exit_for_silence`).
+
+        The training thread sits in a collective the silent host never joins, and only
+        ending the process ends it, so what :meth:`abandon` does on that thread is done
+        here: the audit sum in flight is given up and the state of the last step every
+        rank finished is written to this node's memory (the writes are waited for, at
+        most :data:`SILENT_EXIT_WRITE_S` seconds). The optimizer's pre-hook stays: should
+        the training thread reach the optimizer's step meanwhile, it is held there, so
+        the state is never copied while it changes."""
+        self._leaving.set()
+        done = threading.Event()
+
+        def write() -> None:
+            try:
+                if self._hooks.close(keep_signals=True, keep_step_hook=True):
+                    self._progress.give_up_audit_sum(grace=AUDIT_GRACE_S)
+                    self._snapshot_at_exit()
+                    if self.snapshots is not None:
+                        self.snapshots.close(remove=False, flush=False)
+                    if self.store is not None:
+                        self.store.wait_local()
+            except BaseException as e:  # exiting anyway: say why nothing was written
+                log.warning("rank %d leaving silent rank %d behind: writing the last "
+                            "step failed: %r", self.info.rank, rank, e)
+            finally:
+                done.set()
+
+        threading.Thread(target=write, name="elastic-kit-last-step", daemon=True).start()
+        if not done.wait(SILENT_EXIT_WRITE_S):
+            log.warning("rank %d: the last step's write did not finish in %.0f s; exiting "
+                        "without it", self.info.rank, SILENT_EXIT_WRITE_S)
+        health.exit_for_silence(rank, seconds)
+
+    def _hold_if_leaving(self) -> None:
+        """Called by the optimizer's pre-hook after it marked the step as changing the
+        state: while the heartbeat's thread writes the last step and ends the
+        process, the training thread waits here for that end."""
+        if self._leaving.is_set():
+            threading.Event().wait()
 
     def _snapshot_at_exit(self) -> None:
         """Write the state of the last step to this node's memory as this rank exits

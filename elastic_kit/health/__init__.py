@@ -20,8 +20,8 @@ from elastic_kit.health._agent_leave import (
 )
 from elastic_kit.health._heartbeat import (
     DEFAULT_INTERVAL_S, DEFAULT_TIMEOUT_S, HELLO_TIMEOUT_S, MAX_PENDING,
-    SILENT_PEER_EXIT_CODE, TIMEOUT_ENV, Heartbeat, hello_mac, start_heartbeat,
-    timeout_from_env,
+    SILENT_PEER_EXIT_CODE, TIMEOUT_ENV, Heartbeat, exit_for_silence, hello_mac,
+    start_heartbeat, timeout_from_env,
 )
 
 __all__ = [
@@ -29,5 +29,6 @@ __all__ = [
     "CLOUD_ENV", "METADATA_URL_ENV", "SIGNALS_ENV", "PreemptionWatcher", "detect_cloud",
     "notice_from_metadata", "preemption_signals",
     "DEFAULT_INTERVAL_S", "DEFAULT_TIMEOUT_S", "HELLO_TIMEOUT_S", "Heartbeat", "MAX_PENDING",
-    "SILENT_PEER_EXIT_CODE", "TIMEOUT_ENV", "hello_mac", "start_heartbeat", "timeout_from_env",
+    "SILENT_PEER_EXIT_CODE", "TIMEOUT_ENV", "exit_for_silence", "hello_mac", "start_heartbeat",
+    "timeout_from_env",
 ]

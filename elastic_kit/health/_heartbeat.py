@@ -8,8 +8,9 @@ or more every worker keeps one TCP connection to the worker of the same local ra
 on the next node (ring order of the node ranks) and writes one byte to it every
 ``interval_s`` seconds, and reads the beats of the same local rank on the previous
 node. A peer silent for ``timeout_s`` seconds is taken for a lost host: the worker
-logs it and exits at once (:data:`SILENT_PEER_EXIT_CODE`), which ends its part in
-the hung collective; torchrun restarts the group and the rendezvous's keep-alive
+logs it and exits (:data:`SILENT_PEER_EXIT_CODE`, :func:`exit_for_silence`), which
+ends its part in the hung collective (a checkpointer first writes the state of the
+last step to this node's memory); torchrun restarts the group and the rendezvous's keep-alive
 drops the silent node.
 
 Why a slow step is not a silent host: the beats come from a thread of their own,
@@ -109,7 +110,7 @@ class Heartbeat:
         self.rank, self.watch, self.token, self.label = rank, watch, token, label
         self.timeout_s = float(timeout_s)
         self.interval_s = float(interval_s or min(DEFAULT_INTERVAL_S, self.timeout_s / 10))
-        self.on_silent = on_silent or _exit_for_silence
+        self.on_silent = on_silent or exit_for_silence
         self.listener = socket.create_server((host or side_channel_host(), 0))
         self.listener.setblocking(False)
         self.address: tuple[str, int] = self.listener.getsockname()[:2]
@@ -307,7 +308,10 @@ def _drop(sel: selectors.BaseSelector, sock: socket.socket) -> None:
         pass
 
 
-def _exit_for_silence(rank: int, seconds: float) -> None:
+def exit_for_silence(rank: int, seconds: float) -> None:
+    """Log that rank ``rank`` was silent for ``seconds`` and end this process with
+    :data:`SILENT_PEER_EXIT_CODE` at once (``os._exit``: no exit handlers, no
+    waiting for other threads). The heartbeat's default action on a silent peer."""
     log.error("no heartbeat from rank %d for %.1f s: its host is frozen or unreachable; "
               "exiting (status %d) so torchrun re-forms the group without it",
               rank, seconds, SILENT_PEER_EXIT_CODE)

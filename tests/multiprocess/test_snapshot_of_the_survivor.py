@@ -29,15 +29,20 @@ EPOCHS = 2
 
 
 def _run(url: str, shm: str, die_at: int | None, where: str = "forward",
-         snapshot_every: int = 100) -> dict[str, Any]:
+         snapshot_every: int = 100, freeze: bool = False) -> dict[str, Any]:
     """Train (two ranks, each its own "node"); rank 1 SIGKILLs itself in the step after
     ``die_at``, after its forward pass (``where="forward"``) or after its optimizer
     step (``where="optimizer"``: every step then sums the loss over the ranks after
     the optimizer's step, where rank 0 fails with its parameters already changed;
     ``where="unrecorded"``: rank 0 records the step, takes its snapshot, and fails in
-    the next forward pass)."""
+    the next forward pass). ``freeze=True``: rank 1 SIGSTOPs itself there instead, as a
+    frozen host: rank 0 waits in its collective until its heartbeat finds rank 1
+    silent (1.5 s) and exits from the heartbeat's thread."""
     os.environ["ELASTIC_KIT_SNAPSHOT_DIR"] = shm
     os.environ["ELASTIC_KIT_SNAPSHOT_NODE"] = f"node{os.environ['GROUP_RANK']}"
+    if freeze:
+        os.environ["ELASTIC_KIT_HEARTBEAT_TIMEOUT"] = "1.5"
+    fail = signal.SIGSTOP if freeze else signal.SIGKILL
     torch.set_num_threads(1)
     info = ek.init_distributed()
     torch.manual_seed(0)
@@ -59,15 +64,15 @@ def _run(url: str, shm: str, die_at: int | None, where: str = "forward",
                 dying = info.rank == 1 and state.step == die_at
                 loss = nn.functional.mse_loss(model(xs[idx]), ys[idx])
                 if dying and where == "forward":
-                    os.kill(os.getpid(), signal.SIGKILL)
+                    os.kill(os.getpid(), fail)
                 opt.zero_grad()
                 loss.backward()
                 opt.step()
                 if dying and where == "unrecorded":
-                    os.kill(os.getpid(), signal.SIGKILL)
+                    os.kill(os.getpid(), fail)
                 if where == "optimizer":  # a script that sums the loss for its log
                     if dying:
-                        os.kill(os.getpid(), signal.SIGKILL)
+                        os.kill(os.getpid(), fail)
                     torch.distributed.all_reduce(loss.detach())
                 ckpt.step(len(idx))
             ckpt.end_epoch()
@@ -135,6 +140,29 @@ def test_a_snapshot_whose_audit_sum_the_dead_peer_never_joined_is_replaced(
     out = spawn_multi_process(2, _run, url, str(shm), None, "forward", 1, local_world_size=1)
     last = out[0]["history"][-1]
     assert last["restored_step"] == 9 and last["restored_from"] == "memory"
+    for k, v in reference["params"].items():
+        np.testing.assert_array_equal(out[0]["params"][k], v, err_msg=k)
+    assert out[0]["audit"] == [(0, N, True), (1, N, True)]
+
+
+@pytest.mark.parametrize("where,every,written", [("forward", 100, 8), ("unrecorded", 1, 9)])
+def test_a_survivor_leaving_a_frozen_peer_behind_writes_the_last_finished_step(
+        tmp_path: Path, reference: dict[str, Any], where: str, every: int, written: int) -> None:
+    """Rank 1 freezes (SIGSTOP) in a step; rank 0 sits in a collective it never joins
+    until the heartbeat ends rank 0's process. Before it ends, rank 0 writes the last
+    step every rank finished, and gives up the audit sum of a snapshot the frozen peer
+    never joined (``"unrecorded"``, a snapshot every step): a restart redoes only the
+    step in progress, as after a peer's SIGKILL."""
+    url, shm = str(tmp_path / "run"), tmp_path / "shm"
+    shm.mkdir()
+    with pytest.raises(RuntimeError, match=r"exit codes \{0: 75, 1: -9\}"):
+        spawn_multi_process(2, _run, url, str(shm), 8, where, every, True, local_world_size=1)
+    assert _steps(shm, url, "node0") == [f"step-{written:012d}"]
+    manifest = Path(snapshot_dir(str(shm), "test", url)) / "node0" / f"step-{written:012d}"
+    assert json.loads((manifest / "manifest.json").read_text())["metadata"]["at_exit"] is True
+    out = spawn_multi_process(2, _run, url, str(shm), None, "forward", every, local_world_size=1)
+    last = out[0]["history"][-1]
+    assert last["restored_step"] == written and last["restored_from"] == "memory"
     for k, v in reference["params"].items():
         np.testing.assert_array_equal(out[0]["params"][k], v, err_msg=k)
     assert out[0]["audit"] == [(0, N, True), (1, N, True)]
