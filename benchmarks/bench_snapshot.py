@@ -71,8 +71,8 @@ the next block. Reported (the JSON's last line):
   ``h2d_s`` (the copy back: memory copy, or pinned host-to-device); ``load_s``: the
   tier's load alone (map, verify the chunks, views or the copy to the device), as
   ``ratio_load_vs_h2d``, and ``load_phases``, where it went (``SnapshotTier.
-  last_load_phases``: choosing, mapping and verifying; on CUDA registering the
-  mapping, the copy, unregistering);
+  last_load_phases``: choosing, mapping and verifying; on CUDA allocating the
+  device's tensors and the pinned buffers, and the copy through them);
 - ``dcp_blocked_s`` / ``dcp_commit_s``: DCP's ``async_save`` call and its completion.
 
 Usage::

@@ -37,6 +37,7 @@ from elastic_kit.snapshot._shards import (
 )
 from elastic_kit.snapshot._slots import Slot, Slots, remove_dead_slots
 from elastic_kit.snapshot._staging import DeviceStall, storage_keys
+from elastic_kit.snapshot._to_device import copy_to_device
 from elastic_kit.snapshot._writer import Job, SnapshotWriter
 
 __all__ = ["SnapshotTier", "agree_run_identity", "default_root", "interval_for",
@@ -243,8 +244,9 @@ class SnapshotTier:
         self._costs: collections.deque[float] = collections.deque(maxlen=COST_WINDOW)
         self._last_stall: DeviceStall | None = None
         #: where the last :meth:`load` of a snapshot file spent its time (seconds):
-        #: choosing, mapping and verifying it, and on CUDA registering the mapping,
-        #: the copy to the device and unregistering (``registered``: 1.0 if it was)
+        #: choosing, mapping and verifying it, and on CUDA allocating the device's
+        #: tensors and the pinned buffers and copying through them (``bytes``: how
+        #: many; see :mod:`elastic_kit.snapshot._to_device`)
         self.last_load_phases: dict[str, float] = {}
         #: seconds the device waited for each snapshot's side-stream copies before
         #: the optimizer step (CUDA; the newest last, known at the next snapshot)
@@ -727,11 +729,11 @@ class SnapshotTier:
 
     def _own_state(self, opened: FlatCheckpoint, device: torch.device | None) -> Any:
         """The state of a mapped snapshot: zero-copy views of the file (CPU), copied
-        to ``device`` through the mapping registered as pinned memory (CUDA), or cloned
+        to ``device`` through reused pinned buffers (CUDA), or cloned
         when the file is one this tier will write again (its own slot)."""
         state = opened.state
         if device is not None and device.type == "cuda":
-            return _to_device(opened, device, self.last_load_phases)
+            return copy_to_device(opened.mapped, state, device, self.last_load_phases)
         if device is not None and device.type != "cpu":
             return map_tree(state, lambda _, v: v.to(device) if isinstance(v, torch.Tensor)
                             else v)
@@ -752,7 +754,7 @@ class SnapshotTier:
 
         A snapshot file is mapped and verified chunk by chunk in parallel; on the CPU
         the state's tensors are views of it (no copy), on CUDA they are copied to the
-        device through the mapping registered as pinned memory. A corrupt or
+        device through reused pinned buffers. A corrupt or
         truncated newest snapshot is skipped for the one before.
 
         With sharded state, ``into`` (the live state, or a function giving it) says
@@ -920,47 +922,6 @@ def _bindable(host: str | None) -> str | None:
         return host
     except OSError:
         return None
-
-
-#: ``cudaHostRegisterReadOnly``: the device only reads the registered pages.
-_HOST_REGISTER_READ_ONLY = 8
-
-
-def _to_device(opened: FlatCheckpoint, device: torch.device,
-               phases: dict[str, float] | None = None) -> Any:
-    """The mapped snapshot's tensors copied to the CUDA ``device``: the mapping is
-    registered as pinned memory for the copies (host-to-device at the bus's speed,
-    no pageable bounce buffer), then unregistered.
-
-    The registration is read-only: the mapping is private (copy-on-write), and
-    pinning it for writing makes the kernel give the pinning its own copy of every
-    page first (on an H100 host the tier's load of 4.83 GB went from 3.3 s to 2.8 s
-    with read-only registration; the copy to the device itself takes 0.09 s). Where
-    read-only registration is refused, the copies go from pageable memory.
-    ``phases``: receives the seconds each part took (register, copy, unregister)."""
-    phases = {} if phases is None else phases
-    mapped = opened.mapped
-    registered = False
-    t0 = time.perf_counter()
-    if mapped.numel():
-        registered = int(torch.cuda.cudart().cudaHostRegister(
-            mapped.data_ptr(), mapped.numel(), _HOST_REGISTER_READ_ONLY)) == 0
-        if not registered:
-            log.debug("read-only registration of %s refused: copying from pageable memory",
-                      opened.path)
-    t1 = time.perf_counter()
-    phases["register_s"], phases["registered"] = t1 - t0, float(registered)
-    try:
-        out = map_tree(opened.state, lambda _, v: v.to(device, non_blocking=registered)
-                       if isinstance(v, torch.Tensor) else v)
-        torch.cuda.synchronize(device)
-        t2 = time.perf_counter()
-        phases["copy_s"] = t2 - t1
-    finally:
-        if registered:
-            torch.cuda.cudart().cudaHostUnregister(mapped.data_ptr())
-    phases["unregister_s"] = time.perf_counter() - t1 - phases.get("copy_s", 0.0)
-    return out
 
 
 def _layout(root: str) -> Layout:

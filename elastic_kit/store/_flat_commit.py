@@ -215,18 +215,19 @@ class FlatHashes:
     checksum: str
 
 
-def copy_tensors(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """``dst.copy_(src)`` for each ``(dst, src)``, in pieces of about
-    :data:`CHUNK_BYTES` on the shared thread pool (a copy releases the GIL): a
-    snapshot staged while another was written is copied into its file at the
-    machine's memory bandwidth, not one core's (torch's own copy uses one thread
-    under torchrun, which sets ``OMP_NUM_THREADS=1``)."""
+def copy_tensors(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], *,
+                 piece_bytes: int = CHUNK_BYTES) -> None:
+    """``dst.copy_(src)`` for each ``(dst, src)``, in pieces of about ``piece_bytes``
+    on the shared thread pool (a copy releases the GIL): a snapshot staged while
+    another was written is copied into its file at the machine's memory bandwidth,
+    not one core's (torch's own copy uses one thread under torchrun, which sets
+    ``OMP_NUM_THREADS=1``)."""
     futures = []
     for dst, src in pairs:
         if (dst.is_contiguous() and src.is_contiguous() and dst.dtype == src.dtype
                 and dst.shape == src.shape and dst.numel()):
             d, s = dst.view(-1), src.view(-1)
-            step = max(1, CHUNK_BYTES // d.element_size())
+            step = max(1, piece_bytes // d.element_size())
             futures += [_submit(_copy_range, d, s, a, min(a + step, d.numel()))
                         for a in range(0, d.numel(), step)]
         else:

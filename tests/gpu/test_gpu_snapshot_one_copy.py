@@ -1,7 +1,7 @@
 """CUDA snapshots go straight into the snapshot file: its mapping is registered as
 pinned memory once per file, the device-to-host copies land in it (no staging
-buffer, no second copy), and a restore copies back to the device through the
-registered mapping.
+buffer, no second copy), and a restore copies back to the device through a few
+reused pinned buffers.
 
 Skipped without CUDA; run by ``scripts/gpu-check``.
 """
@@ -19,6 +19,7 @@ import torch
 
 import elastic_kit as ek
 from elastic_kit.snapshot import SnapshotTier
+from elastic_kit.snapshot._to_device import copy_to_device
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available")
 
@@ -80,3 +81,18 @@ def test_a_cuda_snapshot_copied_later_lands_in_the_file_before_the_optimizer_ste
     assert loaded is not None and loaded.step == 2
     assert torch.equal(loaded.state["w"], torch.full((1 << 26,), 2.0))
     tier.close(remove=True)
+
+
+def test_a_restore_through_small_windows_reuses_its_buffers_and_lands_whole() -> None:
+    """Many windows through two buffers: a buffer is refilled only after the copy
+    out of it finished, so every tensor lands whole, and the current stream sees it."""
+    mapped = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8)
+    state = {f"t{i}": mapped[i << 20:(i + 1) << 20].view(torch.float32) for i in range(3)}
+    phases: dict[str, float] = {}
+    out = copy_to_device(mapped, state, torch.device("cuda"), phases,
+                         window_bytes=100_000, windows=2)
+    sums = {k: v.view(torch.int32).sum().item() for k, v in out.items()}  # the current stream
+    for k, v in state.items():
+        assert out[k].is_cuda and sums[k] == v.view(torch.int32).sum().item(), k
+        assert torch.equal(out[k].cpu().view(torch.uint8), v.view(torch.uint8)), k
+    assert phases["bytes"] == 3 << 20

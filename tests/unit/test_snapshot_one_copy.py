@@ -276,7 +276,6 @@ def test_copy_tensors_copies_in_pieces_on_the_pool_every_kind_of_tensor(
         monkeypatch: pytest.MonkeyPatch) -> None:
     import elastic_kit.store._flat_commit as flat
 
-    monkeypatch.setattr(flat, "CHUNK_BYTES", 4096)   # many pieces for the large ones
     g = torch.Generator().manual_seed(0)
     srcs = [torch.randn(300, 64, generator=g), torch.arange(10_000, dtype=torch.int64),
             torch.rand(5000, generator=g) > 0.5, torch.tensor(3.5, dtype=torch.float64),
@@ -286,7 +285,7 @@ def test_copy_tensors_copies_in_pieces_on_the_pool_every_kind_of_tensor(
     real = flat._copy_range
     monkeypatch.setattr(flat, "_copy_range", lambda d, s, a, b: (pieces.append((a, b)),
                                                                 real(d, s, a, b)))
-    copy_tensors(list(zip(dsts, srcs)))
+    copy_tensors(list(zip(dsts, srcs)), piece_bytes=4096)   # many pieces for the large ones
     for d, s in zip(dsts, srcs):
         assert torch.equal(d, s)
     # the 76,800-byte tensor went in 19 pieces of 1,024 floats, the rest likewise
