@@ -43,6 +43,9 @@ the next block. Reported (the JSON's last line):
 - ``ek_device_stall_s``: CUDA: how long the device waited, before the optimizer
   step, for a snapshot's copies on the side stream (they overlap the forward and
   backward pass; the training thread does not wait for them);
+- ``ek_relay_bytes``: CUDA: the bytes of each snapshot that went through the device's
+  relay at the end (``SnapshotTier.relay``: the part of the copy that outlasted the
+  forward and backward pass, taken off the optimizer's path);
 - ``ek_max_step_excess_s``: the longest an ``ek`` snapshot step took beyond the plain
   blocks' median step, against two copies (``ratio_max_excess_vs_two_copies``): unlike
   the blocked time it includes the background write's competition for the cores
@@ -459,6 +462,7 @@ def main() -> None:
         "ek_blocked_s": _common.spread(blocked) if blocked else None,
         "ek_max_step_excess_s": round(excess, 4),
         "ek_device_stall_s": _common.spread(stalls) if stalls else None,
+        "ek_relay_bytes": getattr(getattr(tier, "relay", None), "budget", None),
         "ek_commit_s": _common.spread(commits) if commits else None,
         "ek_written": written,
         "ek_warmup": warmup,

@@ -30,6 +30,7 @@ from typing import Any, Iterable
 
 import torch
 
+from elastic_kit.snapshot._relay import DeviceRelay, RelayPlan
 from elastic_kit.store import map_tree
 
 __all__ = ["DeviceStall", "StagingBuffers", "StagedState", "storage_keys"]
@@ -48,13 +49,19 @@ class DeviceStall:
     """How long a stream waited on the device for a snapshot's side-stream copies.
 
     Attributes:
-        done: the event recorded after the copies on the side stream.
+        done: the event recorded after the copies on the side stream that the
+            optimizer's step waits for.
         mark: the event recorded on the waiting stream just before its wait (None
             until a stream waits). Both time their completion.
+        start: the event recorded on the side stream before the copies.
+        direct_bytes: the bytes copied straight to the host before :attr:`done` (the
+            rest went through the device's relay; see :mod:`elastic_kit.snapshot._relay`).
     """
 
     done: Any
     mark: Any = None
+    start: Any = None
+    direct_bytes: int = 0
 
     def seconds(self) -> float | None:
         """The wait (0 when the copies were done before the stream got there); None
@@ -63,6 +70,15 @@ class DeviceStall:
         if mark is None or not (mark.query() and done.query()):
             return None
         return max(0.0, mark.elapsed_time(done) / 1000.0)
+
+    def copy_seconds(self) -> float | None:
+        """How long the side stream took from its start to :attr:`done` (the
+        relay's device copies and the ``direct_bytes`` copied straight to the host);
+        None until known."""
+        start, done = self.start, self.done
+        if start is None or not (start.query() and done.query()):
+            return None
+        return max(0.0, start.elapsed_time(done) / 1000.0)
 
 
 @dataclass
@@ -79,7 +95,9 @@ class StagedState:
         staged: set once nothing reads the live tensors any more, or (device
             copies on the side stream) once the caller's stream waits for them.
         side_done: a CUDA event recorded on the side stream after the copies issued
-            there at staging time (None without them).
+            there at staging time that read the live tensors (None without them).
+        side_all: an event after the relay's copies to the host, which follow
+            ``side_done`` on the side stream (None without a relay).
         side_device: the device of those copies.
         stall: the device's wait for them before the optimizer step.
         nbytes: the tensors' bytes.
@@ -90,6 +108,7 @@ class StagedState:
     after: Any = None
     copied: Any = None
     side_done: Any = None
+    side_all: Any = None
     side_device: torch.device | None = None
     stall: DeviceStall | None = None
     staged: threading.Event = field(default_factory=threading.Event)
@@ -140,6 +159,8 @@ class StagedState:
                 self.copied.synchronize()
             if self.side_done is not None:
                 self.side_done.synchronize()
+            if self.side_all is not None:
+                self.side_all.synchronize()
         finally:
             self.staged.set()
 
@@ -194,7 +215,7 @@ class StagingBuffers:
 
     def stage(self, state: Any, *, later: frozenset[int] = frozenset(),
               into: dict[str, torch.Tensor] | None = None,
-              into_pinned: bool = False) -> StagedState:
+              into_pinned: bool = False, relay: DeviceRelay | None = None) -> StagedState:
         """Copy ``state``'s tensors into the buffers (those whose storage is in
         ``later`` are left for later: see the module) and return the state to write.
         Buffers of keys that disappeared are freed.
@@ -203,7 +224,8 @@ class StagingBuffers:
         of a snapshot file's mapping, which are then the staged tensors: one copy,
         straight into the snapshot); ``into_pinned``: those are pinned memory (the
         file is registered). The pooled buffers are kept for the next snapshot that
-        cannot go straight into a file."""
+        cannot go straight into a file. ``relay``: the device's relay, which takes
+        part of the side stream's copies off the optimizer's path."""
         used: dict[str, torch.Tensor] = {}
         out = StagedState(state=None)
         side: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -212,7 +234,7 @@ class StagingBuffers:
         if into is None:
             self._pool = used
         if side:
-            _copy_on_side_stream(side, out)
+            _copy_on_side_stream(side, out, relay)
         if any(src.device.type == "cuda" for src, _ in out.deferred):
             out.after = torch.cuda.Event()
             out.after.record()
@@ -270,19 +292,35 @@ def _side_stream(device: torch.device) -> Any:
 
 
 def _copy_on_side_stream(pairs: list[tuple[torch.Tensor, torch.Tensor]],
-                         out: StagedState) -> None:
+                         out: StagedState, relay: DeviceRelay | None = None) -> None:
     """Issue the device-to-host copies of ``pairs`` (CUDA source, pinned buffer) on
     the device's snapshot stream, after the work queued so far on the caller's
-    stream; ``out.side_done`` marks their end."""
+    stream; ``out.side_done`` marks the end of those that read the live tensors.
+
+    With a ``relay`` the last of its budget's bytes go to its device buffer first
+    (before ``side_done``) and on to the host after it (``out.side_all``)."""
     device = pairs[0][0].device
     stream = _side_stream(device)
     current = torch.cuda.current_stream(device)
     stream.wait_stream(current)  # sees every update issued before the snapshot
+    plan = relay.plan(pairs) if relay is not None else RelayPlan(
+        direct=list(pairs), direct_bytes=sum(s.numel() * s.element_size() for s, _ in pairs))
     with torch.cuda.stream(stream):
-        for src, dst in pairs:
+        start = torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        for src, piece in plan.to_relay:
+            piece.copy_(src, non_blocking=True)
+        for src, dst in plan.direct:
             dst.copy_(src, non_blocking=True)
+        for src, _ in pairs:
             src.record_stream(stream)  # not reused by the allocator while read here
         out.side_done = torch.cuda.Event(enable_timing=True)
         out.side_done.record(stream)
+        if plan.from_relay:
+            for piece, dst in plan.from_relay:
+                dst.copy_(piece, non_blocking=True)
+                piece.record_stream(stream)  # the relay's buffer, made on another stream
+            out.side_all = torch.cuda.Event()
+            out.side_all.record(stream)
     out.side_device = device
-    out.stall = DeviceStall(out.side_done)
+    out.stall = DeviceStall(out.side_done, start=start, direct_bytes=plan.direct_bytes)

@@ -36,6 +36,7 @@ from elastic_kit.snapshot._shards import (
     part_dir_name, part_source,
 )
 from elastic_kit.snapshot._slots import Slot, Slots, remove_dead_slots
+from elastic_kit.snapshot._relay import DeviceRelay, max_bytes_from_env
 from elastic_kit.snapshot._staging import DeviceStall, storage_keys
 from elastic_kit.snapshot._to_device import copy_to_device
 from elastic_kit.snapshot._writer import Job, SnapshotWriter
@@ -251,6 +252,9 @@ class SnapshotTier:
         #: seconds the device waited for each snapshot's side-stream copies before
         #: the optimizer step (CUDA; the newest last, known at the next snapshot)
         self.device_stalls: collections.deque[float] = collections.deque(maxlen=1000)
+        #: the device buffer that takes the part of the side-stream copies that
+        #: outlasts a step off the optimizer's path (CUDA; grows from the stalls)
+        self.relay = DeviceRelay(max_bytes_from_env())
         self._space_checked = False
         self._writer = SnapshotWriter(self._write)
         self.replicate = replicate
@@ -414,7 +418,8 @@ class SnapshotTier:
                 slot = self._slots.take(items)  # a free file of this layout, else None
             into = None if slot is None else dict(zip(slot.plan.keys, slot.views))
             staged = buffers.stage(state_dict, later=later, into=into,
-                                   into_pinned=slot is not None and slot.registered)
+                                   into_pinned=slot is not None and slot.registered,
+                                   relay=self.relay)
             self._last_stall = staged.stall
             if self.identity is not None:
                 metadata = {**metadata, IDENTITY_KEY: self.identity}
@@ -511,6 +516,9 @@ class SnapshotTier:
         if stall is None:
             return
         self.device_stalls.append(stall)
+        copy_s = probe.copy_seconds()  # type: ignore[union-attr]
+        if copy_s is not None:
+            self.relay.learn(stall, probe.direct_bytes, copy_s)  # type: ignore[union-attr]
         if self._cost_s is not None and self._costs:
             self._cost_s += stall
             self._costs[-1] = self._cost_s
@@ -880,6 +888,7 @@ class SnapshotTier:
             self._sender = None
         if self._slots is not None:
             self._slots.close()  # the committed snapshot's file stays in its directory
+        self.relay.close()
         if remove and self._receiver is not None:
             self._receiver.close()
             self._receiver = None

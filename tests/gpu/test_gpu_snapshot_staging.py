@@ -82,6 +82,33 @@ def test_deferred_cuda_copies_are_waited_for_on_the_device_not_by_the_cpu() -> N
     assert stall is not None and 0.0 <= stall < 10.0
 
 
+def test_relayed_copies_leave_the_optimizer_path_and_still_land_whole() -> None:
+    """With a relay budget, the last bytes go to a device buffer before the event the
+    optimizer's step waits for and on to the host after it: an update issued right
+    after wait_staged() changes neither part, and the writer's wait (copy_deferred)
+    covers the relay's copies to the host."""
+    from elastic_kit.snapshot._relay import DeviceRelay
+    from elastic_kit.snapshot._staging import storage_keys
+
+    live = {"a": torch.ones(1 << 24, device="cuda"), "b": torch.ones(1 << 25, device="cuda")}
+    for v in live.values():
+        v.mul_(2.0)
+    relay = DeviceRelay()
+    relay.budget = 5 << 25                         # all of b (128 MiB) and half of a
+    staged = StagingBuffers().stage(live, later=storage_keys(live.values()), relay=relay)
+    assert staged.side_all is not None and relay.nbytes >= relay.budget
+    staged.wait_staged()
+    for v in live.values():
+        v.fill_(3.0)
+    staged.copy_deferred()                         # the writer's wait
+    for k, v in live.items():
+        got = staged.state[k]
+        assert torch.equal(got, torch.full_like(got, 2.0)), k
+    assert staged.stall is not None and staged.stall.direct_bytes == 1 << 25
+    torch.cuda.synchronize()
+    assert staged.stall.copy_seconds() is not None
+
+
 def test_a_cuda_snapshot_taken_during_a_write_is_queued_and_written_next(
         tmp_path: Path) -> None:
     fs = FaultFileSystem(fsspec.filesystem("file"))
