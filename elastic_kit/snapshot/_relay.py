@@ -111,13 +111,17 @@ class DeviceRelay:
         pairs are relayed (a tensor may be cut in two)."""
         out = RelayPlan()
         left = 0
-        if self.budget > 0 and pairs and self._buffer_for(pairs[0][0].device) is not None:
-            left = self.budget
+        if self.budget > 0 and pairs:
+            # never more than the copies themselves (a wait the relay cannot remove,
+            # as when it already takes everything, must not grow it without end)
+            total = sum(s.numel() * s.element_size() for s, d in pairs if _relayable(s, d))
+            self.budget = min(self.budget, -(-total // _GRAIN) * _GRAIN)
+            if self.budget > 0 and self._buffer_for(pairs[0][0].device) is not None:
+                left = self.budget
         relayed: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         for src, dst in reversed(pairs):
             n = src.numel() * src.element_size()
-            if left <= 0 or not n or not (src.is_contiguous() and dst.is_contiguous()) \
-                    or src.dtype != dst.dtype or src.shape != dst.shape:
+            if left <= 0 or not n or not _relayable(src, dst):
                 out.direct.append((src, dst))
                 out.direct_bytes += n
                 continue
@@ -176,6 +180,12 @@ class DeviceRelay:
             return None
         self.budget = size
         return self._buffer
+
+
+def _relayable(src: torch.Tensor, dst: torch.Tensor) -> bool:
+    """Whether a pair can be cut into byte ranges (both contiguous, alike)."""
+    return (src.is_contiguous() and dst.is_contiguous() and src.dtype == dst.dtype
+            and src.shape == dst.shape)
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:

@@ -88,3 +88,11 @@ def test_a_cap_bounds_the_budget_and_zero_turns_the_relay_off(
         max_bytes_from_env()
     monkeypatch.delenv(MAX_BYTES_ENV)
     assert max_bytes_from_env() is None
+
+
+def test_the_budget_never_exceeds_the_copies_it_relays() -> None:
+    relay = DeviceRelay()
+    relay.budget = 10 << 30
+    plan = relay.plan(_pairs())
+    assert relay.budget == 64 << 20          # 860 bytes, rounded up to one grain
+    assert sum(p.numel() for p, _ in plan.from_relay) == 860
