@@ -49,6 +49,7 @@ import threading
 import time
 from typing import Callable
 
+from elastic_kit._env import non_negative_from_env
 from elastic_kit.distributed import (
     DistInfo, all_gather_object, broadcast_object, is_dist_ready, side_channel_host,
 )
@@ -327,15 +328,9 @@ def exit_for_silence(rank: int, seconds: float) -> None:
 
 def timeout_from_env(default: float | None) -> float | None:
     """``$ELASTIC_KIT_HEARTBEAT_TIMEOUT`` when set (``0``: off), else ``default``."""
-    raw = os.environ.get(TIMEOUT_ENV)
-    if raw is None or raw == "":
+    value = non_negative_from_env(TIMEOUT_ENV, float, "a number of seconds", "0: off")
+    if value is None:
         return default
-    try:
-        value = float(raw)
-    except ValueError as e:
-        raise ValueError(f"{TIMEOUT_ENV}={raw!r} must be a number of seconds") from e
-    if value < 0:
-        raise ValueError(f"{TIMEOUT_ENV}={raw!r} must be >= 0 seconds (0: off)")
     return value or None
 
 

@@ -25,11 +25,11 @@ least :data:`RESERVE_MIN_BYTES`) free for training, and by
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
+
+from elastic_kit._env import non_negative_from_env
 
 __all__ = ["MAX_BYTES_ENV", "RESERVE_FRACTION", "RESERVE_MIN_BYTES", "DeviceRelay",
            "RelayPlan", "max_bytes_from_env"]
@@ -53,16 +53,8 @@ _GRAIN = 64 << 20
 
 def max_bytes_from_env() -> int | None:
     """``$ELASTIC_KIT_SNAPSHOT_RELAY_MAX_BYTES`` as an int, or None when unset."""
-    raw = os.environ.get(MAX_BYTES_ENV, "")
-    if raw == "":
-        return None
-    try:
-        value = int(raw)
-    except ValueError as e:
-        raise ValueError(f"{MAX_BYTES_ENV}={raw!r} must be a whole number of bytes") from e
-    if value < 0:
-        raise ValueError(f"{MAX_BYTES_ENV}={raw!r} must be >= 0 (0: no relay)")
-    return value
+    return non_negative_from_env(MAX_BYTES_ENV, int, "a whole number of bytes",
+                                 "0: no relay")
 
 
 @dataclass
