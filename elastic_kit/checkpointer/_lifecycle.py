@@ -192,18 +192,20 @@ class Lifecycle:
         try:
             audit, derived = (None, None) if self.audit == "off" else \
                 self._progress.audit_at_step_end(timeout=0.0)
-            state_dict = self.state.state_dict(rng=False)
-            state_dict["rng"] = plain_rng_state(mark.rng)
-            if audit is not None:
-                state_dict["audit"] = audit
-            model = state_dict["model"]
-            for name, kept in step_end.buffers_at_mark().items():
-                if name in model:  # a persistent buffer (a forward pass may change it)
-                    model[name] = kept
-            meta: dict[str, Any] = {**_saving.metadata(self.state, self.info), "at_exit": True}
-            if derived is not None:
-                meta["audit_derived"] = derived
-            tier.save(state_dict, step=mark.step, metadata=meta, last=True)
+            with step_end.reading(mark):  # on a GPU: not behind a hung collective
+                state_dict = self.state.state_dict(rng=False)
+                state_dict["rng"] = plain_rng_state(mark.rng)
+                if audit is not None:
+                    state_dict["audit"] = audit
+                model = state_dict["model"]
+                for name, kept in step_end.buffers_at_mark().items():
+                    if name in model:  # a persistent buffer (a forward pass may change it)
+                        model[name] = kept
+                meta: dict[str, Any] = {**_saving.metadata(self.state, self.info),
+                                        "at_exit": True}
+                if derived is not None:
+                    meta["audit_derived"] = derived
+                tier.save(state_dict, step=mark.step, metadata=meta, last=True)
             log.warning("rank %d exits alone: snapshot of step %d taken (a restart "
                         "redoes only the step in progress)%s", self.info.rank, mark.step,
                         "" if derived is None else

@@ -23,6 +23,7 @@ the last sum did not cover, over all ranks), and the snapshot says so in its met
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -39,11 +40,13 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Mark:
-    """What the state was at the end of step :attr:`step`."""
+    """What the state was at the end of step :attr:`step` (``event``: a CUDA event
+    recorded then, after the step's kernels, for a model on a GPU)."""
 
     step: int
     rng: dict[str, Any]
     scale_version: tuple[int, ...] | None
+    event: Any = None
 
 
 class StepEnd:
@@ -63,11 +66,17 @@ class StepEnd:
         self._names: list[str] = []
         self._buffers: list[torch.Tensor] = []
         self._copies: list[torch.Tensor] = []
+        self._device: torch.device | None = None  # the model's GPU, if on one
+        self._event: Any = None
         if enabled:
             named = list(unwrap_model(state.model).named_buffers())
             self._names = [n for n, _ in named]
             self._buffers = [b for _, b in named]
             self._copies = [torch.empty_like(b) for b in self._buffers]
+            on_gpu = [p.device for p in unwrap_model(state.model).parameters() if p.is_cuda]
+            if on_gpu:
+                self._device = on_gpu[0]
+                self._event = torch.cuda.Event()
 
     def _scale_version(self) -> tuple[int, ...] | None:
         """The scaler's scale tensor and its version counter; ``()`` where there is no
@@ -87,8 +96,10 @@ class StepEnd:
             return
         if self._buffers:
             torch._foreach_copy_(self._copies, self._buffers)
+        if self._event is not None:  # one event, recorded again at every step end
+            self._event.record(torch.cuda.current_stream(self._device))
         self.mark = Mark(step=int(self.state.step), rng=raw_rng_state(),
-                         scale_version=self._scale_version())
+                         scale_version=self._scale_version(), event=self._event)
         self._changing = False
 
     def optimizer_started(self) -> None:
@@ -110,6 +121,18 @@ class StepEnd:
         if len(now) != len(self._buffers) or any(a is not b for a, b in zip(now, self._buffers)):
             return None
         return mark
+
+    def reading(self, mark: Mark) -> contextlib.AbstractContextManager[Any]:
+        """Where to read the state of ``mark`` on a GPU: a stream of its own that
+        waits only for the step's end (the mark's event), not for what the training
+        stream queued since. That may be a collective the failed peer never joins
+        (with NCCL it hangs on the device): a copy or a ``.item()`` queued behind it
+        would hang too. Elsewhere, nothing changes."""
+        if mark.event is None or self._device is None:
+            return contextlib.nullcontext()
+        stream = torch.cuda.Stream(device=self._device)
+        stream.wait_event(mark.event)
+        return torch.cuda.stream(stream)
 
     def buffers_at_mark(self) -> dict[str, torch.Tensor]:
         """The model's buffers as they were at the mark, by their names in the model's

@@ -263,6 +263,41 @@ def test_restore_onto_the_gpu_restores_the_random_generators(
     assert got[2] == expected[2] and torch.equal(got[3], expected[3])
 
 
+def test_the_last_step_is_written_past_a_stream_that_hangs(tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank that exits alone writes the state of its last step from a stream of its
+    own that waits only for that step's end: a collective that hangs on the training
+    stream (here a long sleep kernel queued there) neither delays nor blocks it."""
+    (tmp_path / "shm").mkdir()
+    monkeypatch.setenv("ELASTIC_KIT_SNAPSHOT_DIR", str(tmp_path / "shm"))
+    model = nn.Linear(64, 64).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    url = str(tmp_path / "ckpt")
+    ck = ek.Checkpointer(ek.TrainState(model, opt), url, handle_signals=False,
+                         snapshot_every=1000, info=ek.DistInfo(run_id="j"))
+    ck.restore()
+    model(torch.ones(2, 64, device="cuda")).sum().backward()
+    opt.step()
+    ck.step(2)
+    weights = model.weight.detach().cpu()
+    torch.cuda._sleep(40_000_000_000)       # ~20 s of the training stream: the hang
+    ck._snapshot_at_exit()                  # what abandon() writes, the write waited for
+    assert ck.snapshots is not None and ck.snapshots.wait(timeout=60)
+    hung = not torch.cuda.current_stream().query()
+    written = list(ck.snapshots.written)
+    torch.cuda.synchronize()
+    ck.abandon()
+    assert hung, "the last step's write waited for the hung stream"
+    assert written == [1]
+    with ek.Checkpointer(ek.TrainState(model, opt), url, handle_signals=False,
+                         snapshot_every=1000, info=ek.DistInfo(run_id="j")) as again:
+        with torch.no_grad():
+            model.weight.zero_()
+        again.restore(map_location="cuda:0")
+        assert again.restored_step == 1 and again.restored_from == "memory"
+    assert torch.equal(model.weight.cpu(), weights)
+
+
 @needs_two_gpus
 @pytest.mark.parametrize("map_location", ["cpu", "cuda:0"])
 def test_node_local_broadcast_over_nccl(tmp_path: Path, map_location: Any) -> None:
