@@ -276,25 +276,30 @@ def test_the_last_step_is_written_past_a_stream_that_hangs(tmp_path: Path,
     ck = ek.Checkpointer(ek.TrainState(model, opt), url, handle_signals=False,
                          snapshot_every=1000, info=ek.DistInfo(run_id="j"))
     ck.restore()
-    model(torch.ones(2, 64, device="cuda")).sum().backward()
-    opt.step()
-    ck.step(2)
+    assert ck.snapshots is not None
+    for step in (1, 2, 3):
+        model(torch.ones(2, 64, device="cuda")).sum().backward()
+        opt.step()
+        ck.step(2)
+        if step < 3:  # the two snapshot files made and registered, as in a run
+            ck.snapshot()
+            assert ck.snapshots.wait(timeout=60)
     weights = model.weight.detach().cpu()
     torch.cuda._sleep(40_000_000_000)       # ~20 s of the training stream: the hang
     ck._snapshot_at_exit()                  # what abandon() writes, the write waited for
-    assert ck.snapshots is not None and ck.snapshots.wait(timeout=60)
+    assert ck.snapshots.wait(timeout=60)
     hung = not torch.cuda.current_stream().query()
     written = list(ck.snapshots.written)
     torch.cuda.synchronize()
     ck.abandon()
     assert hung, "the last step's write waited for the hung stream"
-    assert written == [1]
+    assert written == [1, 2, 3]
     with ek.Checkpointer(ek.TrainState(model, opt), url, handle_signals=False,
                          snapshot_every=1000, info=ek.DistInfo(run_id="j")) as again:
         with torch.no_grad():
             model.weight.zero_()
         again.restore(map_location="cuda:0")
-        assert again.restored_step == 1 and again.restored_from == "memory"
+        assert again.restored_step == 3 and again.restored_from == "memory"
     assert torch.equal(model.weight.cpu(), weights)
 
 
