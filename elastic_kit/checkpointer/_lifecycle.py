@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 from elastic_kit._console import say
 
-from elastic_kit import health
+import elastic_kit.health as health
 from elastic_kit.checkpointer import _saving
 from elastic_kit.distributed import is_dist_ready
 from elastic_kit.state import plain_rng_state

@@ -9,7 +9,7 @@ with ``snapshot`` above ``store`` (snapshots are kept in the store's format) and
 ``state`` above ``store`` too (TrainState checks its extras with the store's one
 validator, so what it builds is what the store saves). The root
 package's own modules (``__init__``, ``cli``, ``run``, ``__main__``) and ``testing``
-sit above everything; ``_version`` and ``_console`` below everything.
+sit above everything; ``_version``, ``_console`` and ``_env`` below everything.
 """
 
 from __future__ import annotations
@@ -38,8 +38,9 @@ ALLOWED: dict[str, frozenset[str]] = {
     "errors": frozenset(),
     "_version": frozenset(),
     "_console": frozenset(),
+    "_env": frozenset(),
 }
-BASE = frozenset({"_version", "_console"})
+BASE = frozenset({"_version", "_console", "_env"})
 TOP = frozenset({"__init__", "__main__", "cli", "run", "testing"})
 
 
