@@ -131,7 +131,9 @@ class Checkpointer(Lifecycle):
         # the state at the last step end, for a snapshot as this rank fails (restore())
         self._step_end = StepEnd(state, enabled=False)
         self._heartbeat: health.Heartbeat | None = None  # beats to other nodes (from restore())
-        self._leaving = threading.Event()  # a silent peer: the last step is being written
+        # another thread writes the last step (a silent peer, an unheard SIGTERM)
+        self._leaving, self._left = threading.Event(), threading.Event()
+        self._leave_lock = threading.Lock()
 
     def restore(self, *, map_location: Any = None) -> int:
         """Load the newest checkpoint into the state; return the epoch to start.
@@ -185,7 +187,8 @@ class Checkpointer(Lifecycle):
         self._hooks.install(signals=self.handle_signals,
                             optimizer=state.optimizer if staging or self._step_end.enabled
                             else None,
-                            wait_staged=before_optimizer_step, at_exit=self._abandon_at_exit)
+                            wait_staged=before_optimizer_step, at_exit=self._abandon_at_exit,
+                            on_unheard=self._leave_unheard)
         self._cadence.saved()
         self._heartbeat = health.start_heartbeat(info, timeout_s=self.config.heartbeat_timeout,
                                                  on_silent=self._leave_silent)

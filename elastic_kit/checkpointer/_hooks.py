@@ -40,25 +40,23 @@ class Hooks:
 
     def install(self, *, signals: bool, optimizer: torch.optim.Optimizer | None,
                 wait_staged: Callable[..., None],
-                at_exit: Callable[[], None] | None = None) -> None:
-        """Catch SIGTERM when ``signals``; run ``wait_staged`` before every step of
-        ``optimizer`` (the only place the parameters a background save reads change);
-        call the bound method ``at_exit`` when the interpreter exits before
-        :meth:`close` (held weakly: it does not keep its object alive)."""
+                at_exit: Callable[[], None] | None = None,
+                on_unheard: Callable[[int], None] | None = None) -> None:
+        """Catch SIGTERM when ``signals`` (``on_unheard``, a bound method held
+        weakly: called on a watcher thread when the main thread does not hear it; see
+        :class:`~elastic_kit.state.TerminationFlag`);
+        run ``wait_staged`` before every step of ``optimizer`` (the only place the
+        parameters a background save reads change); call the bound method ``at_exit``
+        when the interpreter exits before :meth:`close` (held weakly: it does not keep
+        its object alive)."""
         if signals:
+            self.stop.on_unheard = None if on_unheard is None else _weakly(on_unheard)
             self.stop.install()
         if optimizer is not None and self._step_hook is None:
             self._step_hook = optimizer.register_step_pre_hook(wait_staged)
         if at_exit is not None and self._at_exit is None:
-            method = weakref.WeakMethod(at_exit)  # type: ignore[arg-type]
-
-            def run() -> None:
-                fn = method()
-                if fn is not None:
-                    fn()
-
-            self._at_exit = run
-            atexit.register(run)
+            self._at_exit = _weakly(at_exit)
+            atexit.register(self._at_exit)
 
     def close(self, *, keep_signals: bool = False, keep_step_hook: bool = False) -> bool:
         """Remove the hooks; False when they were already removed (nothing to do).
@@ -84,3 +82,16 @@ class Hooks:
         if not keep_signals:
             self.stop.uninstall()
         return True
+
+
+def _weakly(bound: Callable[..., None]) -> Callable[..., None]:
+    """Call the bound method ``bound`` while its object lives (a weak reference: the
+    process-wide handlers holding it do not keep a checkpointer alive)."""
+    method = weakref.WeakMethod(bound)  # type: ignore[arg-type]
+
+    def run(*args: Any) -> None:
+        fn = method()
+        if fn is not None:
+            fn(*args)
+
+    return run

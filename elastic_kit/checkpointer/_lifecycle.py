@@ -10,6 +10,8 @@ read in one place.
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import threading
 from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
@@ -68,7 +70,9 @@ class Lifecycle:
     audit: str
     _progress: Progress
     _step_end: StepEnd
-    _leaving: threading.Event  # set once the heartbeat's thread writes the last step
+    _leaving: threading.Event  # set once another thread writes the last step
+    _left: threading.Event  # ... and once that write is done
+    _leave_lock: threading.Lock
 
     @property
     def stop_requested(self) -> bool:
@@ -136,16 +140,43 @@ class Lifecycle:
     def _leave_silent(self, rank: int, seconds: float) -> None:
         """The heartbeat's action on a silent peer, on the heartbeat's thread: write the
         last step, then end the process (:func:`elastic_kit.health.exit_for_silence`).
-
         The training thread sits in a collective the silent host never joins, and only
-        ending the process ends it, so what :meth:`abandon` does on that thread is done
-        here: the audit sum in flight is given up and the state of the last step every
-        rank finished is written to this node's memory (the writes are waited for, at
-        most :data:`SILENT_EXIT_WRITE_S` seconds). The optimizer's pre-hook stays: should
-        the training thread reach the optimizer's step meanwhile, it is held there, so
-        the state is never copied while it changes."""
-        self._leaving.set()
-        done = threading.Event()
+        ending the process ends it (see :meth:`_leave_alone`)."""
+        self._leave_alone(f"leaving silent rank {rank} behind",
+                          lambda: health.exit_for_silence(rank, seconds))
+
+    def _leave_unheard(self, signum: int) -> None:
+        """The SIGTERM watcher's action when the training thread did not hear the
+        signal (it sits in a collective whose peer is gone, which never fails: NCCL's,
+        or gloo's with a frozen peer): write the last step, then exit with
+        ``exit_code``, before torchrun's SIGKILL (see :meth:`_leave_alone`)."""
+        def leave() -> None:
+            for stream in (sys.stdout, sys.stderr):
+                try:
+                    stream.flush()
+                except Exception:  # exiting anyway
+                    pass
+            os._exit(self.exit_code)
+
+        self._leave_alone(f"signal {signum} unheard by the training thread", leave)
+
+    def _leave_alone(self, why: str, leave: Callable[[], None]) -> None:
+        """Write the last step from this thread, then ``leave()`` (which ends the
+        process): what :meth:`abandon` does on the training thread, for a training
+        thread that will not return. The audit sum in flight is given up and the state
+        of the last step every rank finished is written to this node's memory (the
+        writes are waited for, at most :data:`SILENT_EXIT_WRITE_S` seconds). The
+        optimizer's pre-hook stays: should the training thread reach the optimizer's
+        step meanwhile, it is held there, so the state is never copied while it
+        changes. A second caller (the heartbeat and the SIGTERM watcher both) waits
+        for the first's write, then leaves."""
+        with self._leave_lock:
+            first = not self._leaving.is_set()
+            self._leaving.set()
+        if not first:
+            self._left.wait(SILENT_EXIT_WRITE_S)
+            leave()
+            return
 
         def write() -> None:
             try:
@@ -157,16 +188,16 @@ class Lifecycle:
                     if self.store is not None:
                         self.store.wait_local()
             except BaseException as e:  # exiting anyway: say why nothing was written
-                log.warning("rank %d leaving silent rank %d behind: writing the last "
-                            "step failed: %r", self.info.rank, rank, e)
+                log.warning("rank %d %s: writing the last step failed: %r",
+                            self.info.rank, why, e)
             finally:
-                done.set()
+                self._left.set()
 
         threading.Thread(target=write, name="elastic-kit-last-step", daemon=True).start()
-        if not done.wait(SILENT_EXIT_WRITE_S):
-            log.warning("rank %d: the last step's write did not finish in %.0f s; exiting "
-                        "without it", self.info.rank, SILENT_EXIT_WRITE_S)
-        health.exit_for_silence(rank, seconds)
+        if not self._left.wait(SILENT_EXIT_WRITE_S):
+            log.warning("rank %d %s: the last step's write did not finish in %.0f s; "
+                        "exiting without it", self.info.rank, why, SILENT_EXIT_WRITE_S)
+        leave()
 
     def _hold_if_leaving(self) -> None:
         """Called by the optimizer's pre-hook after it marked the step as changing the

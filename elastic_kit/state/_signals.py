@@ -4,20 +4,34 @@ On a group restart torchrun sends SIGTERM to every worker and SIGKILL 30 seconds
 later. The handler only sets a flag; the loop finishes the current optimizer step,
 agrees with every other rank that it is time to stop (so no rank is left waiting in
 a collective), saves a checkpoint synchronously and exits non-zero.
+
+A Python handler runs on the main thread between two bytecodes, so a main thread that
+sits in a call that does not return (a collective whose peer is gone and that NCCL,
+or gloo with a frozen peer, never fails) never hears the signal. With ``on_unheard``
+a watcher thread learns of each signal through the interpreter's wakeup fd (written
+by the C-level handler at once) and, when the main thread's handler has not run
+within ``unheard_after_s`` seconds, calls ``on_unheard(signum)`` there: what the
+process can still do before torchrun's SIGKILL.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 import time
+import weakref
 from types import FrameType
-from typing import Any
+from typing import Any, Callable
 
-__all__ = ["TerminationFlag"]
+__all__ = ["TerminationFlag", "UNHEARD_AFTER_S"]
 
 log = logging.getLogger(__name__)
+
+#: Seconds after a signal within which the main thread's handler must have run, or
+#: ``on_unheard`` is called (torchrun's SIGKILL follows its SIGTERM after 30 s).
+UNHEARD_AFTER_S = 5.0
 
 
 class TerminationFlag:
@@ -37,12 +51,23 @@ class TerminationFlag:
     Handlers are only installed in the main thread (Python allows nothing else);
     elsewhere the flag just never sets by itself. Previous handlers are restored on
     exit.
+
+    ``on_unheard``: called on a watcher thread with the signal's number when the main
+    thread has not run the handler ``unheard_after_s`` seconds after the signal came
+    (see the module); once. Not watched when the process's wakeup fd is already taken
+    (an event loop's).
     """
 
-    def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM,)) -> None:
+    def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM,), *,
+                 on_unheard: Callable[[int], None] | None = None,
+                 unheard_after_s: float = UNHEARD_AFTER_S) -> None:
         self.signals = tuple(signals)
+        self.on_unheard = on_unheard
+        self.unheard_after_s = unheard_after_s
         self._event = threading.Event()
+        self._heard = threading.Event()  # the handler ran (on the main thread)
         self._previous: dict[int, Any] = {}
+        self._pipe: tuple[int, int] | None = None
         self.received: int | None = None
         self.received_at: float | None = None
 
@@ -50,6 +75,7 @@ class TerminationFlag:
         # Nothing but bookkeeping here: the loop does the work at a safe point.
         if self.received is None:
             self.received, self.received_at = signum, time.monotonic()
+        self._heard.set()
         self._event.set()
 
     def is_set(self) -> bool:
@@ -67,15 +93,95 @@ class TerminationFlag:
             return self
         for sig in self.signals:
             self._previous[sig] = signal.signal(sig, self._handle)
+        if self.on_unheard is not None and self._pipe is None:
+            self._watch()
         return self
 
     def uninstall(self) -> None:
         for sig, prev in self._previous.items():
             signal.signal(sig, prev if prev is not None else signal.SIG_DFL)
         self._previous.clear()
+        if self._pipe is not None and threading.current_thread() is threading.main_thread():
+            r, w = self._pipe
+            self._pipe = None
+            _WATCHING.discard(self)
+            current = signal.set_wakeup_fd(-1)
+            if current != w:  # taken over since (an event loop's): leave it theirs
+                signal.set_wakeup_fd(current)
+            os.close(w)  # the watcher's read ends; it closes its end
+
+    def _watch(self) -> None:
+        """Take the wakeup fd (unless another's) and start the watcher thread."""
+        r, w = os.pipe()
+        os.set_blocking(w, False)
+        try:
+            previous = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+        except (ValueError, OSError) as e:
+            log.debug("no wakeup fd for unheard signals: %r", e)
+            os.close(r), os.close(w)
+            return
+        if previous != -1:  # someone else's: give it back, and watch nothing
+            signal.set_wakeup_fd(previous)
+            os.close(r), os.close(w)
+            return
+        self._pipe = (r, w)
+        _WATCHING.add(self)
+        threading.Thread(target=self._watch_loop, args=(r,), name="elastic-kit-unheard",
+                         daemon=True).start()
+
+    def _watch_loop(self, r: int) -> None:
+        try:
+            while True:
+                try:
+                    data = os.read(r, 64)
+                except InterruptedError:
+                    continue
+                except OSError:
+                    return
+                if not data:
+                    return  # uninstalled
+                got = [b for b in data if b in self.signals]
+                if not got:
+                    continue  # another signal with a Python handler
+                if not self._heard.wait(self.unheard_after_s) and self.on_unheard is not None:
+                    log.warning("signal %d was not heard by the main thread in %.0f s (it sits "
+                                "in a call that does not return)", got[0], self.unheard_after_s)
+                    self.on_unheard(got[0])
+                return
+        finally:
+            os.close(r)
 
     def __enter__(self) -> TerminationFlag:
         return self.install()
 
     def __exit__(self, *exc: object) -> None:
         self.uninstall()
+
+
+#: The flags whose watcher holds the wakeup fd now (at most one: there is one fd).
+_WATCHING: weakref.WeakSet[TerminationFlag] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    """A forked child (a DataLoader worker) inherits the wakeup fd, and a signal it
+    gets would be written to the parent's watcher as if the parent got it: in the
+    child the fd's number is pointed at /dev/null (whatever thread forked, and with no
+    number left dangling) and its copy of the read end is closed."""
+    for flag in list(_WATCHING):
+        if flag._pipe is None:
+            continue
+        r, w = flag._pipe
+        flag._pipe = None
+        try:
+            null = os.open(os.devnull, os.O_WRONLY)
+            try:
+                os.dup2(null, w, inheritable=False)
+            finally:
+                os.close(null)
+            os.close(r)
+        except OSError:
+            pass
+    _WATCHING.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +31,8 @@ EPOCHS = 2
 
 
 def _run(url: str, shm: str, die_at: int | None, where: str = "forward",
-         snapshot_every: int = 100, freeze: bool = False) -> dict[str, Any]:
+         snapshot_every: int = 100, freeze: bool = False,
+         marks: str | None = None) -> dict[str, Any]:
     """Train (two ranks, each its own "node"); rank 1 SIGKILLs itself in the step after
     ``die_at``, after its forward pass (``where="forward"``) or after its optimizer
     step (``where="optimizer"``: every step then sums the loss over the ranks after
@@ -37,7 +40,9 @@ def _run(url: str, shm: str, die_at: int | None, where: str = "forward",
     ``where="unrecorded"``: rank 0 records the step, takes its snapshot, and fails in
     the next forward pass). ``freeze=True``: rank 1 SIGSTOPs itself there instead, as a
     frozen host: rank 0 waits in its collective until its heartbeat finds rank 1
-    silent (1.5 s) and exits from the heartbeat's thread."""
+    silent (1.5 s) and exits from the heartbeat's thread. ``marks``: a directory where
+    rank 0 writes its pid and rank 1 a file ``frozen`` before it stops; the ranks then
+    handle SIGTERM (for a test that sends rank 0 one while it waits)."""
     os.environ["ELASTIC_KIT_SNAPSHOT_DIR"] = shm
     os.environ["ELASTIC_KIT_SNAPSHOT_NODE"] = f"node{os.environ['GROUP_RANK']}"
     if freeze:
@@ -45,6 +50,8 @@ def _run(url: str, shm: str, die_at: int | None, where: str = "forward",
     fail = signal.SIGSTOP if freeze else signal.SIGKILL
     torch.set_num_threads(1)
     info = ek.init_distributed()
+    if marks is not None and info.rank == 0:
+        Path(marks, "rank0.pid").write_text(str(os.getpid()))
     torch.manual_seed(0)
     model = ek.wrap_ddp(nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(),
                                       nn.Dropout(0.3), nn.Linear(8, 1)))
@@ -54,7 +61,7 @@ def _run(url: str, shm: str, die_at: int | None, where: str = "forward",
     sampler = ek.ElasticDistributedSampler(torch.utils.data.TensorDataset(xs, ys), seed=3)
     state = ek.TrainState(model, opt, sampler=sampler)
     with ek.Checkpointer(state, url, every_steps=1000, snapshot_every=snapshot_every,
-                         audit=True, handle_signals=False) as ckpt:
+                         audit=True, handle_signals=marks is not None) as ckpt:
         start = ckpt.restore()
         for epoch in range(start, EPOCHS):
             sampler.set_epoch(epoch)
@@ -64,6 +71,8 @@ def _run(url: str, shm: str, die_at: int | None, where: str = "forward",
                 dying = info.rank == 1 and state.step == die_at
                 loss = nn.functional.mse_loss(model(xs[idx]), ys[idx])
                 if dying and where == "forward":
+                    if marks is not None:
+                        Path(marks, "frozen").write_text("")
                     os.kill(os.getpid(), fail)
                 opt.zero_grad()
                 loss.backward()
@@ -163,6 +172,47 @@ def test_a_survivor_leaving_a_frozen_peer_behind_writes_the_last_finished_step(
     out = spawn_multi_process(2, _run, url, str(shm), None, "forward", every, local_world_size=1)
     last = out[0]["history"][-1]
     assert last["restored_step"] == written and last["restored_from"] == "memory"
+    for k, v in reference["params"].items():
+        np.testing.assert_array_equal(out[0]["params"][k], v, err_msg=k)
+    assert out[0]["audit"] == [(0, N, True), (1, N, True)]
+
+
+def test_a_sigterm_unheard_in_a_hung_collective_still_writes_the_last_step(
+        tmp_path: Path, reference: dict[str, Any]) -> None:
+    """Both ranks on one node (no heartbeat between them); rank 1 freezes in a step and
+    rank 0 waits in a collective that never returns, where Python cannot run its
+    SIGTERM handler. torchrun's SIGTERM (sent here by the test) is still heard by the
+    watcher thread: after its grace rank 0 writes the last step every rank finished
+    and exits 143, before torchrun's SIGKILL would come; the restart redoes only the
+    step in progress."""
+    url, shm, marks = str(tmp_path / "run"), tmp_path / "shm", tmp_path / "marks"
+    shm.mkdir(), marks.mkdir()
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            spawn_multi_process(2, _run, url, str(shm), 8, "forward", 100, True, str(marks),
+                                local_world_size=2, timeout=90)
+        except BaseException as e:
+            failed.append(e)
+
+    group = threading.Thread(target=run)
+    group.start()
+    deadline = time.monotonic() + 90
+    while not (marks / "frozen").exists() and group.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert (marks / "frozen").exists(), failed
+    time.sleep(1.0)  # rank 0 reaches the collective rank 1 never joins
+    os.kill(int((marks / "rank0.pid").read_text()), signal.SIGTERM)
+    group.join(120)
+    assert not group.is_alive()
+    assert len(failed) == 1 and "exit codes {0: 143, 1: -9}" in str(failed[0]), failed
+    assert _steps(shm, url, "node0") == ["step-000000000008"]
+    manifest = Path(snapshot_dir(str(shm), "test", url)) / "node0" / "step-000000000008"
+    assert json.loads((manifest / "manifest.json").read_text())["metadata"]["at_exit"] is True
+    out = spawn_multi_process(2, _run, url, str(shm), None, local_world_size=2)
+    last = out[0]["history"][-1]
+    assert last["restored_step"] == 8 and last["restored_from"] == "memory"
     for k, v in reference["params"].items():
         np.testing.assert_array_equal(out[0]["params"][k], v, err_msg=k)
     assert out[0]["audit"] == [(0, N, True), (1, N, True)]
