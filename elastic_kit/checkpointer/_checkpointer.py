@@ -30,7 +30,7 @@ from elastic_kit.checkpointer._store_like import StoreLike
 from elastic_kit.distributed import DistInfo, get_dist_info
 import elastic_kit.health as health
 from elastic_kit.snapshot import DEFAULT_BUDGET, SnapshotTier
-from elastic_kit.state import EpochAudit
+from elastic_kit.state import UNHEARD_AFTER_S, UNHEARD_MAX_S, EpochAudit
 from elastic_kit.store import LoadedCheckpoint
 
 if TYPE_CHECKING:
@@ -134,6 +134,7 @@ class Checkpointer(Lifecycle):
         # another thread writes the last step (a silent peer, an unheard SIGTERM)
         self._leaving, self._left = threading.Event(), threading.Event()
         self._leave_lock = threading.Lock()
+        self._last_step_at: float | None = None  # when record_step last ran (monotonic)
 
     def restore(self, *, map_location: Any = None) -> int:
         """Load the newest checkpoint into the state; return the epoch to start.
@@ -241,6 +242,13 @@ class Checkpointer(Lifecycle):
         self.state.step += 1
         self._progress.advance(n, audited=self.audit != "off")
         self._step_end.record()
+        # an unheard SIGTERM waits two steps' time (5-15 s): one long backward pass is
+        # one call, in which the training thread cannot hear a signal either
+        now = time.monotonic()
+        if self._last_step_at is not None:
+            self._hooks.stop.unheard_after_s = min(max(
+                UNHEARD_AFTER_S, 2.0 * (now - self._last_step_at)), UNHEARD_MAX_S)
+        self._last_step_at = now
 
     def _act(self, flags: Flags) -> None:
         """Given the ranks' agreed flags: save and exit after SIGTERM, save when due,

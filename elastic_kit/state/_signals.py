@@ -25,13 +25,16 @@ import weakref
 from types import FrameType
 from typing import Any, Callable
 
-__all__ = ["TerminationFlag", "UNHEARD_AFTER_S"]
+__all__ = ["TerminationFlag", "UNHEARD_AFTER_S", "UNHEARD_MAX_S"]
 
 log = logging.getLogger(__name__)
 
 #: Seconds after a signal within which the main thread's handler must have run, or
 #: ``on_unheard`` is called (torchrun's SIGKILL follows its SIGTERM after 30 s).
 UNHEARD_AFTER_S = 5.0
+#: The most a caller should set ``unheard_after_s`` to (for long steps, whose one
+#: backward pass is one call): the rest of torchrun's 30 s is for writing.
+UNHEARD_MAX_S = 15.0
 
 
 class TerminationFlag:

@@ -36,3 +36,26 @@ def test_close_can_keep_the_pre_hook_for_a_process_that_ends_elsewhere() -> None
     opt.step()
     opt.step()
     assert calls == [1, 1]
+
+
+def test_the_unheard_signal_grace_follows_the_step_time(monkeypatch) -> None:
+    """Two steps' time, within 5-15 s: a long backward pass is one call that cannot
+    hear a signal, and must not be taken for a hung collective."""
+    import elastic_kit as ek
+    from elastic_kit.checkpointer import _checkpointer as mod
+
+    model = torch.nn.Linear(2, 2)
+    ck = ek.Checkpointer(ek.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1)),
+                         None, handle_signals=False, snapshot_every=None,
+                         info=ek.DistInfo(run_id="j"))
+    clock = iter([100.0, 101.0, 110.0, 113.0])
+    monkeypatch.setattr(mod.time, "monotonic", lambda: next(clock))
+    flag = ck._hooks.stop
+    ck.record_step(1)
+    assert flag.unheard_after_s == 5.0       # no step time yet: the default
+    ck.record_step(1)
+    assert flag.unheard_after_s == 5.0       # 1 s steps: the floor
+    ck.record_step(1)
+    assert flag.unheard_after_s == 15.0      # 9 s steps: two would be 18 s, capped
+    ck.record_step(1)
+    assert flag.unheard_after_s == 6.0       # 3 s steps
