@@ -16,10 +16,10 @@ so the step may change them as soon as it passes.
 
 The budget follows what was measured: after each snapshot the device's wait and the
 direct copies' speed say how many more bytes to relay next time (with a quarter more
-as margin); it never shrinks, as a wait that went away stays away. It is bounded by
-the device's free memory, keeping :data:`RESERVE_FRACTION` of the device (and at
-least :data:`RESERVE_MIN_BYTES`) free for training, and by
-``$ELASTIC_KIT_SNAPSHOT_RELAY_MAX_BYTES`` (``0``: no relay).
+as margin); a wait that went away does not shrink it, as it would come back. It is
+bounded by the bytes the copies hold, by the device's free memory, keeping
+:data:`RESERVE_FRACTION` of the device (and at least :data:`RESERVE_MIN_BYTES`) free
+for training, and by ``$ELASTIC_KIT_SNAPSHOT_RELAY_MAX_BYTES`` (``0``: no relay).
 """
 
 from __future__ import annotations
