@@ -133,6 +133,10 @@ class TerminationFlag:
                          daemon=True).start()
 
     def _watch_loop(self, r: int) -> None:
+        """Read the wakeup fd until :meth:`uninstall` closes it (a reader must stay:
+        the interpreter writes every later signal there too); act on the first
+        watched signal only."""
+        acted = False
         try:
             while True:
                 try:
@@ -144,13 +148,13 @@ class TerminationFlag:
                 if not data:
                     return  # uninstalled
                 got = [b for b in data if b in self.signals]
-                if not got:
-                    continue  # another signal with a Python handler
+                if acted or not got:
+                    continue  # later signals, or another signal with a Python handler
+                acted = True
                 if not self._heard.wait(self.unheard_after_s) and self.on_unheard is not None:
                     log.warning("signal %d was not heard by the main thread in %.0f s (it sits "
                                 "in a call that does not return)", got[0], self.unheard_after_s)
                     self.on_unheard(got[0])
-                return
         finally:
             os.close(r)
 
