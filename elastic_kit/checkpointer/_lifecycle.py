@@ -10,12 +10,10 @@ read in one place.
 from __future__ import annotations
 
 import logging
-import os
-import sys
 import threading
 from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
-from elastic_kit._console import say
+from elastic_kit._console import exit_now, say
 
 import elastic_kit.health as health
 from elastic_kit.checkpointer import _saving
@@ -150,15 +148,8 @@ class Lifecycle:
         signal (it sits in a collective whose peer is gone, which never fails: NCCL's,
         or gloo's with a frozen peer): write the last step, then exit with
         ``exit_code``, before torchrun's SIGKILL (see :meth:`_leave_alone`)."""
-        def leave() -> None:
-            for stream in (sys.stdout, sys.stderr):
-                try:
-                    stream.flush()
-                except Exception:  # exiting anyway
-                    pass
-            os._exit(self.exit_code)
-
-        self._leave_alone(f"signal {signum} unheard by the training thread", leave)
+        self._leave_alone(f"signal {signum} unheard by the training thread",
+                          lambda: exit_now(self.exit_code))
 
     def _leave_alone(self, why: str, leave: Callable[[], None]) -> None:
         """Write the last step from this thread, then ``leave()`` (which ends the

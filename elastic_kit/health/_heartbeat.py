@@ -39,16 +39,15 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
-import os
 import secrets
 import selectors
 import socket
 import struct
-import sys
 import threading
 import time
 from typing import Callable
 
+from elastic_kit._console import exit_now
 from elastic_kit._env import non_negative_from_env
 from elastic_kit.distributed import (
     DistInfo, all_gather_object, broadcast_object, is_dist_ready, side_channel_host,
@@ -316,14 +315,9 @@ def exit_for_silence(rank: int, seconds: float) -> None:
     log.error("no heartbeat from rank %d for %.1f s: its host is frozen or unreachable; "
               "exiting (status %d) so torchrun re-forms the group without it",
               rank, seconds, SILENT_PEER_EXIT_CODE)
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:  # exiting anyway
-            pass
     # The main thread sits in a collective the silent host never joins: only leaving
     # the process ends it (torchrun's SIGTERM would not run Python's handler there).
-    os._exit(SILENT_PEER_EXIT_CODE)
+    exit_now(SILENT_PEER_EXIT_CODE)
 
 
 def timeout_from_env(default: float | None) -> float | None:

@@ -30,7 +30,7 @@ from typing import Any, Iterable
 
 import torch
 
-from elastic_kit.snapshot._relay import DeviceRelay, RelayPlan
+from elastic_kit.snapshot._relay import DeviceRelay
 from elastic_kit.store import map_tree
 
 __all__ = ["DeviceStall", "StagingBuffers", "StagedState", "storage_keys"]
@@ -280,6 +280,7 @@ class StagingBuffers:
 
 
 _SIDE_STREAMS: dict[torch.device, Any] = {}
+_NO_RELAY = DeviceRelay(max_bytes=0)  # every copy straight to the host
 
 
 def _side_stream(device: torch.device) -> Any:
@@ -303,8 +304,7 @@ def _copy_on_side_stream(pairs: list[tuple[torch.Tensor, torch.Tensor]],
     stream = _side_stream(device)
     current = torch.cuda.current_stream(device)
     stream.wait_stream(current)  # sees every update issued before the snapshot
-    plan = relay.plan(pairs) if relay is not None else RelayPlan(
-        direct=list(pairs), direct_bytes=sum(s.numel() * s.element_size() for s, _ in pairs))
+    plan = (relay or _NO_RELAY).plan(pairs)
     with torch.cuda.stream(stream):
         start = torch.cuda.Event(enable_timing=True)
         start.record(stream)

@@ -221,6 +221,16 @@ def test_load_map_location(tmp_path: Path, map_location: Any, device: str) -> No
         assert torch.equal(v.cpu(), expected[k]), k
 
 
+def _on_gpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+            width: int) -> tuple[nn.Module, torch.optim.Optimizer, str]:
+    """A ``Linear(width, width)`` on the GPU, its SGD optimizer and a durable store's
+    URL, with snapshots in this test's own directory."""
+    (tmp_path / "shm").mkdir()
+    monkeypatch.setenv("ELASTIC_KIT_SNAPSHOT_DIR", str(tmp_path / "shm"))
+    model = nn.Linear(width, width).cuda()
+    return model, torch.optim.SGD(model.parameters(), lr=0.1), str(tmp_path / "ckpt")
+
+
 @pytest.mark.parametrize("snapshot_every", [None, 1], ids=["durable", "snapshot"])
 def test_restore_onto_the_gpu_restores_the_random_generators(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, snapshot_every: Any) -> None:
@@ -229,11 +239,7 @@ def test_restore_onto_the_gpu_restores_the_random_generators(
     import random
 
     import numpy as np
-    (tmp_path / "shm").mkdir()
-    monkeypatch.setenv("ELASTIC_KIT_SNAPSHOT_DIR", str(tmp_path / "shm"))
-    model = nn.Linear(8, 8).cuda()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    url = str(tmp_path / "ckpt")
+    model, opt, url = _on_gpu(tmp_path, monkeypatch, 8)
     # left by abandon(), as by a failure: a clean close() removes the snapshots
     ck = ek.Checkpointer(ek.TrainState(model, opt), url, handle_signals=False,
                          snapshot_every=snapshot_every, info=ek.DistInfo(run_id="j"))
@@ -268,11 +274,7 @@ def test_the_last_step_is_written_past_a_stream_that_hangs(tmp_path: Path,
     """A rank that exits alone writes the state of its last step from a stream of its
     own that waits only for that step's end: a collective that hangs on the training
     stream (here a long sleep kernel queued there) neither delays nor blocks it."""
-    (tmp_path / "shm").mkdir()
-    monkeypatch.setenv("ELASTIC_KIT_SNAPSHOT_DIR", str(tmp_path / "shm"))
-    model = nn.Linear(64, 64).cuda()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    url = str(tmp_path / "ckpt")
+    model, opt, url = _on_gpu(tmp_path, monkeypatch, 64)
     ck = ek.Checkpointer(ek.TrainState(model, opt), url, handle_signals=False,
                          snapshot_every=1000, info=ek.DistInfo(run_id="j"))
     ck.restore()
