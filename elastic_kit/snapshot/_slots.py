@@ -189,6 +189,17 @@ class Slots:
                     return s
         return None
 
+    def take_free(self) -> Slot | None:
+        """A free slot of whichever layout, marked busy; None when there is none. For
+        the training thread, which checks the fit as it copies (one walk of the
+        state) and hands an unfit slot back with :meth:`done`. Never allocates."""
+        with self._lock:
+            for s in reversed(self._slots):  # the newest: the latest layout
+                if not s.busy and s.step is None:
+                    s.busy = True
+                    return s
+        return None
+
     def acquire(self, items: Sequence[tuple[str, torch.Tensor]]) -> Slot:
         """A free slot that fits ``items``, made (or remade at the new size) when
         none does; marked busy (the writer thread)."""

@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 import torch
 
 from elastic_kit.snapshot._relay import DeviceRelay
-from elastic_kit.store import map_tree
+from elastic_kit.store import FlatPlan, map_tree, storable
 
 __all__ = ["DeviceStall", "StagingBuffers", "StagedState", "storage_keys"]
 
@@ -101,6 +101,8 @@ class StagedState:
         side_device: the device of those copies.
         stall: the device's wait for them before the optimizer step.
         nbytes: the tensors' bytes.
+        into_file: the tensors were staged straight into a snapshot file's views.
+        cuda: some of the tensors are on a CUDA device.
     """
 
     state: Any
@@ -113,12 +115,14 @@ class StagedState:
     stall: DeviceStall | None = None
     staged: threading.Event = field(default_factory=threading.Event)
     nbytes: int = 0
+    into_file: bool = False
+    cuda: bool = False
     _cond: threading.Condition = field(default_factory=threading.Condition, repr=False)
     _next: int = field(default=0, repr=False)  # the next deferred CPU pair to copy
     _active: int = field(default=0, repr=False)  # CPU pairs being copied now
 
     def _cpu_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [p for p in self.deferred if p[0].device.type != "cuda"]
+        return [p for p in self.deferred if not p[0].is_cuda]
 
     def _copy_cpu(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Copy deferred CPU pairs not yet taken, one at a time; the writer thread and
@@ -142,8 +146,8 @@ class StagedState:
         thread; also on failure, so that no training thread waits forever)."""
         try:
             deferred = self.deferred
-            cpu = [p for p in deferred if p[0].device.type != "cuda"]
-            cuda = [p for p in deferred if p[0].device.type == "cuda"]
+            cpu = [p for p in deferred if not p[0].is_cuda]
+            cuda = [p for p in deferred if p[0].is_cuda]
             self._copy_cpu(cpu)
             with self._cond:  # a pair the training thread took may still be copied
                 self._cond.wait_for(lambda: self._active == 0)
@@ -202,6 +206,10 @@ class StagedState:
             self.staged.set()
         self.staged.wait()
 
+class _Unfit(Exception):
+    """The state's tensors do not have the snapshot file's layout (internal)."""
+
+
 class StagingBuffers:
     """CPU buffers for one snapshot in flight, reused from one snapshot to the next."""
 
@@ -214,28 +222,84 @@ class StagingBuffers:
         return sum(b.numel() * b.element_size() for b in self._pool.values())
 
     def stage(self, state: Any, *, later: frozenset[int] = frozenset(),
-              into: dict[str, torch.Tensor] | None = None,
+              into: tuple[FlatPlan, Sequence[torch.Tensor]] | None = None,
               into_pinned: bool = False, relay: DeviceRelay | None = None) -> StagedState:
         """Copy ``state``'s tensors into the buffers (those whose storage is in
         ``later`` are left for later: see the module) and return the state to write.
         Buffers of keys that disappeared are freed.
 
-        ``into``: key path -> the tensor to copy that key's tensor into instead (views
-        of a snapshot file's mapping, which are then the staged tensors: one copy,
-        straight into the snapshot); ``into_pinned``: those are pinned memory (the
-        file is registered). The pooled buffers are kept for the next snapshot that
-        cannot go straight into a file. ``relay``: the device's relay, which takes
-        part of the side stream's copies off the optimizer's path."""
+        ``into``: a snapshot file's plan and the views of its mapping, one per tensor
+        of the plan. The state's storable tensors (:func:`~elastic_kit.store.storable`,
+        in tree order) are copied into those views, which are then the staged tensors
+        (one copy, straight into the snapshot), when they have the plan's keys, dtypes
+        and shapes; when they do not (the state changed its layout), everything is
+        staged into the pooled buffers instead and :attr:`StagedState.into_file` is
+        False. The state is walked once, and nothing is copied before the whole walk
+        showed that it fits. ``into_pinned``: the views are pinned memory (the file
+        is registered). The pooled buffers are kept for the next snapshot that cannot
+        go straight into a file. ``relay``: the device's relay, which takes part of
+        the side stream's copies off the optimizer's path."""
+        if into is not None:
+            try:
+                return self._stage(state, later, into, into_pinned, relay)
+            except _Unfit:
+                pass
+        return self._stage(state, later, None, False, relay)
+
+    def _stage(self, state: Any, later: frozenset[int],
+               into: tuple[FlatPlan, Sequence[torch.Tensor]] | None, into_pinned: bool,
+               relay: DeviceRelay | None) -> StagedState:
+        pool = self._pool
         used: dict[str, torch.Tensor] = {}
-        out = StagedState(state=None)
-        side: list[tuple[torch.Tensor, torch.Tensor]] = []
-        out.state = map_tree(state, lambda path, x: self._leaf(path, x, later, used, out, into,
-                                                               into_pinned, side))
-        if into is None:
+        copies: list[tuple[torch.Tensor, torch.Tensor, bool]] = []  # live, buffer, pinned
+        plan, views = into if into is not None else (None, ())
+        taken = 0  # the plan's tensors matched so far
+
+        def leaf(path: str, x: Any) -> Any:
+            nonlocal taken
+            if not isinstance(x, torch.Tensor):
+                return x  # primitives; anything else the store's validator refuses, naming it
+            t = x.detach()
+            if t.layout != torch.strided:
+                return t.to("cpu", copy=True)
+            if plan is not None and storable(t):
+                i, taken = taken, taken + 1
+                if (i >= len(views) or plan.keys[i] != path or plan.dtypes[i] != t.dtype
+                        or plan.shapes[i] != t.shape):
+                    raise _Unfit
+                copies.append((t, views[i], into_pinned))
+                return views[i]
+            buf = pool.get(path)
+            if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+                buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.is_cuda)
+            used[path] = buf
+            copies.append((t, buf, t.is_cuda))
+            return buf
+
+        out = StagedState(state=map_tree(state, leaf), into_file=plan is not None)
+        if plan is not None and taken != len(views):
+            raise _Unfit
+        if plan is None:
             self._pool = used
+        side: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for t, buf, pinned in copies:
+            out.nbytes += buf.nbytes
+            cuda = t.is_cuda
+            out.cuda = out.cuda or cuda
+            deferred = bool(later) and t.untyped_storage().data_ptr() in later
+            if deferred and cuda and pinned:
+                side.append((t, buf))
+            elif deferred:
+                out.deferred.append((t, buf))
+            elif cuda:
+                if out.copied is None:
+                    out.copied = torch.cuda.Event()
+                buf.copy_(t, non_blocking=True)
+            else:
+                buf.copy_(t)
         if side:
             _copy_on_side_stream(side, out, relay)
-        if any(src.device.type == "cuda" for src, _ in out.deferred):
+        if any(src.is_cuda for src, _ in out.deferred):
             out.after = torch.cuda.Event()
             out.after.record()
         if out.copied is not None:
@@ -245,38 +309,6 @@ class StagingBuffers:
             # the live tensors: only the writer waits for them (``copied``)
             out.staged.set()
         return out
-
-    def _leaf(self, path: str, x: Any, later: frozenset[int],
-              used: dict[str, torch.Tensor], out: StagedState,
-              into: dict[str, torch.Tensor] | None, into_pinned: bool,
-              side: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
-        if not isinstance(x, torch.Tensor):
-            return x  # primitives; anything else the store's validator refuses, naming it
-        t = x.detach()
-        if t.layout != torch.strided:
-            return t.to("cpu", copy=True)
-        buf = None if into is None else into.get(path)
-        pinned = into_pinned
-        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-            buf = self._pool.get(path)
-            if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-                buf = torch.empty(t.shape, dtype=t.dtype, device="cpu",
-                                  pin_memory=t.device.type == "cuda")
-            used[path] = buf
-            pinned = t.device.type == "cuda"
-        out.nbytes += buf.numel() * buf.element_size()
-        deferred = bool(later) and t.untyped_storage().data_ptr() in later
-        if deferred and t.device.type == "cuda" and pinned:
-            side.append((t, buf))
-        elif deferred:
-            out.deferred.append((t, buf))
-        elif t.device.type == "cuda":
-            if out.copied is None:
-                out.copied = torch.cuda.Event()
-            buf.copy_(t, non_blocking=True)
-        else:
-            buf.copy_(t)
-        return buf
 
 
 _SIDE_STREAMS: dict[torch.device, Any] = {}

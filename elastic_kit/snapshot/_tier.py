@@ -411,15 +411,18 @@ class SnapshotTier:
             later = storage_keys(copy_later if idle
                                  else [t for t in copy_later
                                        if isinstance(t, torch.Tensor) and t.is_cuda])
-            slot: Slot | None = None
-            if idle and self._slots is not None:
-                _, items = split_state(state_dict)
-                self._slots.pin = self._slots.pin or any(t.is_cuda for _, t in items)
-                slot = self._slots.take(items)  # a free file of this layout, else None
-            into = None if slot is None else dict(zip(slot.plan.keys, slot.views))
-            staged = buffers.stage(state_dict, later=later, into=into,
+            slots = self._slots
+            slot = slots.take_free() if idle and slots is not None else None
+            staged = buffers.stage(state_dict, later=later,
+                                   into=None if slot is None else (slot.plan, slot.views),
                                    into_pinned=slot is not None and slot.registered,
                                    relay=self.relay)
+            if slots is not None:
+                slots.pin = slots.pin or staged.cuda  # slots made from now on are pinned
+                if slot is not None and not staged.into_file:
+                    # the state changed its layout: the writer makes a file that fits
+                    slots.done(slot, None)
+                    slot = None
             self._last_stall = staged.stall
             if self.identity is not None:
                 metadata = {**metadata, IDENTITY_KEY: self.identity}

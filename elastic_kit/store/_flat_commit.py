@@ -64,7 +64,7 @@ from elastic_kit.store._tensorfile import (
 from elastic_kit.store._tree import map_tree
 
 __all__ = ["FLAT_NAME", "FLAT_PLACEMENT", "CHUNK_BYTES", "FlatPlan", "FlatHashes",
-           "FlatCheckpoint", "split_state", "plan_flat", "tensor_views", "hash_flat",
+           "FlatCheckpoint", "split_state", "storable", "plan_flat", "tensor_views", "hash_flat",
            "commit_flat", "release_flat", "flat_file", "is_flat", "open_flat", "copy_tensors",
            "zero_bytes"]
 
@@ -108,14 +108,23 @@ def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def _storable(x: Any) -> bool:
+def storable(x: Any) -> bool:
+    """Whether ``x`` is a tensor a flat file holds (dense, of a dtype files hold): the
+    tensors :func:`split_state` takes out of the payload."""
     if not isinstance(x, torch.Tensor) or x.layout != torch.strided or x.is_quantized:
         return False
-    try:
-        dtype_name(x.dtype)
-    except ValueError:
-        return False
-    return True
+    known = _STORABLE_DTYPES.get(x.dtype)
+    if known is None:
+        try:
+            dtype_name(x.dtype)
+            known = True
+        except ValueError:
+            known = False
+        _STORABLE_DTYPES[x.dtype] = known
+    return known
+
+
+_STORABLE_DTYPES: dict[torch.dtype, bool] = {}
 
 
 def split_state(state: Any) -> tuple[Any, list[tuple[str, torch.Tensor]]]:
@@ -125,7 +134,7 @@ def split_state(state: Any) -> tuple[Any, list[tuple[str, torch.Tensor]]]:
     found: list[tuple[str, torch.Tensor]] = []
 
     def leaf(path: str, value: Any) -> Any:
-        if _storable(value):
+        if storable(value):
             found.append((path, value))
             return placeholder(len(found) - 1)
         return value

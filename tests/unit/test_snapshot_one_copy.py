@@ -129,6 +129,70 @@ def test_two_files_rotate_and_are_reused_without_a_new_allocation(shm: str) -> N
     tier.close(remove=True)
 
 
+def test_a_state_that_changes_its_layout_is_staged_elsewhere_and_gets_a_new_file(
+        shm: str) -> None:
+    """The training thread takes the free file without checking its layout first (one
+    walk of the state); a state of another layout (other shape, dtype, key, or one
+    tensor more) is staged into buffers instead, the file is handed back and the
+    writer makes one that fits. Every snapshot reads back as saved."""
+    def variant(step: int, kind: str) -> dict[str, Any]:
+        state = _state(step)
+        if kind == "shape":
+            state["model"]["odd"] = torch.randn(31, 37)
+        elif kind == "dtype":
+            state["model"]["b"] = torch.arange(5, dtype=torch.int32)
+        elif kind == "key":
+            state["model"]["B"] = state["model"].pop("b")
+        elif kind == "more":
+            state["extra"] = torch.ones(3)
+        return state
+
+    tier = _tier(shm)
+    kinds = ["same", "same", "shape", "shape", "dtype", "key", "more", "more", "same"]
+    for step, kind in enumerate(kinds, start=1):
+        saved = variant(step, kind)
+        tier.save(saved, step=step, metadata={})
+        assert tier.wait(timeout=60)
+        loaded = tier.load()
+        assert loaded is not None and loaded.step == step
+        got, want = _tensors(loaded.state), _tensors(saved)
+        assert [k for k, _ in got] == [k for k, _ in want]
+        assert all(a.dtype == b.dtype and torch.equal(a, b) for (_, a), (_, b) in zip(got, want))
+        assert loaded.state["step"] == step
+        slots = tier._slots
+        assert slots is not None and not any(s.busy for s in slots._slots)
+        assert len(list(Path(tier.node_dir).glob(".slot-*"))) <= 1
+    # straight into a file whenever the layout was the one before; else not
+    assert tier.direct == sum(1 for a, b in zip(kinds, kinds[1:]) if a == b)
+    tier.close(remove=True)
+
+
+def test_staging_into_a_file_that_does_not_fit_copies_nothing_into_it() -> None:
+    from elastic_kit.snapshot._staging import StagingBuffers
+
+    state = _state(1)
+    _, items = split_state(state)
+    plan = plan_flat(items)
+    mapped = torch.full((plan.size,), 7, dtype=torch.uint8)
+    views = tensor_views(mapped, plan)
+
+    staged = StagingBuffers().stage(state, into=(plan, views))
+    assert staged.into_file and staged.staged.is_set()
+    assert [t.data_ptr() for _, t in _tensors(staged.state)] == [v.data_ptr() for v in views]
+    assert all(torch.equal(v, t) for v, (_, t) in zip(views, items))
+
+    mapped.fill_(7)
+    other = _state(2)
+    other["empty"] = torch.empty(0, 4)              # the last tensor differs: found last
+    staged = StagingBuffers().stage(other, into=(plan, views))
+    assert not staged.into_file
+    assert int((mapped != 7).sum()) == 0            # the file was not written to
+    got = _tensors(staged.state)
+    assert [k for k, _ in got] == [k for k, _ in _tensors(other)]
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(got, _tensors(other)))
+    assert not any(t.data_ptr() in {v.data_ptr() for v in views} for _, t in got if t.numel())
+
+
 def _mapped_ranges(path: str) -> list[tuple[int, int]]:
     out = []
     with open("/proc/self/maps") as f:
