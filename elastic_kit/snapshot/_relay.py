@@ -32,7 +32,7 @@ import torch
 from elastic_kit._env import non_negative_from_env
 
 __all__ = ["MAX_BYTES_ENV", "RESERVE_FRACTION", "RESERVE_MIN_BYTES", "DeviceRelay",
-           "RelayPlan", "max_bytes_from_env"]
+           "RelayPlan", "device_memory", "max_bytes_from_env"]
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +156,7 @@ class DeviceRelay:
         if buf is not None and buf.numel() >= self.budget and buf.device == device:
             return buf
         held = 0 if buf is None or buf.device != device else buf.numel()
-        free, total = _memory(device)
+        free, total = device_memory(device)
         room = free + held - max(RESERVE_MIN_BYTES, int(RESERVE_FRACTION * total))
         size = min(self.budget, max(0, room) // _GRAIN * _GRAIN)
         if size <= 0:
@@ -184,7 +184,7 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
-def _memory(device: torch.device) -> tuple[int, int]:
+def device_memory(device: torch.device) -> tuple[int, int]:
     """The device's free and total bytes (the CPU, for tests: unlimited)."""
     if device.type != "cuda":
         return 1 << 62, 1 << 62

@@ -31,6 +31,7 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from elastic_kit.snapshot._relay import DeviceRelay
+from elastic_kit.snapshot._streams import side_stream
 from elastic_kit.store import FlatPlan, map_tree, storable
 
 __all__ = ["DeviceStall", "StagingBuffers", "StagedState", "storage_keys"]
@@ -152,7 +153,7 @@ class StagedState:
             with self._cond:  # a pair the training thread took may still be copied
                 self._cond.wait_for(lambda: self._active == 0)
             if cuda:
-                stream = _side_stream(cuda[0][0].device)
+                stream = side_stream(cuda[0][0].device)
                 if self.after is not None:
                     stream.wait_event(self.after)
                 with torch.cuda.stream(stream):
@@ -311,17 +312,7 @@ class StagingBuffers:
         return out
 
 
-_SIDE_STREAMS: dict[torch.device, Any] = {}
 _NO_RELAY = DeviceRelay(max_bytes=0)  # every copy straight to the host
-
-
-def _side_stream(device: torch.device) -> Any:
-    """The device's snapshot stream, made once (a stream made per snapshot costs a
-    driver call each time)."""
-    stream = _SIDE_STREAMS.get(device)
-    if stream is None:
-        stream = _SIDE_STREAMS[device] = torch.cuda.Stream(device=device)
-    return stream
 
 
 def _copy_on_side_stream(pairs: list[tuple[torch.Tensor, torch.Tensor]],
@@ -333,7 +324,7 @@ def _copy_on_side_stream(pairs: list[tuple[torch.Tensor, torch.Tensor]],
     With a ``relay`` the last of its budget's bytes go to its device buffer first
     (before ``side_done``) and on to the host after it (``out.side_all``)."""
     device = pairs[0][0].device
-    stream = _side_stream(device)
+    stream = side_stream(device)
     current = torch.cuda.current_stream(device)
     stream.wait_stream(current)  # sees every update issued before the snapshot
     plan = (relay or _NO_RELAY).plan(pairs)
