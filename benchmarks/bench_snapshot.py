@@ -46,6 +46,9 @@ the next block. Reported (the JSON's last line):
 - ``ek_relay_bytes``: CUDA: the bytes of each snapshot that went through the device's
   relay at the end (``SnapshotTier.relay``: the part of the copy that outlasted the
   forward and backward pass, taken off the optimizer's path);
+- ``ek_mirror_copy_s``, ``ek_mirror_bytes``: CUDA: the training stream's time in each
+  snapshot's copy into the device's mirror of the file, and the mirror's size
+  (``SnapshotTier.mirror``; 0 where the device had no room for it);
 - ``ek_max_step_excess_s``: the longest an ``ek`` snapshot step took beyond the plain
   blocks' median step, against two copies (``ratio_max_excess_vs_two_copies``): unlike
   the blocked time it includes the background write's competition for the cores
@@ -328,6 +331,7 @@ def main() -> None:
         snap_steps: list[bool] = []
         intervals: list[int] = []  # the agreed interval after each step (auto: it moves)
         stalls: list[float] = []  # CUDA: the device's wait for a snapshot's copies
+        mirror_s: list[float] = []  # CUDA: the training stream's copy into the mirror
 
         last_was_snap = [False]
 
@@ -338,10 +342,12 @@ def main() -> None:
             before = len(tier.written)
             due = tier.due(state.step + 1)
             known = list(getattr(tier, "device_stalls", ()))
+            known_m = list(getattr(tier, "mirror_copy_s", ()))
             ckpt.step(1)
             intervals.append(tier.interval)
             # the previous snapshot's, known at this one
             stalls.extend(list(getattr(tier, "device_stalls", ()))[len(known):])
+            mirror_s.extend(list(getattr(tier, "mirror_copy_s", ()))[len(known_m):])
             snap_steps.append(due)
             last_was_snap[0] = due
             if len(tier.written) > before:
@@ -373,7 +379,8 @@ def main() -> None:
                       "max_step_s": round(max(wtimes), 4), "written": len(tier.written),
                       "blocked_s": [round(b, 4) for b in blocked],
                       "commit_s": [round(c, 4) for c in commits]}
-            for kept in (blocked, commits, hashing, committing, snap_steps, intervals, stalls):
+            for kept in (blocked, commits, hashing, committing, snap_steps, intervals, stalls,
+                         mirror_s):
                 kept.clear()
             last_was_snap[0] = False
         written0, direct0 = len(tier.written), tier.direct
@@ -463,6 +470,8 @@ def main() -> None:
         "ek_max_step_excess_s": round(excess, 4),
         "ek_device_stall_s": _common.spread(stalls) if stalls else None,
         "ek_relay_bytes": getattr(getattr(tier, "relay", None), "budget", None),
+        "ek_mirror_copy_s": _common.spread(mirror_s) if mirror_s else None,
+        "ek_mirror_bytes": getattr(getattr(tier, "mirror", None), "nbytes", None),
         "ek_commit_s": _common.spread(commits) if commits else None,
         "ek_written": written,
         "ek_warmup": warmup,

@@ -36,8 +36,9 @@ __all__ = ["MAX_BYTES_ENV", "RESERVE_FRACTION", "RESERVE_MIN_BYTES", "DeviceRela
 
 log = logging.getLogger(__name__)
 
-#: Caps the relay's device buffer in bytes (``0``: no relay); default: no cap beyond
-#: the device's free memory.
+#: Caps the device memory a snapshot's relay, and its mirror
+#: (:mod:`elastic_kit.snapshot._mirror`), each hold in bytes (``0``: neither);
+#: default: no cap beyond the device's free memory.
 MAX_BYTES_ENV = "ELASTIC_KIT_SNAPSHOT_RELAY_MAX_BYTES"
 #: The share of the device's memory the relay always leaves free.
 RESERVE_FRACTION = 0.1

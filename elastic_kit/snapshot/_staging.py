@@ -20,21 +20,27 @@ copied later, overlapping the next forward and backward pass:
   where a copy outlasts the forward and backward pass it overlaps.
 - The rest (CPU tensors, or pageable destinations, whose device-to-host copy would
   block the thread that issues it) are copied on the writer thread.
+
+CUDA tensors going into a registered snapshot file go through the device's mirror of
+the file where it has room (:mod:`elastic_kit.snapshot._mirror`): a few multi-tensor
+copies on the training stream instead of one launch per tensor, and nothing for the
+optimizer's step to wait for.
 """
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, NamedTuple, Sequence
 
 import torch
 
+from elastic_kit.snapshot._mirror import DeviceMirror, MirrorCopy
 from elastic_kit.snapshot._relay import DeviceRelay
 from elastic_kit.snapshot._streams import side_stream
 from elastic_kit.store import FlatPlan, map_tree, storable
 
-__all__ = ["DeviceStall", "StagingBuffers", "StagedState", "storage_keys"]
+__all__ = ["DeviceStall", "FileTarget", "StagingBuffers", "StagedState", "storage_keys"]
 
 
 
@@ -43,6 +49,22 @@ def storage_keys(tensors: Iterable[torch.Tensor]) -> frozenset[int]:
     view its module's ``state_dict()`` returns)."""
     return frozenset(t.untyped_storage().data_ptr() for t in tensors
                      if isinstance(t, torch.Tensor) and t.layout == torch.strided)
+
+
+class FileTarget(NamedTuple):
+    """A snapshot file to stage straight into.
+
+    Attributes:
+        plan: its layout.
+        views: each of the plan's tensors, as a view of ``mapped``.
+        mapped: the file's mapping (1-D ``uint8``).
+        pinned: the mapping is registered with CUDA as pinned memory.
+    """
+
+    plan: FlatPlan
+    views: Sequence[torch.Tensor]
+    mapped: torch.Tensor
+    pinned: bool = False
 
 
 @dataclass
@@ -104,6 +126,8 @@ class StagedState:
         nbytes: the tensors' bytes.
         into_file: the tensors were staged straight into a snapshot file's views.
         cuda: some of the tensors are on a CUDA device.
+        mirrored: the copy through the device's mirror (see
+            :mod:`elastic_kit.snapshot._mirror`), None without one.
     """
 
     state: Any
@@ -118,6 +142,7 @@ class StagedState:
     nbytes: int = 0
     into_file: bool = False
     cuda: bool = False
+    mirrored: MirrorCopy | None = None
     _cond: threading.Condition = field(default_factory=threading.Condition, repr=False)
     _next: int = field(default=0, repr=False)  # the next deferred CPU pair to copy
     _active: int = field(default=0, repr=False)  # CPU pairs being copied now
@@ -166,6 +191,8 @@ class StagedState:
                 self.side_done.synchronize()
             if self.side_all is not None:
                 self.side_all.synchronize()
+            if self.mirrored is not None and self.mirrored.read is not None:
+                self.mirrored.read.synchronize()
         finally:
             self.staged.set()
 
@@ -223,41 +250,46 @@ class StagingBuffers:
         return sum(b.numel() * b.element_size() for b in self._pool.values())
 
     def stage(self, state: Any, *, later: frozenset[int] = frozenset(),
-              into: tuple[FlatPlan, Sequence[torch.Tensor]] | None = None,
-              into_pinned: bool = False, relay: DeviceRelay | None = None) -> StagedState:
+              into: FileTarget | None = None, relay: DeviceRelay | None = None,
+              mirror: DeviceMirror | None = None) -> StagedState:
         """Copy ``state``'s tensors into the buffers (those whose storage is in
         ``later`` are left for later: see the module) and return the state to write.
         Buffers of keys that disappeared are freed.
 
-        ``into``: a snapshot file's plan and the views of its mapping, one per tensor
-        of the plan. The state's storable tensors (:func:`~elastic_kit.store.storable`,
-        in tree order) are copied into those views, which are then the staged tensors
-        (one copy, straight into the snapshot), when they have the plan's keys, dtypes
-        and shapes; when they do not (the state changed its layout), everything is
-        staged into the pooled buffers instead and :attr:`StagedState.into_file` is
-        False. The state is walked once, and nothing is copied before the whole walk
-        showed that it fits. ``into_pinned``: the views are pinned memory (the file
-        is registered). The pooled buffers are kept for the next snapshot that cannot
-        go straight into a file. ``relay``: the device's relay, which takes part of
-        the side stream's copies off the optimizer's path."""
+        ``into``: a snapshot file to copy into instead. The state's storable tensors
+        (:func:`~elastic_kit.store.storable`, in tree order) are copied into its views,
+        which are then the staged tensors (one copy, straight into the snapshot), when
+        they have the plan's keys, dtypes and shapes; when they do not (the state
+        changed its layout), everything is staged into the pooled buffers instead and
+        :attr:`StagedState.into_file` is False. The state is walked once, and nothing
+        is copied before the whole walk showed that it fits. The pooled buffers are
+        kept for the next snapshot that cannot go straight into a file.
+
+        ``relay``: the device's relay, which takes part of the side stream's copies
+        off the optimizer's path. ``mirror``: the device's mirror of the file, through
+        which the CUDA tensors go into a registered file where it has room (see
+        :mod:`elastic_kit.snapshot._mirror`)."""
         if into is not None:
             try:
-                return self._stage(state, later, into, into_pinned, relay)
+                return self._stage(state, later, into, relay, mirror)
             except _Unfit:
                 pass
-        return self._stage(state, later, None, False, relay)
+        return self._stage(state, later, None, relay, None)
 
-    def _stage(self, state: Any, later: frozenset[int],
-               into: tuple[FlatPlan, Sequence[torch.Tensor]] | None, into_pinned: bool,
-               relay: DeviceRelay | None) -> StagedState:
+    def _stage(self, state: Any, later: frozenset[int], into: FileTarget | None,
+               relay: DeviceRelay | None, mirror: DeviceMirror | None) -> StagedState:
         pool = self._pool
         used: dict[str, torch.Tensor] = {}
-        copies: list[tuple[torch.Tensor, torch.Tensor, bool]] = []  # live, buffer, pinned
-        plan, views = into if into is not None else (None, ())
+        # live, buffer, pinned, index in the file's plan (-1: a pooled buffer)
+        copies: list[tuple[torch.Tensor, torch.Tensor, bool, int]] = []
+        plan = None if into is None else into.plan
+        views: Sequence[torch.Tensor] = () if into is None else into.views
+        pinned_file = into is not None and into.pinned
+        device: torch.device | None = None  # the first CUDA tensor's, for the mirror
         taken = 0  # the plan's tensors matched so far
 
         def leaf(path: str, x: Any) -> Any:
-            nonlocal taken
+            nonlocal taken, device
             if not isinstance(x, torch.Tensor):
                 return x  # primitives; anything else the store's validator refuses, naming it
             t = x.detach()
@@ -268,13 +300,15 @@ class StagingBuffers:
                 if (i >= len(views) or plan.keys[i] != path or plan.dtypes[i] != t.dtype
                         or plan.shapes[i] != t.shape):
                     raise _Unfit
-                copies.append((t, views[i], into_pinned))
+                copies.append((t, views[i], pinned_file, i))
+                if device is None and t.is_cuda:
+                    device = t.device
                 return views[i]
             buf = pool.get(path)
             if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
                 buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.is_cuda)
             used[path] = buf
-            copies.append((t, buf, t.is_cuda))
+            copies.append((t, buf, t.is_cuda, -1))
             return buf
 
         out = StagedState(state=map_tree(state, leaf), into_file=plan is not None)
@@ -282,11 +316,19 @@ class StagingBuffers:
             raise _Unfit
         if plan is None:
             self._pool = used
+        mirror_views = None
+        if mirror is not None and pinned_file and device is not None:
+            assert plan is not None
+            mirror_views = mirror.views(plan, device)
+        mirrored: list[tuple[int, torch.Tensor]] = []
         side: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for t, buf, pinned in copies:
+        for t, buf, pinned, i in copies:
             out.nbytes += buf.nbytes
             cuda = t.is_cuda
             out.cuda = out.cuda or cuda
+            if mirror_views is not None and i >= 0 and cuda and t.device == device and t.numel():
+                mirrored.append((i, t))
+                continue
             deferred = bool(later) and t.untyped_storage().data_ptr() in later
             if deferred and cuda and pinned:
                 side.append((t, buf))
@@ -298,6 +340,9 @@ class StagingBuffers:
                 buf.copy_(t, non_blocking=True)
             else:
                 buf.copy_(t)
+        if mirrored:
+            assert mirror is not None and into is not None
+            out.mirrored = mirror.copy(into.plan, into.mapped, mirrored)
         if side:
             _copy_on_side_stream(side, out, relay)
         if any(src.is_cuda for src, _ in out.deferred):

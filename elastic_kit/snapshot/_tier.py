@@ -36,8 +36,9 @@ from elastic_kit.snapshot._shards import (
     part_dir_name, part_source,
 )
 from elastic_kit.snapshot._slots import Slot, Slots, remove_dead_slots
+from elastic_kit.snapshot._mirror import DeviceMirror, MirrorCopy
 from elastic_kit.snapshot._relay import DeviceRelay, max_bytes_from_env
-from elastic_kit.snapshot._staging import DeviceStall, storage_keys
+from elastic_kit.snapshot._staging import DeviceStall, FileTarget, storage_keys
 from elastic_kit.snapshot._to_device import copy_to_device
 from elastic_kit.snapshot._writer import Job, SnapshotWriter
 
@@ -244,6 +245,7 @@ class SnapshotTier:
         self._cost_s: float | None = None
         self._costs: collections.deque[float] = collections.deque(maxlen=COST_WINDOW)
         self._last_stall: DeviceStall | None = None
+        self._last_mirrored: MirrorCopy | None = None
         #: where the last :meth:`load` of a snapshot file spent its time (seconds):
         #: choosing, mapping and verifying it, and on CUDA allocating the device's
         #: tensors and the pinned buffers and copying through them (``bytes``: how
@@ -255,6 +257,12 @@ class SnapshotTier:
         #: the device buffer that takes the part of the side-stream copies that
         #: outlasts a step off the optimizer's path (CUDA; grows from the stalls)
         self.relay = DeviceRelay(max_bytes_from_env())
+        #: the file's layout on the device, through which a snapshot's CUDA tensors go
+        #: into a registered file in a few launches (CUDA; where there is room)
+        self.mirror = DeviceMirror(max_bytes_from_env())
+        #: the training stream's time in each snapshot's copy into the mirror
+        #: (CUDA; the newest last, known at the next snapshot)
+        self.mirror_copy_s: collections.deque[float] = collections.deque(maxlen=1000)
         self._space_checked = False
         self._writer = SnapshotWriter(self._write)
         self.replicate = replicate
@@ -413,17 +421,17 @@ class SnapshotTier:
                                        if isinstance(t, torch.Tensor) and t.is_cuda])
             slots = self._slots
             slot = slots.take_free() if idle and slots is not None else None
-            staged = buffers.stage(state_dict, later=later,
-                                   into=None if slot is None else (slot.plan, slot.views),
-                                   into_pinned=slot is not None and slot.registered,
-                                   relay=self.relay)
+            into = None if slot is None else FileTarget(slot.plan, slot.views, slot.mapped,
+                                                         slot.registered)
+            staged = buffers.stage(state_dict, later=later, into=into, relay=self.relay,
+                                   mirror=self.mirror)
             if slots is not None:
                 slots.pin = slots.pin or staged.cuda  # slots made from now on are pinned
                 if slot is not None and not staged.into_file:
                     # the state changed its layout: the writer makes a file that fits
                     slots.done(slot, None)
                     slot = None
-            self._last_stall = staged.stall
+            self._last_stall, self._last_mirrored = staged.stall, staged.mirrored
             if self.identity is not None:
                 metadata = {**metadata, IDENTITY_KEY: self.identity}
             self._writer.submit(Job(staged, step, metadata, buffers, taken_at=t0, slot=slot,
@@ -511,19 +519,25 @@ class SnapshotTier:
             log.debug("cannot clean %s: %r", self.node_dir, e)
 
     def _fold_device_stall(self) -> None:
-        """Add to the last snapshot's cost how long the device waited for its copies
-        on the side stream before the optimizer step (known once both ran): with the
-        training thread's time, what the snapshot cost training."""
+        """Add to the last snapshot's cost the device's time in it, known once it ran:
+        how long the training stream waited for its copies on the side stream before
+        the optimizer step, and its own copy into the mirror. With the training
+        thread's time, what the snapshot cost training."""
         probe, self._last_stall = self._last_stall, None
+        mirrored, self._last_mirrored = self._last_mirrored, None
         stall = None if probe is None else probe.seconds()
-        if stall is None:
-            return
-        self.device_stalls.append(stall)
-        copy_s = probe.copy_seconds()  # type: ignore[union-attr]
-        if copy_s is not None:
-            self.relay.learn(stall, probe.direct_bytes, copy_s)  # type: ignore[union-attr]
-        if self._cost_s is not None and self._costs:
-            self._cost_s += stall
+        inline = None if mirrored is None else mirrored.seconds()
+        if stall is not None:
+            assert probe is not None
+            self.device_stalls.append(stall)
+            copy_s = probe.copy_seconds()
+            if copy_s is not None:
+                self.relay.learn(stall, probe.direct_bytes, copy_s)
+        if inline is not None:
+            self.mirror_copy_s.append(inline)
+        device_s = (stall or 0.0) + (inline or 0.0)
+        if device_s and self._cost_s is not None and self._costs:
+            self._cost_s += device_s
             self._costs[-1] = self._cost_s
 
     def wait_staged(self) -> None:
@@ -892,6 +906,7 @@ class SnapshotTier:
         if self._slots is not None:
             self._slots.close()  # the committed snapshot's file stays in its directory
         self.relay.close()
+        self.mirror.close()
         if remove and self._receiver is not None:
             self._receiver.close()
             self._receiver = None

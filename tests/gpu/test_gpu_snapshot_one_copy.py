@@ -12,6 +12,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterator
+from typing import Any
 from pathlib import Path
 
 import pytest
@@ -96,3 +97,73 @@ def test_a_restore_through_small_windows_reuses_its_buffers_and_lands_whole() ->
         assert out[k].is_cuda and sums[k] == v.view(torch.int32).sum().item(), k
         assert torch.equal(out[k].cpu().view(torch.uint8), v.view(torch.uint8)), k
     assert phases["bytes"] == 3 << 20
+
+
+def _mixed_state(seed: int) -> dict[str, Any]:
+    """CUDA tensors of several dtypes, a non-contiguous one, an empty one, and CPU
+    tensors between them (a generator's state), as a training state has."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "model": {"w": torch.randn(512, 256, generator=g).cuda(),
+                  "n": torch.arange(7).cuda(),
+                  "h": torch.rand(999, generator=g).to(torch.bfloat16).cuda()},
+        "rng": torch.get_rng_state(),
+        "optim": {"m": torch.randn(64, 32, generator=g).cuda().t(),
+                  "e": torch.empty(0, 4, device="cuda"),
+                  "step": torch.tensor(float(seed))},
+        "big": torch.randn(1 << 22, generator=g).cuda(),
+    }
+
+
+def _cpu_copy(state: Any) -> Any:
+    if isinstance(state, dict):
+        return {k: _cpu_copy(v) for k, v in state.items()}
+    return state.cpu().clone() if isinstance(state, torch.Tensor) else state
+
+
+def _assert_same(got: Any, want: Any, path: str = "") -> None:
+    if isinstance(want, dict):
+        for k in want:
+            _assert_same(got[k], want[k], f"{path}.{k}")
+        return
+    assert got.dtype == want.dtype and torch.equal(got.cpu(), want), path
+
+
+def test_cuda_snapshots_go_through_the_devices_mirror_in_a_few_copies(shm: str) -> None:
+    """Once a registered file waits, the CUDA tensors go into the device's mirror on
+    the training stream (so what is queued after the snapshot cannot change them)
+    and on to the file in one copy per run; nothing waits before the optimizer step."""
+    tier = SnapshotTier("/durable", info=ek.DistInfo(run_id="job"), every=1, root=shm)
+    for step in range(1, 5):
+        live = _mixed_state(step)
+        want = _cpu_copy(live)
+        later = [live["model"]["w"], live["optim"]["m"], live["big"]]
+        tier.save(live, step=step, metadata={}, copy_later=later)
+        for t in later + [live["model"]["n"]]:
+            t.add_(1)                              # queued right after: not in the snapshot
+        tier.wait_staged()
+        assert tier.wait(timeout=60)
+        loaded = tier.load()
+        assert loaded is not None and loaded.step == step
+        _assert_same(loaded.state, want)
+    assert tier.direct == 3 and tier.mirror.nbytes > 0
+    assert len(tier.mirror_copy_s) >= 2 and all(0 <= s < 1 for s in tier.mirror_copy_s)
+    tier.close(remove=True)
+
+
+def test_without_room_for_the_mirror_snapshots_are_staged_as_before(
+        shm: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ELASTIC_KIT_SNAPSHOT_RELAY_MAX_BYTES", "4096")
+    tier = SnapshotTier("/durable", info=ek.DistInfo(run_id="job"), every=1, root=shm)
+    for step in range(1, 4):
+        live = _mixed_state(step)
+        want = _cpu_copy(live)
+        tier.save(live, step=step, metadata={}, copy_later=[live["big"]])
+        tier.wait_staged()
+        live["big"].add_(1)
+        assert tier.wait(timeout=60)
+        loaded = tier.load()
+        assert loaded is not None
+        _assert_same(loaded.state, want)
+    assert tier.direct == 2 and tier.mirror.nbytes == 0 and not tier.mirror_copy_s
+    tier.close(remove=True)

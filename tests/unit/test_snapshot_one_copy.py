@@ -168,7 +168,7 @@ def test_a_state_that_changes_its_layout_is_staged_elsewhere_and_gets_a_new_file
 
 
 def test_staging_into_a_file_that_does_not_fit_copies_nothing_into_it() -> None:
-    from elastic_kit.snapshot._staging import StagingBuffers
+    from elastic_kit.snapshot._staging import FileTarget, StagingBuffers
 
     state = _state(1)
     _, items = split_state(state)
@@ -176,7 +176,7 @@ def test_staging_into_a_file_that_does_not_fit_copies_nothing_into_it() -> None:
     mapped = torch.full((plan.size,), 7, dtype=torch.uint8)
     views = tensor_views(mapped, plan)
 
-    staged = StagingBuffers().stage(state, into=(plan, views))
+    staged = StagingBuffers().stage(state, into=FileTarget(plan, views, mapped))
     assert staged.into_file and staged.staged.is_set()
     assert [t.data_ptr() for _, t in _tensors(staged.state)] == [v.data_ptr() for v in views]
     assert all(torch.equal(v, t) for v, (_, t) in zip(views, items))
@@ -184,7 +184,7 @@ def test_staging_into_a_file_that_does_not_fit_copies_nothing_into_it() -> None:
     mapped.fill_(7)
     other = _state(2)
     other["empty"] = torch.empty(0, 4)              # the last tensor differs: found last
-    staged = StagingBuffers().stage(other, into=(plan, views))
+    staged = StagingBuffers().stage(other, into=FileTarget(plan, views, mapped))
     assert not staged.into_file
     assert int((mapped != 7).sum()) == 0            # the file was not written to
     got = _tensors(staged.state)

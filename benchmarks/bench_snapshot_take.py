@@ -1,0 +1,175 @@
+"""The training thread's time to take one snapshot of the reference model's state.
+
+Why. Taking a snapshot costs the training thread a fixed time per tensor (walking
+the state, and on a GPU one launch per copy), whatever the tensors' sizes, and that
+time is what the automatic interval spreads over its 1% budget: for the reference
+example (ResNet-50 + SGD with momentum, ~480 tensors) it decides how many steps a
+worker with no surviving peer redoes after a SIGKILL (half the interval, on average).
+
+Arms, interleaved step by step after a warm-up, in one process (``--device cpu`` or
+``cuda``), each after a real training step of the model (so the caches are as cold
+as in training):
+
+- ``ek``: ``Checkpointer.snapshot()`` at a step's end, and the optimizer pre-hook's
+  wait (``SnapshotTier.wait_staged``) after the next forward and backward pass, as in
+  training (both timed, not the pass); the writer is then waited for,
+  untimed, so every snapshot goes straight into a snapshot file (the steady state).
+  On CUDA the device's time in the snapshot (its wait before the optimizer step,
+  its copy into the device's mirror) is reported apart (``ek_device_stall_ms``,
+  ``ek_mirror_copy_ms``).
+- ``state_dict``: ``TrainState.state_dict()`` alone: what any snapshot of the state
+  must call (the floor of the training thread's time; ``ratio_ek_vs_state_dict``).
+- ``copy``: a hand-written snapshot: ``state_dict()``, then each tensor copied into a
+  reused buffer (pinned, ``non_blocking=True`` on CUDA: the launches only, the copy
+  is waited for untimed; on the CPU the copy itself) (``ratio_ek_vs_copy``).
+
+Last line: JSON with the medians in milliseconds and the ratios.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import statistics
+import tempfile
+import time
+from typing import Any
+
+import torch
+import torchvision
+
+import _common
+import elastic_kit as ek
+
+
+def main() -> None:
+    ap = _common.parser(__doc__)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--arch", default="resnet50", help="a torchvision model (default resnet50)")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps per arm (default 40)")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    cuda = args.device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: CUDA is not available")
+    torch.set_num_threads(1 if not cuda else torch.get_num_threads())
+    steps = args.steps or (3 if args.smoke else 15 if args.quick else 40)
+    arch = "resnet18" if args.smoke else args.arch
+    device = torch.device("cuda" if cuda else "cpu")
+    shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+    work = tempfile.mkdtemp(prefix="bench-snapshot-take-", dir=shm)
+    os.environ["ELASTIC_KIT_SNAPSHOT_DIR"] = work
+    os.environ["ELASTIC_KIT_SNAPSHOT_NODE"] = "bench"
+    load_start = _common.load_avg()
+
+    torch.manual_seed(0)
+    model = getattr(torchvision.models, arch)(num_classes=10).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4)
+    size = 64 if cuda else 32
+    x = torch.randn(8 if cuda else 2, 3, size, size, device=device)
+    y = torch.randint(0, 10, (x.shape[0],), device=device)
+
+    def train_step() -> None:
+        opt.zero_grad(set_to_none=True)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        if cuda:
+            torch.cuda.synchronize()
+
+    train_step()
+    state = ek.TrainState(model, opt)
+    ckpt = ek.Checkpointer(state, os.path.join(work, "durable"), handle_signals=False,
+                           snapshot_every=1, info=ek.DistInfo(run_id="bench"))
+    ckpt.restore()
+    tier = ckpt.snapshots
+    assert tier is not None and tier.enabled, "snapshots are off (see the warning)"
+    sd0 = state.state_dict()
+    tensors = [t for _, t in ek_leaves(sd0) if isinstance(t, torch.Tensor)]
+    buffers = [torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda) for t in tensors]
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+
+    def arm_ek() -> float:
+        # taken at a step's end; the deferred copies overlap the next forward and
+        # backward pass, and the optimizer's pre-hook waits for what is left
+        ckpt.record_step(x.shape[0])
+        t0 = time.perf_counter()
+        ckpt.snapshot()
+        took = time.perf_counter() - t0
+        opt.zero_grad(set_to_none=True)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        t0 = time.perf_counter()
+        tier.wait_staged()
+        took += time.perf_counter() - t0
+        opt.step()
+        tier.wait()
+        return took
+
+    def arm_state_dict() -> float:
+        t0 = time.perf_counter()
+        state.state_dict()
+        return time.perf_counter() - t0
+
+    def arm_copy() -> float:
+        t0 = time.perf_counter()
+        sd = state.state_dict()
+        for buf, (_, t) in zip(buffers, ek_leaves(sd)):
+            buf.copy_(t, non_blocking=cuda)
+        took = time.perf_counter() - t0
+        if cuda:
+            torch.cuda.synchronize()
+        return took
+
+    arms = {"ek": arm_ek, "state_dict": arm_state_dict, "copy": arm_copy}
+    times: dict[str, list[float]] = {k: [] for k in arms}
+    for i in range(3):  # warm-up: the snapshot files are made, the mirror allocated
+        train_step()
+        arm_ek()
+    stalls0, mirror0 = _device_times(tier)
+    for i in range(steps):
+        for name, arm in arms.items():
+            train_step()
+            times[name].append(arm())
+    train_step()
+    arm_ek()  # the last timed snapshot's device time is known at the next one
+    stalls, mirror = _device_times(tier)
+    stalls, mirror = stalls[len(stalls0):], mirror[len(mirror0):]
+    written, direct = len(tier.written), tier.direct
+    ckpt.close()
+
+    med = {k: statistics.median(v) for k, v in times.items()}
+    result: dict[str, Any] = {
+        "claim": "snapshot_take",
+        "baseline": "TrainState.state_dict() alone (the floor), and a hand-written snapshot: "
+                    "state_dict() and one copy_ per tensor into reused (pinned) buffers",
+        "device": str(device), "arch": arch, "tensors": len(tensors), "state_bytes": nbytes,
+        "steps_per_arm": steps,
+        "ek_ms": _common.spread([1e3 * t for t in times["ek"]]),
+        "state_dict_ms": round(1e3 * med["state_dict"], 3),
+        "copy_ms": round(1e3 * med["copy"], 3),
+        "ek_device_stall_ms": _common.spread([1e3 * t for t in stalls]) if stalls else None,
+        "ek_mirror_copy_ms": _common.spread([1e3 * t for t in mirror]) if mirror else None,
+        "ek_written": written, "ek_direct": direct,
+        "ek_mirror_bytes": getattr(getattr(tier, "mirror", None), "nbytes", None),
+        "ratio_ek_vs_state_dict": round(med["ek"] / med["state_dict"], 3),
+        "ratio_ek_vs_copy": round(med["ek"] / med["copy"], 3),
+        "load_avg_1m": load_start,
+        "machine": _common.machine(),
+        "load_avg_1m_end": _common.load_avg(),
+    }
+    _common.emit(result, args.results)
+
+
+def _device_times(tier: Any) -> tuple[list[float], list[float]]:
+    """The device's time in the snapshots so far: its waits before the optimizer step,
+    and its copies into the mirror (CUDA; empty on the CPU)."""
+    return list(getattr(tier, "device_stalls", ())), list(getattr(tier, "mirror_copy_s", ()))
+
+
+def ek_leaves(state: Any) -> list[tuple[str, Any]]:
+    from elastic_kit.store import split_state
+
+    return split_state(state)[1]
+
+
+if __name__ == "__main__":
+    main()
