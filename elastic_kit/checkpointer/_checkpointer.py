@@ -133,6 +133,8 @@ class Checkpointer(Lifecycle):
         self._heartbeat: health.Heartbeat | None = None  # beats to other nodes (from restore())
         # another thread writes the last step (a silent peer, an unheard SIGTERM)
         self._leaving, self._left = threading.Event(), threading.Event()
+        # ... or the training thread does, abandoning the checkpointer (abandon())
+        self._abandoning, self._abandoned = threading.Event(), threading.Event()
         self._leave_lock = threading.Lock()
         self._last_step_at: float | None = None  # when record_step last ran (monotonic)
 

@@ -70,6 +70,8 @@ class Lifecycle:
     _step_end: StepEnd
     _leaving: threading.Event  # set once another thread writes the last step
     _left: threading.Event  # ... and once that write is done
+    _abandoning: threading.Event  # set once the training thread abandons (writes it)
+    _abandoned: threading.Event  # ... and once that is done
     _leave_lock: threading.Lock
 
     @property
@@ -117,7 +119,13 @@ class Lifecycle:
         # noted until what this rank took, and its last step, are written; then the
         # exchange in flight is let go.
         if not self._hooks.close(keep_signals=True):
+            if self._leaving.is_set():
+                # another thread writes the last step (the heartbeat's, the SIGTERM
+                # watcher's) and then ends the process: this one, on its way out
+                # (an exception, the interpreter's exit), must not end it first
+                self._left.wait(SILENT_EXIT_WRITE_S)
             return
+        self._abandoning.set()
         try:
             self._stop_heartbeat()
             # the audit sum of a snapshot in flight: a dead peer never joins it
@@ -126,6 +134,7 @@ class Lifecycle:
             _saving.abandon(self.store, self.snapshots)
         finally:
             self._hooks.stop.uninstall()
+            self._abandoned.set()
         self._cadence.abandon(settle=not at_exit)
 
     def _abandon_at_exit(self) -> None:
@@ -160,7 +169,10 @@ class Lifecycle:
         optimizer's pre-hook stays: should the training thread reach the optimizer's
         step meanwhile, it is held there, so the state is never copied while it
         changes. A second caller (the heartbeat and the SIGTERM watcher both) waits
-        for the first's write, then leaves."""
+        for the first's write, then leaves; so does a caller that finds the training
+        thread abandoning the checkpointer (:meth:`abandon`, which writes the same
+        last step), and the training thread abandoning it after this began waits for
+        this write (both at most :data:`SILENT_EXIT_WRITE_S` seconds)."""
         with self._leave_lock:
             first = not self._leaving.is_set()
             self._leaving.set()
@@ -178,6 +190,8 @@ class Lifecycle:
                         self.snapshots.close(remove=False, flush=False)
                     if self.store is not None:
                         self.store.wait_local()
+                elif self._abandoning.is_set():  # the training thread writes it
+                    self._abandoned.wait(SILENT_EXIT_WRITE_S)
             except BaseException as e:  # exiting anyway: say why nothing was written
                 log.warning("rank %d %s: writing the last step failed: %r",
                             self.info.rank, why, e)
