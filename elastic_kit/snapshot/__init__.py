@@ -5,7 +5,7 @@ change; the next group resumes from the newest durable checkpoint and redoes the
 steps since. :class:`SnapshotTier` keeps the full training state every few steps in
 node-local shared memory (``/dev/shm``), which belongs to the host rather than to the
 worker processes, so a restarted group finds it and redoes only the steps since
-(every step is snapshotted while that takes under 1% of the training thread's time;
+(every step is snapshotted while that takes under 1% of the training time;
 less often when steps are short or the state large). Taking a snapshot costs the
 training thread one copy of the state, straight into a file in shared memory that is
 mapped once and reused (two files rotate, see :mod:`elastic_kit.snapshot._slots`; on

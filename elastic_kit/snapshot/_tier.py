@@ -56,11 +56,15 @@ NODE_ENV = "ELASTIC_KIT_SNAPSHOT_NODE"
 #: committed snapshot stays until the next one is committed) plus a margin.
 SPACE_FACTOR = 2.2
 _MAX_AUTO_EVERY = 10_000
-#: The share of the training thread's time automatic snapshots may take: what a
-#: snapshot stops training for (building the state dict, starting the audit's sum
-#: over the ranks, which the writer waits for, the copy out of the live tensors, and the wait for the part of that copy overlapped with the
-#: next forward and backward pass), not the write, which runs on a background thread
-#: and never holds training up. With a snapshot costing ``C`` seconds and failures
+#: The share of the training time automatic snapshots may take: what a snapshot
+#: stops training for (building the state dict, starting the audit's sum over the
+#: ranks, which the writer waits for, the copy out of the live tensors, the wait for
+#: the part of that copy overlapped with the next forward and backward pass, and on
+#: CUDA the device's time in the copies), not the write's wall time: it runs on a
+#: background thread and never holds training up. A state on the CPU also counts the
+#: write's CPU seconds (its thread's and the hashing threads'): CPU training keeps
+#: the cores busy, and what the write takes of them, training loses (on a GPU host
+#: the training thread leaves cores idle). With a snapshot costing ``C`` seconds and failures
 #: every ``M`` seconds on average, the interval that loses the least time (Young's
 #: approximation, ``sqrt(2 C M)``) costs ``sqrt(C / 2M)`` of the time: 1% is that
 #: optimum for a 0.5 s snapshot at a failure every ~40 minutes, and a smaller state at
@@ -148,10 +152,11 @@ class SnapshotTier:
         every: take a snapshot every this many optimizer steps; ``None`` chooses it
             from measurements so that taking one stops training for at most
             ``budget`` of the training time (``K = ceil(cost / (budget * step
-            time))``, where the cost is the training thread's time per snapshot, see
-            :data:`DEFAULT_BUDGET`: every step only while a snapshot costs the
-            training thread under ``budget`` of a step).
-        budget: the share of the training thread's time snapshots may take
+            time))``, where the cost is what a snapshot takes of the training time
+            (the training thread's, the device's, and for a state on the CPU the
+            write's CPU seconds; see :data:`DEFAULT_BUDGET`): every step only while a
+            snapshot costs under ``budget`` of a step).
+        budget: the share of the training time snapshots may take
             (``every=None``; :data:`DEFAULT_BUDGET`, 1%).
         root: the shared-memory directory (default :func:`default_root`).
         replicate: stream each committed snapshot to the next node's memory (see
@@ -263,6 +268,9 @@ class SnapshotTier:
         #: the training stream's time in each snapshot's copy into the mirror
         #: (CUDA; the newest last, known at the next snapshot)
         self.mirror_copy_s: collections.deque[float] = collections.deque(maxlen=1000)
+        #: the CPU seconds of each snapshot's write counted in its cost (a state on
+        #: the CPU; the newest last, known at the next snapshot)
+        self.write_cpu_costs: collections.deque[float] = collections.deque(maxlen=1000)
         self._space_checked = False
         self._writer = SnapshotWriter(self._write)
         self.replicate = replicate
@@ -325,11 +333,12 @@ class SnapshotTier:
         ``K = ceil(cost / (budget * step_s))``, where the cost is the median of what
         the last :data:`COST_WINDOW` snapshots took of the training thread's time (the
         state dict, starting the audit's sum, the staging copy, the wait for its
-        deferred part before the optimizer step) plus, on CUDA, how long the device
-        waited there for the snapshot's copies on the side stream;
-        the background write is not counted: it never stops training (a snapshot
-        due while one is written is queued), and the CPU time it takes from training,
-        if any, shows in the step time. The step time is the checkpointer's (the one
+        deferred part before the optimizer step) plus, on CUDA, the device's time in
+        the snapshot's copies (its wait for them before the optimizer step, its copy
+        into the mirror), and for a state on the CPU the CPU seconds of the
+        snapshot's write (see :data:`DEFAULT_BUDGET`). The write's wall time is not
+        counted: it never stops training (a snapshot due while one is written is
+        queued). The step time is the checkpointer's (the one
         estimate, measured on rank 0, whose proposal every rank adopts); without it,
         or a snapshot yet, the last proposal.
         """
@@ -411,7 +420,7 @@ class SnapshotTier:
                 self._disable(f"{self.root} has {free / 1e6:.0f} MB free, two snapshots "
                               f"need {need / 1e6:.0f} MB")
                 return
-        self._fold_device_stall()
+        self._fold_later_costs()
         try:
             buffers, idle = self._writer.buffers()
             # with a write in flight the writer thread cannot copy soon: copy all now,
@@ -518,11 +527,13 @@ class SnapshotTier:
         except OSError as e:
             log.debug("cannot clean %s: %r", self.node_dir, e)
 
-    def _fold_device_stall(self) -> None:
-        """Add to the last snapshot's cost the device's time in it, known once it ran:
-        how long the training stream waited for its copies on the side stream before
-        the optimizer step, and its own copy into the mirror. With the training
-        thread's time, what the snapshot cost training."""
+    def _fold_later_costs(self) -> None:
+        """Add to the last snapshot's cost what it cost training after it was taken,
+        known once that ran: the device's time in it (how long the training stream
+        waited for its copies on the side stream before the optimizer step, and its
+        own copy into the mirror) and, for a state on the CPU, the CPU seconds of its
+        write (see :data:`DEFAULT_BUDGET`). With the training thread's time, what the
+        snapshot cost training."""
         probe, self._last_stall = self._last_stall, None
         mirrored, self._last_mirrored = self._last_mirrored, None
         stall = None if probe is None else probe.seconds()
@@ -535,9 +546,16 @@ class SnapshotTier:
                 self.relay.learn(stall, probe.direct_bytes, copy_s)
         if inline is not None:
             self.mirror_copy_s.append(inline)
-        device_s = (stall or 0.0) + (inline or 0.0)
-        if device_s and self._cost_s is not None and self._costs:
-            self._cost_s += device_s
+        write_cpu = 0.0
+        writes = self._writer.write_cpu_s
+        while writes:
+            on_cuda, cpu = writes.popleft()
+            if not on_cuda:  # the CPU the training's own threads would have had
+                write_cpu += cpu
+                self.write_cpu_costs.append(cpu)
+        extra = (stall or 0.0) + (inline or 0.0) + write_cpu
+        if extra and self._cost_s is not None and self._costs:
+            self._cost_s += extra
             self._costs[-1] = self._cost_s
 
     def wait_staged(self) -> None:

@@ -14,6 +14,7 @@ allocated only the first time a snapshot is taken while another is written.
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
@@ -22,6 +23,7 @@ from typing import Any, Callable
 
 from elastic_kit.snapshot._slots import Slot
 from elastic_kit.snapshot._staging import StagedState, StagingBuffers
+from elastic_kit.store import pool_cpu_seconds
 
 __all__ = ["Job", "SnapshotWriter"]
 
@@ -59,6 +61,10 @@ class SnapshotWriter:
         last_write_s: seconds the last write took on the writer thread.
         last_commit_latency_s: seconds from taking the last written snapshot to its
             commit.
+        write_cpu_s: for each write, whether its state was on CUDA and the CPU
+            seconds it took (this thread's and the shared thread pool's over the
+            write, which includes pool work of other writers meanwhile, if any); the
+            newest last.
     """
 
     def __init__(self, write: Callable[[Job], None], *, name: str = "ek-ckpt-snapshot") -> None:
@@ -75,6 +81,7 @@ class SnapshotWriter:
         self.replaced: list[int] = []
         self.last_write_s = 0.0
         self.last_commit_latency_s = 0.0
+        self.write_cpu_s: collections.deque[tuple[bool, float]] = collections.deque(maxlen=100)
 
     # ------------------------------------------------------------ training thread
     @property
@@ -160,12 +167,15 @@ class SnapshotWriter:
                 job, self._queued = self._queued, None
                 self._inflight = job
             t0 = time.perf_counter()
+            cpu0, pool0 = time.thread_time(), pool_cpu_seconds()
             try:
                 job.staged.copy_deferred()
                 self._write(job)
                 done = time.perf_counter()
                 self.last_write_s = done - t0
                 self.last_commit_latency_s = done - job.taken_at
+                cpu = time.thread_time() - cpu0 + pool_cpu_seconds() - pool0
+                self.write_cpu_s.append((job.staged.cuda, cpu))
                 self.written.append(job.step)
             except BaseException as e:  # kept for the training thread, which decides
                 job.staged.staged.set()

@@ -32,8 +32,8 @@ from elastic_kit.store._api import load_checkpoint, save_checkpoint
 from elastic_kit.store._broadcast import agree_on_holder, broadcast_state, target_device
 from elastic_kit.store._flat_commit import (
     FLAT_NAME, FlatCheckpoint, FlatHashes, FlatPlan, commit_flat, copy_tensors, hash_flat,
-    is_flat, open_flat, plan_flat, release_flat, split_state, storable, tensor_views,
-    zero_bytes,
+    is_flat, open_flat, plan_flat, pool_cpu_seconds, release_flat, split_state, storable,
+    tensor_views, zero_bytes,
 )
 from elastic_kit.store._digest import combine as combine_digest, partial as digest_partial
 from elastic_kit.store._fs import resolve_url
@@ -74,6 +74,7 @@ __all__ = [
     "FlatCheckpoint",
     "split_state",
     "storable",
+    "pool_cpu_seconds",
     "plan_flat",
     "tensor_views",
     "map_file",

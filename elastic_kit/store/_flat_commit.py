@@ -39,6 +39,7 @@ import mmap
 import os
 import stat
 import threading
+import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -64,7 +65,7 @@ from elastic_kit.store._tensorfile import (
 from elastic_kit.store._tree import map_tree
 
 __all__ = ["FLAT_NAME", "FLAT_PLACEMENT", "CHUNK_BYTES", "FlatPlan", "FlatHashes",
-           "FlatCheckpoint", "split_state", "storable", "plan_flat", "tensor_views", "hash_flat",
+           "FlatCheckpoint", "split_state", "storable", "pool_cpu_seconds", "plan_flat", "tensor_views", "hash_flat",
            "commit_flat", "release_flat", "flat_file", "is_flat", "open_flat", "copy_tensors",
            "zero_bytes"]
 
@@ -89,12 +90,34 @@ def _pool() -> ThreadPoolExecutor:
         return _POOL
 
 
+_POOL_CPU_S = 0.0  # CPU seconds the pool's tasks took, all of them (pool_cpu_seconds)
+_POOL_CPU_LOCK = threading.Lock()
+
+
+def pool_cpu_seconds() -> float:
+    """CPU seconds the shared thread pool's tasks have taken so far in this process
+    (every writer's and reader's): a background writer's CPU cost is its own
+    thread's and the difference of this over its write."""
+    return _POOL_CPU_S
+
+
+def _timed(fn: Callable[..., Any], *args: Any) -> Any:
+    global _POOL_CPU_S
+    t0 = time.thread_time()
+    try:
+        return fn(*args)
+    finally:
+        took = time.thread_time() - t0
+        with _POOL_CPU_LOCK:
+            _POOL_CPU_S += took
+
+
 def _submit(fn: Callable[..., Any], *args: Any) -> Future:
     """``fn(*args)`` on the shared pool; run here when the pool takes no more work
     (interpreter shutdown: a snapshot written by an exit handler is hashed on the
     exiting thread)."""
     try:
-        return _pool().submit(fn, *args)
+        return _pool().submit(_timed, fn, *args)
     except RuntimeError:
         done: Future = Future()
         try:

@@ -148,6 +148,7 @@ def test_cuda_snapshots_go_through_the_devices_mirror_in_a_few_copies(shm: str) 
         _assert_same(loaded.state, want)
     assert tier.direct == 3 and tier.mirror.nbytes > 0
     assert len(tier.mirror_copy_s) >= 2 and all(0 <= s < 1 for s in tier.mirror_copy_s)
+    assert not tier.write_cpu_costs                # a GPU host's write leaves training alone
     tier.close(remove=True)
 
 

@@ -171,6 +171,32 @@ def test_the_proposal_counts_the_training_threads_time_not_the_writes(shm: str) 
     tier.close(remove=True)
 
 
+def test_a_cpu_states_write_counts_its_cpu_seconds_in_the_cost_not_its_wall_time(
+        shm: str) -> None:
+    """CPU training keeps the cores busy, so the CPU a snapshot's write takes is taken
+    from training: it is added to that snapshot's cost (known at the next snapshot);
+    the write's wall time, here mostly held waiting, is not."""
+    gate = _Gate()
+    tier = SnapshotTier("run", info=ek.DistInfo(run_id="t"), every=None, budget=0.01,
+                        root=shm, filesystem=gate.fs)
+    tier.save({"w": torch.ones(100_000)}, step=1, metadata={})
+    taken: Any = tier.cost_s
+    assert gate.entered.wait(60)
+    held = threading.Event()
+    held.wait(0.5)                                  # the write waits: no CPU
+    gate.opened.set()
+    assert tier.wait(timeout=60) and tier.written == [1]
+    assert not tier.write_cpu_costs                 # known at the next snapshot
+    tier.save({"w": torch.ones(100_000)}, step=2, metadata={})
+    (cpu,) = tier.write_cpu_costs
+    assert 0.0 < cpu < 0.5
+    first, second = tier._costs
+    assert first == pytest.approx(taken + cpu) and second == tier.cost_s
+    assert tier.proposal(0.05) == math.ceil((first + second) / 2 / (0.01 * 0.05))
+    assert tier.wait(timeout=60)
+    tier.close(remove=True)
+
+
 def test_the_training_thread_copies_what_the_writer_has_not_reached_instead_of_waiting(
         ) -> None:
     """On a busy machine the writer thread may get no CPU before the optimizer step:
