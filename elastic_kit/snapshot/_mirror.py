@@ -119,6 +119,7 @@ class DeviceMirror:
         self._refused: FlatPlan | None = None  # a layout it has no room for
         self._read: Any = None  # the last copy out of the buffer
         self._runs: tuple[tuple[bool, ...], list[tuple[int, int]]] = ((), [])
+        self._alike: list[FlatPlan] = []  # plan objects known to equal ``_plan``
 
     @property
     def nbytes(self) -> int:
@@ -128,17 +129,23 @@ class DeviceMirror:
     def close(self) -> None:
         """Free the buffer (after the writes that read it were joined)."""
         self._buffer, self._plan, self._views, self._read = None, None, [], None
-        self._runs = ((), [])
+        self._runs, self._alike = ((), []), []
 
     def views(self, plan: FlatPlan, device: torch.device) -> list[torch.Tensor] | None:
         """``plan``'s tensors as views of the mirror on ``device``, made (zeroed) for
         this layout the first time, where the limits allow; None where they do not
         (asked again only for another layout)."""
-        if self._plan is plan or (self._plan == plan and self._buffer is not None
-                                  and self._buffer.device == device):
-            self._plan = plan
-            return self._views
-        if self.max_bytes == 0 or self._refused == plan:
+        if self._buffer is not None and self._buffer.device == device:
+            # the two snapshot files each have their own plan object, alike
+            if any(p is plan for p in self._alike):
+                return self._views
+            if self._plan == plan:
+                self._alike = (self._alike + [plan])[-4:]
+                return self._views
+        if self.max_bytes == 0:
+            return None
+        if self._refused is not None and (self._refused is plan or self._refused == plan):
+            self._refused = plan  # the same object next time: no comparison
             return None
         held = self.nbytes if self._buffer is not None and self._buffer.device == device else 0
         free, total = device_memory(device)
@@ -161,7 +168,7 @@ class DeviceMirror:
                       plan.size >> 20, device, e)
             self._refused = plan
             return None
-        self._buffer, self._plan = buf, plan
+        self._buffer, self._plan, self._alike = buf, plan, [plan]
         self._views = tensor_views(buf, plan)
         log.debug("snapshot mirror: %d MB on %s", plan.size >> 20, device)
         return self._views
@@ -173,7 +180,7 @@ class DeviceMirror:
         (the file's mapping, registered) on the snapshot stream. Call :meth:`views`
         for ``plan`` first."""
         buf = self._buffer
-        assert buf is not None and self._plan == plan
+        assert buf is not None and any(p is plan for p in self._alike), "views() first"
         groups: dict[tuple[torch.dtype, bool], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         mirrored = [False] * len(plan.keys)
         for i, src in pairs:

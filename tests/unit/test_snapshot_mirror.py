@@ -113,6 +113,9 @@ def test_the_mirror_is_made_only_within_its_limits_and_once_per_layout(
     mirror = DeviceMirror()
     first = mirror.views(plan, cpu)
     assert first is not None and mirror.views(plan, cpu) is first and len(asked) == 1
+    alike = plan_flat(items)                          # the other file's plan: equal, not it
+    assert alike is not plan and mirror.views(alike, cpu) is first and len(asked) == 1
+    mirror.copy(alike, torch.zeros(plan.size, dtype=torch.uint8), [(0, items[0][1])])
     other = plan_flat(items[:-1])
     assert mirror.views(other, cpu) is not None and mirror.nbytes == other.size
     mirror.close()
