@@ -21,7 +21,7 @@ import math
 import platform
 import re
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -143,7 +143,9 @@ class Manifest:
 
     def to_json(self) -> str:
         """The manifest as pretty JSON (humans read it when debugging a store)."""
-        d = asdict(self)
+        # every field but the shard index, which has its own form (asdict would copy
+        # it, a dict per chunk, only for that copy to be replaced)
+        d = asdict(replace(self, sharded=None))
         if self.sharded is None:
             del d["sharded"]  # a replicated checkpoint's manifest is as it always was
         else:
