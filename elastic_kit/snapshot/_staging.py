@@ -301,7 +301,7 @@ class StagingBuffers:
                         or plan.shapes[i] != t.shape):
                     raise _Unfit
                 copies.append((t, views[i], pinned_file, i))
-                if device is None and t.is_cuda:
+                if device is None and _mirrorable(t):
                     device = t.device
                 return views[i]
             buf = pool.get(path)
@@ -326,7 +326,8 @@ class StagingBuffers:
             out.nbytes += buf.nbytes
             cuda = t.is_cuda
             out.cuda = out.cuda or cuda
-            if mirror_views is not None and i >= 0 and cuda and t.device == device and t.numel():
+            if (mirror_views is not None and i >= 0 and t.numel() and t.device == device
+                    and _mirrorable(t)):
                 mirrored.append((i, t))
                 continue
             deferred = bool(later) and t.untyped_storage().data_ptr() in later
@@ -358,6 +359,12 @@ class StagingBuffers:
 
 
 _NO_RELAY = DeviceRelay(max_bytes=0)  # every copy straight to the host
+
+
+def _mirrorable(t: torch.Tensor) -> bool:
+    """Whether ``t`` goes through the device's mirror (when the file and the mirror
+    allow): a CUDA tensor. Tests on the CPU widen it, the CPU standing in."""
+    return t.is_cuda
 
 
 def _copy_on_side_stream(pairs: list[tuple[torch.Tensor, torch.Tensor]],

@@ -120,3 +120,41 @@ def test_the_mirror_is_made_only_within_its_limits_and_once_per_layout(
     assert mirror.views(other, cpu) is not None and mirror.nbytes == other.size
     mirror.close()
     assert mirror.nbytes == 0
+
+
+def test_staging_sends_the_device_tensors_through_the_mirror_and_the_rest_straight(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Staging into a registered file with a mirror: the tensors on the device (here
+    the floating-point ones, the CPU standing in) go through the mirror, the others
+    (a generator's state, integer counters) straight into the file; every tensor of
+    the file then holds the state as it was staged, nothing is left for later, and
+    the file's other bytes are the mirror's zeros or untouched."""
+    import elastic_kit.snapshot._staging as staging
+    from elastic_kit.snapshot._staging import FileTarget, StagingBuffers, storage_keys
+
+    monkeypatch.setattr(staging, "_mirrorable", lambda t: t.is_floating_point())
+    state = _state()
+    _, items = split_state(state)
+    plan = plan_flat(items)
+    mapped = torch.full((plan.size,), 7, dtype=torch.uint8)
+    views = tensor_views(mapped, plan)
+    mirror = DeviceMirror()
+    want = [t.clone() for _, t in items]
+    # parameters and moments: through the mirror, they are not left for later either
+    later = storage_keys([state["model"]["w"], state["optim"]["m"]])
+    for _ in range(2):
+        mapped.fill_(7)
+        staged = StagingBuffers().stage(state, later=later, into=FileTarget(
+            plan, views, mapped, pinned=True), mirror=mirror)
+        assert staged.into_file and staged.mirrored is not None
+        assert staged.staged.is_set() and not staged.deferred
+        for (key, _), view, w in zip(items, views, want):
+            assert torch.equal(view, w), key
+        for (_, t) in items:
+            if t.is_floating_point():
+                t.add_(1)                              # the next step: not in this one
+        assert all(torch.equal(v, w) for v, w in zip(views, want))
+        want = [t.clone() for _, t in items]
+    assert mirror.nbytes == plan.size
+    unpinned = StagingBuffers().stage(state, into=FileTarget(plan, views, mapped), mirror=mirror)
+    assert unpinned.into_file and unpinned.mirrored is None   # an unregistered file: as before
