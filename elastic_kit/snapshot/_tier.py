@@ -506,7 +506,7 @@ class SnapshotTier:
         committed = list(layout.committed())
         steps = sorted({d.step for d, _ in committed if d.step <= step})
         oldest_kept = steps[-self._kept] if len(steps) >= self._kept else step
-        for d, _ in committed:
+        for d, manifest in committed:
             if d.step >= oldest_kept or not is_private_entry(d.path):
                 continue
             slot = self._slots.holder(d.step)
@@ -516,7 +516,8 @@ class SnapshotTier:
                     continue
                 idle = self._sender is None or self._sender.wait_not_sending(
                     d.step, self._release_wait_s)
-                moved = idle and release_flat(layout, d, to=slot.path, inode=slot.inode)
+                moved = idle and release_flat(layout, d, to=slot.path, inode=slot.inode,
+                                              manifest=manifest)
                 if not idle:
                     layout.delete(d)  # the stream keeps its open file; a new slot is made
                 self._slots.released(slot, moved=moved)

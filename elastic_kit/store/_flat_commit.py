@@ -399,14 +399,16 @@ def commit_flat(layout: Layout, *, step: int, flat_path: str, plan: FlatPlan,
     return d.path, manifest
 
 
-def release_flat(layout: Layout, d: StepDir, *, to: str, inode: int) -> bool:
+def release_flat(layout: Layout, d: StepDir, *, to: str, inode: int,
+                 manifest: Manifest | None = None) -> bool:
     """Delete step ``d``, first moving its tensor file to ``to`` when that file is the
-    inode ``inode`` (a writer's reused file); whether it was moved.
+    inode ``inode`` (a writer's reused file); whether it was moved. ``manifest``: its
+    manifest, when the caller has just read it (else it is read here).
 
     The manifest goes first, so the step stops existing before its file leaves it; a
     crash half way leaves an uncommitted directory the store's cleanup removes.
     """
-    m = layout.committed_manifest(d)
+    m = manifest if manifest is not None else layout.committed_manifest(d)
     name = flat_file(m) if m is not None and is_flat(m) else None
     moved = False
     if name is not None:
