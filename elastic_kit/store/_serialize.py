@@ -47,6 +47,9 @@ __all__ = ["save_into", "WRITEBACK_EVERY", "prepare_state", "stage_tensor", "val
            "hash_stream", "load_payload", "pinned_copy"]
 
 _ASYNC_MIN = 1 << 16  # smaller chunks are copied: cheaper than locating their memory
+#: A file's first bytes, up to this many, are hashed on the writing thread: a file
+#: that small is not worth the helper thread's start.
+_INLINE_MAX = 1 << 20
 WRITEBACK_EVERY = 8 << 20  # local files: start the disk's writeback every 8 MiB written
 
 
@@ -208,7 +211,9 @@ class HashingWriter(io.RawIOBase):
 
     Hashing runs on a helper thread, in order, *behind* the writes: ``write()``
     returns as soon as the bytes are in the file, and the caller's ``fsync`` (disk
-    time, no CPU) overlaps with the hashing of the tail. ``torch.save`` hands over
+    time, no CPU) overlaps with the hashing of the tail. The first
+    :data:`_INLINE_MAX` bytes are hashed in ``write()`` itself: a small file is not
+    worth starting the thread. ``torch.save`` hands over
     tensor storages as zero-copy memoryviews; a large chunk is queued without a
     copy only when its memory lies inside one of the ``stable`` tensors' storages
     (which the caller keeps alive and unchanged until :meth:`finish`); every other
@@ -268,10 +273,16 @@ class HashingWriter(io.RawIOBase):
             cb()
         mv = memoryview(b).cast("B")
         n = mv.nbytes
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._hash_loop, name="ek-hash", daemon=True)
-            self._thread.start()
-        self._queue.put(mv if n >= _ASYNC_MIN and self._is_stable(mv) else bytes(mv))
+        if self._thread is None and self.size + n <= _INLINE_MAX:
+            # a small file (a payload, a snapshot's state without its tensors): hashed
+            # here, cheaper than starting the helper thread for it
+            self._hasher.update(mv)
+        else:
+            if self._thread is None:  # from here on, in order, behind the writes
+                self._thread = threading.Thread(target=self._hash_loop, name="ek-hash",
+                                                daemon=True)
+                self._thread.start()
+            self._queue.put(mv if n >= _ASYNC_MIN and self._is_stable(mv) else bytes(mv))
         try:
             written = self._raw.write(mv)
             # Raw (unbuffered) files may write less than asked; buffered ones never do.
