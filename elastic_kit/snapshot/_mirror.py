@@ -84,8 +84,8 @@ def mirror_runs(plan: FlatPlan, mirrored: Sequence[bool]) -> list[tuple[int, int
     run; any other tensor not mirrored ends one."""
     runs: list[tuple[int, int]] = []
     start = end = -1
-    for i, (dtype, shape, offset) in enumerate(zip(plan.dtypes, plan.shapes, plan.offsets)):
-        n = _nbytes(dtype, shape)
+    for i, offset in enumerate(plan.offsets):
+        n = plan.nbytes(i)
         if n == 0:
             continue
         if not mirrored[i]:
@@ -218,10 +218,3 @@ class DeviceMirror:
         buf.record_stream(side)
         self._read = out.read
         return out
-
-
-def _nbytes(dtype: torch.dtype, shape: Sequence[int]) -> int:
-    n = dtype.itemsize
-    for d in shape:
-        n *= d
-    return n

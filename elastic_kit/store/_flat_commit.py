@@ -185,6 +185,10 @@ class FlatPlan:
     chunks: tuple[tuple[int, int, int, int, int], ...]
     size: int
 
+    def nbytes(self, i: int) -> int:
+        """The bytes of the plan's tensor ``i``."""
+        return math.prod(self.shapes[i]) * self.dtypes[i].itemsize
+
     def fits(self, items: Sequence[tuple[str, torch.Tensor]]) -> bool:
         """Whether ``items`` have this plan's keys, dtypes and shapes (in order)."""
         return (len(items) == len(self.keys)
@@ -227,8 +231,8 @@ def tensor_views(mapped: torch.Tensor, plan: FlatPlan) -> list[torch.Tensor]:
     """Each planned tensor as a view of the 1-D ``uint8`` ``mapped`` (the file's bytes:
     a :func:`~._tensorfile.map_file` mapping); copy into them to write the file."""
     out = []
-    for dtype, shape, offset in zip(plan.dtypes, plan.shapes, plan.offsets):
-        n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    for i, (dtype, shape, offset) in enumerate(zip(plan.dtypes, plan.shapes, plan.offsets)):
+        n = plan.nbytes(i)
         if n == 0:
             out.append(torch.empty(shape, dtype=dtype))
         else:

@@ -29,6 +29,15 @@ def _state() -> dict[str, Any]:
     }
 
 
+def _file(state: dict[str, Any]) -> tuple[list[tuple[str, torch.Tensor]], Any, torch.Tensor,
+                                         list[torch.Tensor]]:
+    """``state``'s tensors, their plan, a mapping of it filled with 7s and its views."""
+    _, items = split_state(state)
+    plan = plan_flat(items)
+    mapped = torch.full((plan.size,), 7, dtype=torch.uint8)
+    return items, plan, mapped, tensor_views(mapped, plan)
+
+
 def test_runs_join_neighbours_over_padding_and_end_at_a_tensor_not_mirrored() -> None:
     _, items = split_state(_state())
     plan = plan_flat(items)
@@ -53,10 +62,7 @@ def test_runs_join_neighbours_over_padding_and_end_at_a_tensor_not_mirrored() ->
 @pytest.mark.parametrize("skip", [(), ("['rng']",), ("['model']['n']", "['optim']['flag']")])
 def test_every_mirrored_byte_lands_and_no_other_is_touched(skip: tuple[str, ...]) -> None:
     state = _state()
-    _, items = split_state(state)
-    plan = plan_flat(items)
-    mapped = torch.full((plan.size,), 7, dtype=torch.uint8)
-    views = tensor_views(mapped, plan)
+    items, plan, mapped, views = _file(state)
     mirror = DeviceMirror()
     assert mirror.views(plan, torch.device("cpu")) is not None
     assert mirror.nbytes == plan.size
@@ -134,10 +140,7 @@ def test_staging_sends_the_device_tensors_through_the_mirror_and_the_rest_straig
 
     monkeypatch.setattr(staging, "_mirrorable", lambda t: t.is_floating_point())
     state = _state()
-    _, items = split_state(state)
-    plan = plan_flat(items)
-    mapped = torch.full((plan.size,), 7, dtype=torch.uint8)
-    views = tensor_views(mapped, plan)
+    items, plan, mapped, views = _file(state)
     mirror = DeviceMirror()
     want = [t.clone() for _, t in items]
     # parameters and moments: through the mirror, they are not left for later either
