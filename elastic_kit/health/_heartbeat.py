@@ -74,6 +74,9 @@ HELLO_TIMEOUT_S = 3.0
 #: Unauthenticated connections served at once; beyond it the oldest is dropped.
 MAX_PENDING = 16
 
+#: The longest the watcher waits before it checks the time (its peer's silence).
+_WATCH_TICK_S = 0.25
+
 _BEAT, _BYE = b".", b"x"
 _HELLO = struct.Struct("!i32s")  # source rank, HMAC-SHA256
 
@@ -116,6 +119,11 @@ class Heartbeat:
         self.address: tuple[str, int] = self.listener.getsockname()[:2]
         self._send_to = send_to
         self._closed = threading.Event()
+        # close() writes to it: the watcher leaves its wait at once (a process exiting
+        # for a restart closes the heartbeat on its way out, and the restart waits)
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
         #: the watched peer: when its last beat arrived (monotonic; the start at first,
         #: plus one timeout of grace to connect), whether it said goodbye, whether its
         #: connection ended without one
@@ -145,13 +153,18 @@ class Heartbeat:
         if self._closed.is_set():
             return
         self._closed.set()
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass
         for t in self._threads:
             if t is not threading.current_thread():
                 t.join(timeout=2.0)
-        try:
-            self.listener.close()
-        except OSError:
-            pass
+        for sock in (self.listener, self._wake_r, self._wake_w):
+            try:
+                sock.close()
+            except OSError:
+                pass
 
     # ------------------------------------------------------------------ beating
     def _beat_loop(self) -> None:
@@ -187,15 +200,18 @@ class Heartbeat:
     def _watch_loop(self) -> None:
         sel = selectors.DefaultSelector()
         sel.register(self.listener, selectors.EVENT_READ, None)
+        sel.register(self._wake_r, selectors.EVENT_READ, None)
         pending: dict[socket.socket, tuple[float, bytearray]] = {}  # deadline, bytes so far
         watched: socket.socket | None = None
-        tick = min(self.interval_s, 0.25)
+        tick = min(self.interval_s, _WATCH_TICK_S)
         last_tick = time.monotonic()
         try:
             while not self._closed.is_set():
                 for key, _ in sel.select(timeout=tick):
                     sock = key.fileobj
                     assert isinstance(sock, socket.socket)
+                    if sock is self._wake_r:  # close(): the loop's test ends it
+                        continue
                     if sock is self.listener:
                         self._accept(sel, pending)
                     elif sock in pending:
@@ -226,7 +242,7 @@ class Heartbeat:
                     return
         finally:
             for key in list(sel.get_map().values()):
-                if key.fileobj is not self.listener:
+                if key.fileobj not in (self.listener, self._wake_r):
                     _drop(sel, key.fileobj)  # type: ignore[arg-type]
             sel.close()
 

@@ -205,3 +205,23 @@ def test_a_cut_connection_is_made_again_by_the_beater_and_watched_again() -> Non
         assert silences.calls[0][0] == 0 and not watcher.lost_connection
     finally:
         watcher.close()
+
+
+def test_closing_wakes_the_watcher_instead_of_waiting_for_its_next_look(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # A worker exiting for a restart closes its heartbeat, and the restart waits for
+    # the exit: the watcher must leave its wait when told, not at its next tick.
+    import elastic_kit.health._heartbeat as heartbeat
+
+    monkeypatch.setattr(heartbeat, "_WATCH_TICK_S", 3600.0)
+    watcher, beater, silences = _pair(timeout_s=3600.0, interval_s=3600.0)
+    threads = watcher._threads + beater._threads
+    try:
+        time.sleep(0.2)  # both watchers are in their wait
+        watcher.close()
+        beater.close()
+        assert [t.name for t in threads if t.is_alive()] == []
+        assert silences.calls == []
+    finally:
+        watcher.close()
+        beater.close()
