@@ -12,6 +12,8 @@ small, and degrade to identities when no process group is initialized.
 from __future__ import annotations
 
 import atexit
+import gc
+import io
 import logging
 import os
 import socket
@@ -304,6 +306,13 @@ def _register_exit_teardown() -> None:
     its last work item. The handler therefore also waits (at most
     :data:`EXIT_SETTLE_S`, with the GIL released) until no other thread of the process
     is running.
+
+    Last, it spares the interpreter's shutdown its garbage collections of the objects
+    that exist then (:func:`_spare_exit_collections`): with torch (and
+    ``torch._dynamo``, which DDP and the optimizers import) that is over 300,000
+    objects, about 0.9 s of a worker's exit on the 2-core test machine (1.15 s ->
+    0.27 s), which every restart waits for (torchrun re-forms the group once every
+    worker of the old one exited).
     """
     global _exit_hook_registered
     if not _exit_hook_registered:
@@ -313,13 +322,37 @@ def _register_exit_teardown() -> None:
 
 def _teardown_at_exit() -> None:
     """Let the library's collectives finish, destroy the process group (if the script
-    has not), then let threads settle."""
+    has not), let threads settle, then spare the shutdown's collections the objects
+    that exist (see :func:`_register_exit_teardown`)."""
     settle_collectives(EXIT_SETTLE_S)
     try:
         destroy_distributed()
     except Exception as e:  # the process is exiting anyway: keep its own exit status
         log.debug("destroying the process group at exit failed: %r", e)
     _let_threads_settle(EXIT_SETTLE_S)
+    _spare_exit_collections()
+
+
+_OPEN_FILE_TYPES = (io.BufferedWriter, io.BufferedRandom, io.TextIOWrapper)
+
+
+def _spare_exit_collections() -> None:
+    """Flush every open file, then move every object into the collector's permanent
+    generation (``gc.freeze()``), which the shutdown's collections do not walk.
+
+    What that gives up: a reference cycle that exists then is no longer collected at
+    exit, so its objects' ``__del__`` methods do not run (Python never promised they
+    would). A buffered file in such a cycle would lose what it had not written, which
+    is why every open file is flushed first (one walk of the objects, about a tenth of
+    what the collections cost)."""
+    for obj in gc.get_objects():
+        if type(obj) in _OPEN_FILE_TYPES:
+            try:
+                if not obj.closed:
+                    obj.flush()
+            except Exception:  # a file that cannot flush now would not have at exit either
+                pass
+    gc.freeze()
 
 
 _SETTLE_POLL_S = 0.002
