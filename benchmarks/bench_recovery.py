@@ -38,6 +38,12 @@ Variants, interleaved (each repeat runs every variant with the same random momen
 - ``ours_fork``: the same, launched the README's fast-restart way: ``python -m
   elastic_kit.run --preload torchvision ... --start-method=fork --run-path`` (workers
   forked from the agent, which has torch, ``torch._dynamo`` and torchvision imported);
+- ``ours_launcher``: ``ours`` launched by ``python -m elastic_kit.run`` (torchrun's
+  options unchanged, workers started as new processes): its agents read the
+  rendezvous state every 0.1 s instead of torch's second (``--rdzv-poll`` sets it for
+  launcher variants; ``--rdzv-poll 1`` is torch's poll);
+- ``ours_launcher_torch_poll``: ``ours_launcher`` with torch's poll (``--rdzv-poll
+  1``): what the poll alone changes;
 - ``ours_no_departures``: ``ours`` without heartbeats or preemption notices
   (``ELASTIC_KIT_HEARTBEAT_TIMEOUT=0``, ``ELASTIC_KIT_CLOUD=none``): the library before
   it handled departures, the baseline of events 4 and 5;
@@ -67,7 +73,9 @@ the phases of each event come from those lines:
 
 Headline ratios (baseline / ours, > 1: ours recovers faster), per event:
 ``ratio_total_baseline_vs_ours`` and ``ratio_regain_baseline_vs_ours``; and
-``ratio_total_ours_vs_ours_fork`` for the forked start. The kill-and-grow timeline is
+``ratio_total_ours_vs_ours_fork`` for the forked start,
+``ratio_total_ours_vs_ours_launcher`` for the launcher's, and
+``ratio_rendezvous_torch_poll_vs_launcher`` for its rendezvous poll alone. The kill-and-grow timeline is
 plotted to ``benchmarks/results/recovery_cpu2_202611.png``.
 
 On a GPU (``--device cuda``): one agent with one worker on GPU 0 (``--nnodes=1:1``, as
@@ -128,7 +136,13 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "ours": {"rdzv_conf": RDZV_CONF, "checkpoint_every": CHECKPOINT_EVERY, "fork": False,
              "snapshot_every": "auto", "departures": True},
     "ours_fork": {"rdzv_conf": RDZV_CONF, "checkpoint_every": CHECKPOINT_EVERY, "fork": True,
-                  "snapshot_every": "auto", "departures": True},
+                  "snapshot_every": "auto", "departures": True, "launcher": True},
+    "ours_launcher": {"rdzv_conf": RDZV_CONF, "checkpoint_every": CHECKPOINT_EVERY,
+                      "fork": False, "snapshot_every": "auto", "departures": True,
+                      "launcher": True},
+    "ours_launcher_torch_poll": {"rdzv_conf": RDZV_CONF, "checkpoint_every": CHECKPOINT_EVERY,
+                                 "fork": False, "snapshot_every": "auto", "departures": True,
+                                 "launcher": True, "rdzv_poll": 1.0},
     "ours_no_departures": {"rdzv_conf": RDZV_CONF, "checkpoint_every": CHECKPOINT_EVERY,
                            "fork": False, "snapshot_every": "auto", "departures": False},
     # torchrun's defaults; only the epoch-end checkpoint (a period longer than an epoch)
@@ -274,6 +288,9 @@ def run_once(work: Path, data: Path, *, variant: dict[str, Any], events: tuple[s
             "--snapshot-every", str(variant.get("snapshot_every", 0)),
             "--checkpoint-dir", str(ckpt), "--summary-json", str(work / "summary.json")]
     fork = variant["fork"]
+    launcher = bool(variant.get("launcher"))
+    launcher_args = (["--preload", "torchvision"] if fork else []) + (
+        ["--rdzv-poll", str(variant["rdzv_poll"])] if variant.get("rdzv_poll") else [])
     t0 = time.monotonic()
     watcher = LogWatcher(log_dir, t0)
     watcher.start()
@@ -291,8 +308,8 @@ def run_once(work: Path, data: Path, *, variant: dict[str, Any], events: tuple[s
                            rdzv_backend=rdzv_backend, rdzv_endpoint=rdzv_endpoint,
                            rdzv_conf=variant["rdzv_conf"],
                            torchrun_args=["--start-method=fork", "--run-path"] if fork else (),
-                           launcher="elastic_kit.run" if fork else "torch.distributed.run",
-                           launcher_args=["--preload", "torchvision"] if fork else ())
+                           launcher="elastic_kit.run" if launcher else "torch.distributed.run",
+                           launcher_args=launcher_args if launcher else ())
     servers: dict[int, Any] = {}  # agent index -> its own metadata server
 
     def add_agent() -> Any:
@@ -471,6 +488,9 @@ def main() -> None:
                     help="torchrun --monitor-interval (default 0.1, torchrun's own default)")
     ap.add_argument("--rdzv-backend", default="c10d", choices=["c10d", "etcd-v2"],
                     help="etcd-v2 starts a local etcd server (needs the etcd binary)")
+    ap.add_argument("--rdzv-poll", type=float, default=None, metavar="S",
+                    help="elastic_kit.run's --rdzv-poll for the launcher variants that do "
+                         "not set their own (default: the launcher's choice)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                     help="cuda: the GPU scenario (one worker on GPU 0, ResNet-50 224 px, "
                          f"kill_worker x {GPU_KILLS}; see the module)")
@@ -516,9 +536,12 @@ def main() -> None:
                     etcd = EtcdServer(log_path=base / f"etcd-{v}{i}.log").start()
                 try:
                     work = base / f"{v}{i}"
+                    variant = dict(VARIANTS[v])
+                    if variant.get("launcher") and args.rdzv_poll and not variant.get("rdzv_poll"):
+                        variant["rdzv_poll"] = args.rdzv_poll
                     runs[v].append(run_once(
-                        work, data, variant=smoke_variant(VARIANTS[v]) if args.smoke
-                        else VARIANTS[v], events=events, offsets=offsets,
+                        work, data, variant=smoke_variant(variant) if args.smoke
+                        else variant, events=events, offsets=offsets,
                         log_dir=work / "logs",
                         keep_logs=Path(args.keep_logs) / f"{v}{i}" if args.keep_logs else None,
                         monitor_interval=args.monitor_interval, rdzv_backend=args.rdzv_backend,
@@ -572,6 +595,9 @@ def main() -> None:
         "ratio_total_baseline_vs_ours": ratio("baseline", "ours", "total"),
         "ratio_regain_baseline_vs_ours": ratio("baseline", "ours", "regain"),
         "ratio_total_ours_vs_ours_fork": ratio("ours", "ours_fork", "total"),
+        "ratio_total_ours_vs_ours_launcher": ratio("ours", "ours_launcher", "total"),
+        "ratio_rendezvous_torch_poll_vs_launcher": ratio(
+            "ours_launcher_torch_poll", "ours_launcher", "rendezvous"),
         "ratio_total_before_vs_ours": ratio("ours_no_departures", "ours", "total"),
         "ratio_regain_before_vs_ours": ratio("ours_no_departures", "ours", "regain"),
         "goal_total_s": GPU_GOAL_S if cuda else GOAL_S,
