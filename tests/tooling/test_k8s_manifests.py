@@ -21,7 +21,7 @@ import torchvision  # noqa: F401  (main.py needs it; part of the test extras)
 import yaml
 from torch.distributed.run import get_args_parser
 
-from elastic_kit.run import split_preload
+from elastic_kit.run import parse_options
 
 from test_example import load_main
 
@@ -65,8 +65,9 @@ def split_launch(argv: list[str]) -> tuple[argparse.Namespace, argparse.Namespac
         assert argv[1] == "-m" and argv[2] in ("torch.distributed.run", "elastic_kit.run"), argv
         rest = argv[3:]
         if argv[2] == "elastic_kit.run":
-            modules, rest = split_preload(rest)
-            for m in modules:
+            opts = parse_options(rest)
+            rest = opts.torchrun_argv
+            for m in opts.preload:
                 importlib.import_module(m)
     tr = strict_parse(get_args_parser(), rest)
     # --run-path needs an absolute path: the docs write it as $PWD/<script>
