@@ -172,6 +172,12 @@ class Slots:
         #: slots made so far (a reused slot is not counted again)
         self.made = 0
 
+    @property
+    def count(self) -> int:
+        """Slots that exist (free, busy or holding a step)."""
+        with self._lock:
+            return len(self._slots)
+
     def _new(self, plan: FlatPlan) -> Slot:
         self._n += 1
         path = os.path.join(self.node_dir, f"{SLOT_PREFIX}{os.getpid()}-{self._tag}-{self._n}")

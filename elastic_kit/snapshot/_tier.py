@@ -21,7 +21,7 @@ import torch
 from elastic_kit.store import (
     CheckpointStore, FlatCheckpoint, Layout, LoadedCheckpoint, Manifest, agree_on_holder,
     broadcast_state, commit_flat, copy_tensors, hash_flat, is_flat, map_tree, open_flat,
-    release_flat, resolve_url, split_state, state_nbytes, target_device,
+    plan_flat, release_flat, resolve_url, split_state, state_nbytes, target_device,
 )
 from elastic_kit.distributed import DistInfo, all_gather_object, broadcast_object, is_dist_ready
 from elastic_kit.errors import CheckpointError
@@ -83,6 +83,12 @@ RELEASE_WAIT_S = 2.0
 #: The metadata key, in every snapshot's manifest, naming the durable store's run
 #: identity it belongs to (removed from what :meth:`SnapshotTier.load` returns).
 IDENTITY_KEY = "elastic_kit_run_identity"
+#: The most bytes of a device's state the first snapshot of a process is staged in
+#: pinned buffers (before its snapshot file exists): allocating pinned memory takes
+#: the training thread about a second per 1-2 GB. A larger state's snapshot is taken
+#: only once its file is made and registered, on the writer thread, and the ones due
+#: before are skipped (see :meth:`SnapshotTier.save`).
+PINNED_STAGING_MAX_BYTES = 256 << 20
 #: A rank's part directory in a node's snapshot directory (sharded state).
 _PART_DIR = re.compile(r"p[0-9]{1,5}")
 
@@ -188,7 +194,10 @@ class SnapshotTier:
     it: a snapshot taken while the previous one is being written is queued, and a
     newer one replaces a queued one that has not started (see
     :mod:`elastic_kit.snapshot._writer`), so the write's speed bounds how fresh the
-    newest committed snapshot is, not how fast training runs.
+    newest committed snapshot is, not how fast training runs. The first snapshot of a
+    state with more than :data:`PINNED_STAGING_MAX_BYTES` on a CUDA device is skipped
+    while the writer makes its file (rather than staged in pinned buffers allocated
+    on the training thread; :attr:`skipped`).
 
     .. warning::
         Shared memory is host RAM. A node holds its own snapshot, the file the next
@@ -287,9 +296,13 @@ class SnapshotTier:
         #: snapshots are written as ordinary checkpoints
         self._slots: Slots | None = None
         self._flat_layout: Layout | None = None
+        self._pending_layout: Any = None  # the layout of the last file asked for
         #: snapshots copied straight into a snapshot file by the training thread
         #: (the others were staged in buffers while a write ran, and copied after)
         self.direct = 0
+        #: steps whose snapshot was not taken: a device's state larger than
+        #: :data:`PINNED_STAGING_MAX_BYTES` before its snapshot file was made
+        self.skipped: list[int] = []
         #: the writer thread's seconds in the last snapshot file's hashing and in its
         #: commit (payload, manifest, the older snapshot's release)
         self.last_hash_s = 0.0
@@ -421,6 +434,8 @@ class SnapshotTier:
                               f"need {need / 1e6:.0f} MB")
                 return
         self._fold_later_costs()
+        if not last and self._skip_until_a_file(state_dict, step):
+            return
         try:
             buffers, idle = self._writer.buffers()
             # with a write in flight the writer thread cannot copy soon: copy all now,
@@ -450,6 +465,33 @@ class SnapshotTier:
             self._costs.append(self._cost_s)
         except Exception as e:  # snapshots are an optimisation: never fail training
             self._disable(f"taking snapshot step {step} for {self.node_dir} failed: {e!r}")
+
+    def _skip_until_a_file(self, state_dict: dict[str, Any], step: int) -> bool:
+        """Whether to skip this snapshot because its state would be staged in pinned
+        buffers that are not worth allocating on the training thread: no snapshot file
+        exists yet (this process's first snapshot) and the state's device tensors are
+        larger than :data:`PINNED_STAGING_MAX_BYTES`. Then the writer thread makes (and
+        registers) a file of the state's layout, and the first snapshot due after that
+        is copied straight into it. Once there are files, a snapshot due while another
+        is written, or of a state that changed its layout, is staged as before."""
+        slots = self._slots
+        if slots is None or slots.count:
+            self._pending_layout = None
+            return False
+        _, items = split_state(state_dict)
+        on_device = sum(t.numel() * t.element_size() for _, t in items if _pinned_staging(t))
+        if on_device <= PINNED_STAGING_MAX_BYTES:
+            return False
+        slots.pin = True
+        if not self.skipped:
+            log.info("snapshot step %d skipped: its %d MB on the device are copied straight "
+                     "into a snapshot file once the writer made one (instead of pinned "
+                     "buffers allocated now)", step, on_device >> 20)
+        self.skipped.append(step)
+        if self._pending_layout != (plan := plan_flat(items)):
+            self._pending_layout = plan
+            self._writer.prepare(lambda: slots.prepare(plan))
+        return True
 
     def _write(self, job: Job) -> None:
         """Write and commit one staged snapshot (on the writer thread)."""
@@ -936,6 +978,12 @@ class SnapshotTier:
                 os.rmdir(os.path.dirname(self.run_dir))
             except OSError:
                 pass
+
+
+def _pinned_staging(t: torch.Tensor) -> bool:
+    """Whether staging ``t`` outside a snapshot file takes a pinned buffer: a CUDA
+    tensor. Tests on the CPU widen it, the CPU standing in."""
+    return t.is_cuda
 
 
 class _TierStore(CheckpointStore):

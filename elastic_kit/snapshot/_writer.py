@@ -10,6 +10,10 @@ snapshot is thus the newest state that was staged when the previous write ended.
 
 Two buffer sets rotate between the in-flight and the queued snapshot; the second is
 allocated only the first time a snapshot is taken while another is written.
+
+Between writes the thread also runs one *preparation* at a time (:meth:`prepare`:
+making the snapshot file the next snapshot is copied into, which takes seconds for a
+large state), so that neither the training thread nor a write waits for it.
 """
 
 from __future__ import annotations
@@ -74,6 +78,8 @@ class SnapshotWriter:
         self._queued: Job | None = None
         self._inflight: Job | None = None
         self._closed = False
+        self._task: Callable[[], None] | None = None  # a preparation not started yet
+        self._preparing = False
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._sets = [StagingBuffers()]
@@ -118,11 +124,22 @@ class SnapshotWriter:
         with self._cond:
             self._closed = False
             self._queued = job
-            self._cond.notify_all()
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name=self._name,
-                                                daemon=True)
-                self._thread.start()
+            self._start()
+
+    def prepare(self, task: Callable[[], None]) -> None:
+        """Run ``task`` on the writer thread when no snapshot waits to be written
+        (replacing a preparation not started yet). An error it raises is kept like a
+        failed write's; :meth:`close` drops one that has not started."""
+        with self._cond:
+            self._closed = False
+            self._task = task
+            self._start()
+
+    def _start(self) -> None:  # with self._cond held
+        self._cond.notify_all()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+            self._thread.start()
 
     def wait_staged(self) -> bool:
         """Wait until no snapshot reads the live tensors; whether one did."""
@@ -142,16 +159,19 @@ class SnapshotWriter:
         return err
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Wait until the queued and in-flight snapshots are written; whether they are."""
+        """Wait until the queued and in-flight snapshots are written and the pending
+        preparation ran; whether that happened within ``timeout`` seconds."""
         with self._cond:
             return self._cond.wait_for(
-                lambda: self._inflight is None and self._queued is None, timeout)
+                lambda: self._inflight is None and self._queued is None
+                and self._task is None and not self._preparing, timeout)
 
     def close(self) -> None:
         """Write what is queued, then stop the thread (idempotent; the next
-        :meth:`submit` starts a new one)."""
+        :meth:`submit` starts a new one). A preparation not started is dropped."""
         with self._cond:
             self._closed = True
+            self._task = None
             self._cond.notify_all()
             thread, self._thread = self._thread, None
         if thread is not None:
@@ -161,11 +181,20 @@ class SnapshotWriter:
     def _run(self) -> None:
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._queued is not None or self._closed)
+                self._cond.wait_for(lambda: self._queued is not None or self._closed
+                                    or self._task is not None)
                 if self._queued is None:
-                    return
-                job, self._queued = self._queued, None
-                self._inflight = job
+                    if self._closed or self._task is None:
+                        return
+                    task, self._task = self._task, None
+                    self._preparing = True
+                else:
+                    task = None
+                    job, self._queued = self._queued, None
+                    self._inflight = job
+            if task is not None:
+                self._prepare(task)
+                continue
             t0 = time.perf_counter()
             cpu0, pool0 = time.thread_time(), pool_cpu_seconds()
             try:
@@ -185,3 +214,14 @@ class SnapshotWriter:
                 with self._cond:
                     self._inflight = None
                     self._cond.notify_all()
+
+    def _prepare(self, task: Callable[[], None]) -> None:
+        try:
+            task()
+        except BaseException as e:  # kept for the training thread, which decides
+            with self._cond:
+                self._error = e
+        finally:
+            with self._cond:
+                self._preparing = False
+                self._cond.notify_all()

@@ -168,3 +168,30 @@ def test_without_room_for_the_mirror_snapshots_are_staged_as_before(
         _assert_same(loaded.state, want)
     assert tier.direct == 2 and tier.mirror.nbytes == 0 and not tier.mirror_copy_s
     tier.close(remove=True)
+
+
+def test_a_large_cuda_states_first_snapshot_waits_for_its_registered_file(
+        shm: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No pinned staging buffer is allocated on the training thread: the first
+    snapshot is skipped while the writer makes and registers the file, and the next
+    one goes straight into it (through the mirror)."""
+    import elastic_kit.snapshot._tier as tier_module
+
+    monkeypatch.setattr(tier_module, "PINNED_STAGING_MAX_BYTES", 1 << 20)  # 4 MB is large
+    tier = SnapshotTier("/durable", info=ek.DistInfo(run_id="job"), every=1, root=shm)
+    tier.save(_cuda_state(1), step=1, metadata={})
+    assert tier.wait(timeout=60)
+    slots = tier._slots
+    assert tier.skipped == [1] and tier.written == [] and slots is not None
+    assert slots.made == 1 and all(s.registered for s in slots._slots)
+    for step in (2, 3):
+        state = _cuda_state(step)
+        tier.save(state, step=step, metadata={})
+        assert tier.wait(timeout=60)
+    assert tier.written == [2, 3] and tier.direct == 2 and tier.skipped == [1]
+    assert tier._writer._sets[0].nbytes == 0           # no staging buffer, pinned or not
+    loaded = tier.load(map_location="cuda")
+    assert loaded is not None and loaded.step == 3
+    for k, v in state.items():
+        assert torch.equal(loaded.state[k], v), k
+    tier.close(remove=True)
