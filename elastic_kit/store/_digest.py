@@ -28,12 +28,12 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
 
-__all__ = ["ALGORITHM", "BLOCK", "Partial", "partial", "combine", "runs"]
+__all__ = ["ALGORITHM", "BLOCK", "Partial", "partial", "partial_bytes", "combine", "runs"]
 
 ALGORITHM = "elastic_kit.wsum64/1"
 BLOCK = 1 << 16
@@ -112,24 +112,45 @@ def partial(local: torch.Tensor, offsets: Sequence[int],
     flat = local.detach().contiguous().reshape(-1)
     size = flat.element_size()
     data = flat.view(torch.uint8).numpy()
-    weights = _weights()
     total = 0
     for local_start, global_start, length in runs(tuple(local.shape), offsets, global_shape):
-        lb, gb, ge = local_start * size, global_start * size, (global_start + length) * size
-        if gb % 8:  # a word shared with bytes before this run
-            end = min(ge, gb - gb % 8 + 8)
-            total += _word(data, lb, lb + end - gb, gb)
-            lb, gb = lb + end - gb, end
-        body_end = max(gb, ge - ge % 8)
-        while gb < body_end:
-            word = gb // 8
-            block, pos = divmod(word, BLOCK)
-            take = min(BLOCK - pos, (body_end - gb) // 8)
-            piece = data[lb:lb + 8 * take].view(np.uint64)
-            total += _multiplier(block) * int(np.dot(piece, weights[pos:pos + take]))
-            lb, gb = lb + 8 * take, gb + 8 * take
-        if gb < ge:  # a word shared with bytes after this run
-            total += _word(data, lb, lb + ge - gb, gb)
+        total += partial_bytes(data[local_start * size:(local_start + length) * size],
+                               global_start * size)
+    return total & _M64
+
+
+def partial_bytes(data: np.ndarray, global_start: int,
+                  visit: Callable[[np.ndarray], None] | None = None) -> Partial:
+    """The digest's share of the bytes ``data`` (1-D ``uint8``) lying at global byte
+    ``global_start`` of a tensor and on: a contiguous run of it.
+
+    ``visit``, if given, is called with consecutive pieces of ``data`` (at most one
+    block of 512 KiB each, in order, covering it exactly once) as each is added: a
+    checksum of the same bytes can then be computed while the piece is in the
+    cache, in the same pass over memory."""
+    weights = _weights()
+    total = 0
+    lb, gb, ge = 0, global_start, global_start + len(data)
+    if gb % 8 and gb < ge:  # a word shared with bytes before this run
+        end = min(ge, gb - gb % 8 + 8)
+        if visit is not None:
+            visit(data[lb:lb + end - gb])
+        total += _word(data, lb, lb + end - gb, gb)
+        lb, gb = lb + end - gb, end
+    body_end = max(gb, ge - ge % 8)
+    while gb < body_end:
+        word = gb // 8
+        block, pos = divmod(word, BLOCK)
+        take = min(BLOCK - pos, (body_end - gb) // 8)
+        piece = data[lb:lb + 8 * take]
+        if visit is not None:
+            visit(piece)
+        total += _multiplier(block) * int(np.dot(piece.view(np.uint64), weights[pos:pos + take]))
+        lb, gb = lb + 8 * take, gb + 8 * take
+    if gb < ge:  # a word shared with bytes after this run
+        if visit is not None:
+            visit(data[lb:lb + ge - gb])
+        total += _word(data, lb, lb + ge - gb, gb)
     return total & _M64
 
 
