@@ -49,7 +49,7 @@ import torch
 
 from elastic_kit.errors import CheckpointCorruptError
 from elastic_kit.store._chunk_listing import FLAT_PLACEMENT, flat_file, is_flat, listing_digest
-from elastic_kit.store._digest import combine, partial
+from elastic_kit.store._digest import combine, partial_bytes
 from elastic_kit.store._fs import is_local, join
 from elastic_kit.store._layout import Layout, StepDir
 from elastic_kit.store._manifest import (
@@ -298,28 +298,36 @@ def _hash(mv: memoryview, checksum: str) -> str:
     return str(h.hexdigest())
 
 
-def _hash_range(mapped: torch.Tensor, offset: int, nbytes: int, checksum: str) -> str:
-    return _hash(tensor_bytes(mapped[offset:offset + nbytes]), checksum)
+def _hash_chunk(mapped: torch.Tensor, offset: int, nbytes: int, tensor_start: int,
+                checksum: str) -> tuple[str, int]:
+    """A chunk's checksum and its share of its tensor's digest, in one pass over its
+    bytes (each piece hashed while the digest's dot product has it in the cache).
+    ``tensor_start``: the chunk's first byte within its tensor."""
+    h = new_hasher(checksum)
+    share = partial_bytes(mapped[offset:offset + nbytes].numpy(), tensor_start, h.update)
+    return str(h.hexdigest()), share
 
 
 def hash_flat(mapped: torch.Tensor, plan: FlatPlan, *, checksum: str = "xxh3_128") -> FlatHashes:
     """Checksums of a written flat file, on the shared thread pool: every chunk's (one
     task each), the file's (the digest of its chunk listing, see
     :mod:`._chunk_listing`) and each tensor's layout-independent digest
-    (:mod:`._digest`). ``mapped``: the file's bytes (1-D ``uint8``)."""
+    (:mod:`._digest`: the sum of its chunks' shares, computed in the same pass over
+    each chunk as its checksum). ``mapped``: the file's bytes (1-D ``uint8``)."""
     if mapped.numel() < plan.size:
         raise ValueError(f"mapping of {mapped.numel()} bytes cannot hold the plan's "
                          f"{plan.size}; expected at least that many")
-    chunk_futures = [_submit(_hash_range, mapped, offset, nbytes, checksum)
-                     for _, _, _, offset, nbytes in plan.chunks]
-    views = tensor_views(mapped, plan)
-    digests = [_submit(lambda t=t: combine([partial(t, (0,) * t.dim(), t.shape)]))
-               for t in views]
-    chunks = [f.result() for f in chunk_futures]
+    futures = [_submit(_hash_chunk, mapped, offset, nbytes, offset - plan.offsets[i], checksum)
+               for i, _, _, offset, nbytes in plan.chunks]
+    done = [f.result() for f in futures]
+    chunks = [h for h, _ in done]
+    shares: list[list[int]] = [[] for _ in plan.keys]
+    for (i, *_), (_, share) in zip(plan.chunks, done):
+        shares[i].append(share)
     whole = listing_digest(plan.size, [(c[3], c[4], h) for c, h in zip(plan.chunks, chunks)],
                            checksum)
     return FlatHashes(chunks=tuple(chunks), file=whole,
-                      digests=tuple(f.result() for f in digests), checksum=checksum)
+                      digests=tuple(combine(s) for s in shares), checksum=checksum)
 
 
 def _index(plan: FlatPlan, hashes: FlatHashes, name: str) -> ShardIndex:

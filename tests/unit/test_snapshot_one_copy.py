@@ -336,6 +336,37 @@ def test_a_flat_files_checksum_is_the_digest_of_its_chunks_which_verify_checks(
     assert "0 ok, 1 corrupt" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("checksum", ["xxh3_128", "crc32", "sha256"])
+def test_each_chunk_is_hashed_and_digested_in_one_pass_with_the_tensors_digests(
+        checksum: str) -> None:
+    """The tensors' layout-independent digests come from their chunks' shares,
+    computed in the pass that hashes each chunk: the same digests as the whole
+    tensors', and the same checksums as each chunk's bytes hashed alone."""
+    from elastic_kit.store._digest import combine, partial
+    from elastic_kit.store._serialize import new_hasher
+
+    g = torch.Generator().manual_seed(0)
+    items = [("f32", torch.randn(3000, 64, generator=g)),          # 94 chunks
+             ("bf16", torch.randn(4097, 6, generator=g).to(torch.bfloat16)),  # 5, the last short
+             ("i8", torch.randint(-100, 100, (1001, 7), generator=g, dtype=torch.int8)),
+             ("bool", torch.rand(40961, generator=g) > 0.5),   # the last chunk one byte
+             ("f64", torch.tensor(2.5, dtype=torch.float64)),
+             ("empty", torch.empty(0, 5))]
+    plan = plan_flat(items, chunk_bytes=8192)
+    assert [sum(c[0] == i for c in plan.chunks) for i in range(len(items))] == [94, 5, 1, 6, 1, 1]
+    mapped = torch.zeros(plan.size, dtype=torch.uint8)
+    for view, (_, t) in zip(tensor_views(mapped, plan), items):
+        view.copy_(t)
+    hashes = hash_flat(mapped, plan, checksum=checksum)
+    assert list(hashes.digests) == [combine([partial(t, (0,) * t.dim(), t.shape)])
+                                    for _, t in items]
+    raw = bytes(mapped.numpy())
+    for (_, _, _, o, n), got in zip(plan.chunks, hashes.chunks):
+        h = new_hasher(checksum)
+        h.update(raw[o:o + n])
+        assert got == h.hexdigest()
+
+
 def test_copy_tensors_copies_in_pieces_on_the_pool_every_kind_of_tensor(
         monkeypatch: pytest.MonkeyPatch) -> None:
     import elastic_kit.store._flat_commit as flat
