@@ -27,7 +27,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NoReturn, Sequence
 
 __all__ = ["MIN_POLL_S", "TORCH_POLL_S", "install", "max_nodes", "poll_seconds"]
 
@@ -41,25 +41,22 @@ MIN_POLL_S = 0.1
 
 def max_nodes(torchrun_argv: Sequence[str]) -> int:
     """The largest node count torchrun's ``--nnodes`` allows (``N`` or ``MIN:MAX``;
-    1 without it, as torchrun's default).
+    torchrun's default, 1, without it), read with torchrun's own parser.
 
     Raises:
-        ValueError: ``--nnodes`` without a value, or one that is not ``N`` or
-            ``MIN:MAX`` with positive integers.
+        ValueError: torchrun's parser refuses the options (naming why), or
+            ``--nnodes`` is not ``N`` or ``MIN:MAX`` with positive integers.
     """
-    value = "1"
-    argv = list(torchrun_argv)
-    for i, arg in enumerate(argv):
-        if arg == "--nnodes":
-            if i + 1 >= len(argv):
-                raise ValueError("--nnodes needs a value: N or MIN:MAX")
-            value = argv[i + 1]
-            break
-        if arg.startswith("--nnodes="):
-            value = arg.split("=", 1)[1]
-            break
-        if not arg.startswith("-"):
-            break  # the script: its own arguments follow
+    from torch.distributed.run import get_args_parser
+
+    parser = get_args_parser()
+
+    def error(message: str) -> NoReturn:
+        raise ValueError(f"torchrun's options: {message}")
+
+    parser.error = error  # type: ignore[method-assign]
+    args, _ = parser.parse_known_args(list(torchrun_argv))
+    value = str(args.nnodes)
     top = value.rsplit(":", 1)[-1]
     if not top.isdigit() or int(top) < 1:
         raise ValueError(f"--nnodes {value!r}: expected N or MIN:MAX (positive integers)")

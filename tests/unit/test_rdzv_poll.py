@@ -19,13 +19,15 @@ from elastic_kit.health import (
     (["--nnodes", "2:40", "--nproc-per-node", "8", "t.py"], 40),
     (["--nnodes=4", "t.py", "--nnodes=900"], 4),
     (["t.py", "--nnodes=900"], 1),  # the script's own option
+    (["--nproc-per-node", "8", "--nnodes", "1:200", "t.py"], 200),
+    (["--max-restarts", "3", "--nnodes=2:4", "--rdzv-conf", "a=1", "t.py", "-b", "64"], 4),
 ])
 def test_the_largest_node_count_is_read_from_torchruns_options(argv: list[str],
                                                                nodes: int) -> None:
     assert rendezvous_max_nodes(argv) == nodes
 
 
-@pytest.mark.parametrize("argv", [["--nnodes"], ["--nnodes=1:x", "t.py"], ["--nnodes=0"]])
+@pytest.mark.parametrize("argv", [["--nnodes"], ["--nnodes=1:x", "t.py"], ["--nnodes=0", "t.py"]])
 def test_a_bad_node_count_is_named(argv: list[str]) -> None:
     with pytest.raises(ValueError, match="--nnodes"):
         rendezvous_max_nodes(argv)
