@@ -66,8 +66,9 @@ the next block. Reported (the JSON's last line):
   the steps skipped, and each snapshot's blocked time and commit latency. The other figures are the steady
   state after it;
 - ``ek_commit_s``: from taking a snapshot to its commit (median of those written);
-  ``ek_written`` / ``ek_replaced``: snapshots written, and replaced by a newer one
-  while they waited for a write;
+  ``ek_written`` / ``ek_replaced`` / ``ek_skipped``: snapshots written, replaced by a
+  newer one while they waited for a write, and skipped (a CUDA state over 256 MiB due
+  while no snapshot file was free);
 - ``ek_direct`` / ``ek_files_made``: snapshots the training thread copied straight
   into a snapshot file (the rest were staged while a write ran and copied into the
   file after), and snapshot files made (two when they are reused);
@@ -340,7 +341,7 @@ def main() -> None:
             if last_was_snap[0] and tier.cost_s is not None:
                 # final now: this step's optimizer pre-hook waited for its deferred copy
                 blocked.append(tier.cost_s)
-            before = len(tier.written)
+            before, skipped = len(tier.written), len(tier.skipped)
             due = tier.due(state.step + 1)
             known = list(getattr(tier, "device_stalls", ()))
             known_m = list(getattr(tier, "mirror_copy_s", ()))
@@ -349,8 +350,9 @@ def main() -> None:
             # the previous snapshot's, known at this one
             stalls.extend(list(getattr(tier, "device_stalls", ()))[len(known):])
             mirror_s.extend(list(getattr(tier, "mirror_copy_s", ()))[len(known_m):])
-            snap_steps.append(due)
-            last_was_snap[0] = due
+            taken = due and len(tier.skipped) == skipped  # not skipped for want of a file
+            snap_steps.append(taken)
+            last_was_snap[0] = taken
             if len(tier.written) > before:
                 commits.append(tier.commit_latency_s)
                 hashing.append(tier.last_hash_s)
@@ -393,7 +395,7 @@ def main() -> None:
                          mirror_s):
                 kept.clear()
             last_was_snap[0] = False
-        written0, direct0 = len(tier.written), tier.direct
+        written0, direct0, skipped0 = len(tier.written), tier.direct, len(tier.skipped)
 
         times: dict[str, list[float]] = {k: [] for k in arms}
         cpu: dict[str, float] = {k: 0.0 for k in arms}  # process CPU seconds, all threads
@@ -419,6 +421,7 @@ def main() -> None:
                 cpu[name] += time.process_time() - c0  # the block's writes included
                 gc.collect()
         written, replaced = len(tier.written) - written0, len(tier.replaced)
+        skipped = len(tier.skipped) - skipped0
         direct = tier.direct - direct0
         files_made = tier._slots.made if tier._slots is not None else None
         identity = tier.identity
@@ -487,6 +490,7 @@ def main() -> None:
         "ek_warmup": warmup,
         "ek_cpu_s_per_snapshot": round((cpu["ek"] - cpu["plain"]) / max(1, written), 4),
         "ek_replaced": replaced,
+        "ek_skipped": skipped,
         "ek_direct": direct,
         "ek_files_made": files_made,
         "ek_hash_s": _common.spread(hashing) if hashing else None,

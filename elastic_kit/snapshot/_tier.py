@@ -83,11 +83,12 @@ RELEASE_WAIT_S = 2.0
 #: The metadata key, in every snapshot's manifest, naming the durable store's run
 #: identity it belongs to (removed from what :meth:`SnapshotTier.load` returns).
 IDENTITY_KEY = "elastic_kit_run_identity"
-#: The most bytes of a device's state the first snapshot of a process is staged in
-#: pinned buffers (before its snapshot file exists): allocating pinned memory takes
-#: the training thread about a second per 1-2 GB. A larger state's snapshot is taken
-#: only once its file is made and registered, on the writer thread, and the ones due
-#: before are skipped (see :meth:`SnapshotTier.save`).
+#: The most bytes of a device's state a snapshot is staged in pinned buffers when no
+#: snapshot file is free (before the first is made, or while the previous snapshot
+#: is written): allocating pinned memory takes the training thread about a second per
+#: 1-2 GB, and holds a state's size of it. A larger state's snapshot is copied only
+#: straight into a file; one due while none is free is skipped (see
+#: :meth:`SnapshotTier._skip_for_pinned_buffers`).
 PINNED_STAGING_MAX_BYTES = 256 << 20
 #: A rank's part directory in a node's snapshot directory (sharded state).
 _PART_DIR = re.compile(r"p[0-9]{1,5}")
@@ -194,10 +195,11 @@ class SnapshotTier:
     it: a snapshot taken while the previous one is being written is queued, and a
     newer one replaces a queued one that has not started (see
     :mod:`elastic_kit.snapshot._writer`), so the write's speed bounds how fresh the
-    newest committed snapshot is, not how fast training runs. The first snapshot of a
-    state with more than :data:`PINNED_STAGING_MAX_BYTES` on a CUDA device is skipped
-    while the writer makes its file (rather than staged in pinned buffers allocated
-    on the training thread; :attr:`skipped`).
+    newest committed snapshot is, not how fast training runs. A snapshot of a state
+    with more than :data:`PINNED_STAGING_MAX_BYTES` on a CUDA device, due while no
+    snapshot file is free to copy it into (before the writer made the first, or while
+    the previous snapshot is written), is skipped rather than staged in pinned buffers
+    allocated on the training thread (:attr:`skipped`).
 
     .. warning::
         Shared memory is host RAM. A node holds its own snapshot, the file the next
@@ -297,11 +299,15 @@ class SnapshotTier:
         self._slots: Slots | None = None
         self._flat_layout: Layout | None = None
         self._pending_layout: Any = None  # the layout of the last file asked for
+        #: the state has more than PINNED_STAGING_MAX_BYTES on a CUDA device (known
+        #: from this process's first snapshot)
+        self._large_device = False
         #: snapshots copied straight into a snapshot file by the training thread
         #: (the others were staged in buffers while a write ran, and copied after)
         self.direct = 0
         #: steps whose snapshot was not taken: a device's state larger than
-        #: :data:`PINNED_STAGING_MAX_BYTES` before its snapshot file was made
+        #: :data:`PINNED_STAGING_MAX_BYTES` with no snapshot file free (none made yet,
+        #: or the previous snapshot still being written)
         self.skipped: list[int] = []
         #: the writer thread's seconds in the last snapshot file's hashing and in its
         #: commit (payload, manifest, the older snapshot's release)
@@ -434,7 +440,7 @@ class SnapshotTier:
                               f"need {need / 1e6:.0f} MB")
                 return
         self._fold_later_costs()
-        if not last and self._skip_until_a_file(state_dict, step):
+        if not last and self._skip_for_pinned_buffers(state_dict, step):
             return
         try:
             buffers, idle = self._writer.buffers()
@@ -466,32 +472,47 @@ class SnapshotTier:
         except Exception as e:  # snapshots are an optimisation: never fail training
             self._disable(f"taking snapshot step {step} for {self.node_dir} failed: {e!r}")
 
-    def _skip_until_a_file(self, state_dict: dict[str, Any], step: int) -> bool:
+    def _skip_for_pinned_buffers(self, state_dict: dict[str, Any], step: int) -> bool:
         """Whether to skip this snapshot because its state would be staged in pinned
-        buffers that are not worth allocating on the training thread: no snapshot file
-        exists yet (this process's first snapshot) and the state's device tensors are
-        larger than :data:`PINNED_STAGING_MAX_BYTES`. Then the writer thread makes (and
-        registers) a file of the state's layout, and the first snapshot due after that
-        is copied straight into it. Once there are files, a snapshot due while another
-        is written, or of a state that changed its layout, is staged as before."""
+        buffers that are not worth allocating on the training thread (nor holding:
+        a state's size of pinned host memory): the state has more than
+        :data:`PINNED_STAGING_MAX_BYTES` on a CUDA device, and there is no snapshot
+        file to copy it into, since none exists yet (this process's first snapshot) or
+        the previous snapshot is still being written.
+
+        In the first case the writer thread makes (and registers) a file of the
+        state's layout meanwhile; in both, the first snapshot due after that is copied
+        straight into a file. A state that changes its layout once files exist is
+        staged as before."""
         slots = self._slots
-        if slots is None or slots.count:
+        if slots is None:
+            return False
+        if slots.count:
             self._pending_layout = None
+            if self._large_device and self._writer.busy:
+                self._note_skip(step, "the previous one is still being written")
+                return True
             return False
         _, items = split_state(state_dict)
         on_device = sum(t.numel() * t.element_size() for _, t in items if _pinned_staging(t))
-        if on_device <= PINNED_STAGING_MAX_BYTES:
+        self._large_device = on_device > PINNED_STAGING_MAX_BYTES
+        if not self._large_device:
             return False
         slots.pin = True
-        if not self.skipped:
-            log.info("snapshot step %d skipped: its %d MB on the device are copied straight "
-                     "into a snapshot file once the writer made one (instead of pinned "
-                     "buffers allocated now)", step, on_device >> 20)
-        self.skipped.append(step)
+        self._note_skip(step, f"its {on_device >> 20} MB on the device wait for the "
+                              "writer to make a snapshot file")
         if self._pending_layout != (plan := plan_flat(items)):
             self._pending_layout = plan
             self._writer.prepare(lambda: slots.prepare(plan))
         return True
+
+    def _note_skip(self, step: int, why: str) -> None:
+        if not self.skipped:
+            log.info("snapshot step %d skipped: %s (a device's state over %d MB is copied "
+                     "straight into a snapshot file, never staged in pinned buffers "
+                     "allocated on the training thread); told once", step, why,
+                     PINNED_STAGING_MAX_BYTES >> 20)
+        self.skipped.append(step)
 
     def _write(self, job: Job) -> None:
         """Write and commit one staged snapshot (on the writer thread)."""

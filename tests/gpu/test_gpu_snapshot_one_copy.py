@@ -195,3 +195,30 @@ def test_a_large_cuda_states_first_snapshot_waits_for_its_registered_file(
     for k, v in state.items():
         assert torch.equal(loaded.state[k], v), k
     tier.close(remove=True)
+
+
+def test_a_large_cuda_snapshot_due_while_one_is_written_is_skipped_not_staged(
+        shm: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    import elastic_kit.snapshot._tier as tier_module
+
+    monkeypatch.setattr(tier_module, "PINNED_STAGING_MAX_BYTES", 1 << 20)
+    tier = SnapshotTier("/durable", info=ek.DistInfo(run_id="job"), every=1, root=shm)
+    tier.save(_cuda_state(1), step=1, metadata={})
+    assert tier.wait(timeout=60)
+    release = threading.Event()
+    tier.save(_cuda_state(2), step=2, metadata={}, finish=lambda state: release.wait(30))
+    tier.save(_cuda_state(3), step=3, metadata={})  # step 2 is still being written
+    release.set()
+    assert tier.wait(timeout=60)
+    assert tier.skipped == [1, 3] and tier.written == [2]
+    assert tier._writer._sets[0].nbytes == 0 and len(tier._writer._sets) == 1
+    state = _cuda_state(4)
+    tier.save(state, step=4, metadata={})
+    assert tier.wait(timeout=60) and tier.written == [2, 4]
+    loaded = tier.load(map_location="cuda")
+    assert loaded is not None and loaded.step == 4
+    for k, v in state.items():
+        assert torch.equal(loaded.state[k], v), k
+    tier.close(remove=True)

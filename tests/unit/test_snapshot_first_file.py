@@ -93,6 +93,25 @@ def test_snapshots_due_while_the_file_is_made_are_skipped_and_it_is_made_once(
     tier.close(remove=True)
 
 
+def test_a_snapshot_due_while_the_previous_one_is_written_is_skipped_not_staged(
+        shm: str, on_device: None) -> None:
+    tier = _tier(shm)
+    tier.save(_state(1), step=1, metadata={})       # skipped: the first file is made
+    assert tier.wait(timeout=60)
+    release = threading.Event()
+    tier.save(_state(2), step=2, metadata={}, finish=lambda state: release.wait(30))
+    tier.save(_state(3), step=3, metadata={})       # step 2 is still being written
+    release.set()
+    assert tier.wait(timeout=60)
+    assert tier.skipped == [1, 3] and tier.written == [2] and tier.replaced == []
+    assert tier._writer._sets[0].nbytes == 0 and len(tier._writer._sets) == 1
+    tier.save(_state(4), step=4, metadata={})       # the next one due after the commit
+    assert tier.wait(timeout=60)
+    assert tier.written == [2, 4] and tier.direct == 2
+    assert torch.equal(_loaded_w(tier), _state(4)["model"]["w"])
+    tier.close(remove=True)
+
+
 def test_a_small_device_state_or_a_cpu_state_is_staged_at_once(
         shm: str, on_device: None) -> None:
     tier = _tier(shm)
