@@ -274,7 +274,7 @@ class Checkpointer(Lifecycle):
         if save:
             self.save(blocking=self.blocking)
         if snap:
-            self.snapshot()
+            self._snapshot(periodic=True)
 
     def paused(self) -> contextlib.AbstractContextManager[None]:
         """A block of work that is not training (validation, logging, a hook).
@@ -334,6 +334,9 @@ class Checkpointer(Lifecycle):
         """Take an in-memory snapshot of the state now (collective when the audit is
         on; a no-op when snapshots are off). Written in the background by each node's
         local rank 0; a failure switches snapshots off with a warning."""
+        self._snapshot(periodic=False)
+
+    def _snapshot(self, *, periodic: bool) -> None:
         if self.snapshots is None:
             return
         t0 = time.perf_counter()
@@ -345,5 +348,5 @@ class Checkpointer(Lifecycle):
         if state_dict is not None:
             _saving.save_snapshot(self.snapshots, state_dict, self.state, self.info,
                                   overlap_staging=self.overlap_staging, started=t0,
-                                  audit=audit)
+                                  audit=audit, periodic=periodic)
 

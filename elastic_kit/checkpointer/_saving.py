@@ -60,15 +60,16 @@ def save_durable(store: StoreLike, state: TrainState, info: DistInfo, *, blockin
 
 def save_snapshot(tier: SnapshotTier, state_dict: dict[str, Any], state: TrainState,
                   info: DistInfo, *, overlap_staging: bool, started: float,
-                  audit: AuditSum | None = None) -> None:
+                  audit: AuditSum | None = None, periodic: bool = False) -> None:
     """Hand ``state_dict`` (``state``'s, taken now) to the snapshot tier (written in
     the background); ``audit``: the audit's sum in flight, which the writer thread
-    waits for and writes in place of the state's audit."""
+    waits for and writes in place of the state's audit; ``periodic``: a snapshot of
+    the interval (see :meth:`SnapshotTier.save`)."""
     later = (optimizer_tensors(state.optimizer)
              if overlap_staging and state.optimizer is not None else ())
     finish = None if audit is None else functools.partial(_with_audit, audit)
     tier.save(state_dict, step=state.step, metadata=metadata(state, info),
-              copy_later=later, started=started, finish=finish)
+              copy_later=later, started=started, finish=finish, periodic=periodic)
 
 
 #: Seconds a snapshot's writer waits for the audit's sum over the ranks (issued with

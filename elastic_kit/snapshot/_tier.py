@@ -391,7 +391,7 @@ class SnapshotTier:
              metadata: dict[str, Any], copy_later: Iterable[torch.Tensor] = (),
              started: float | None = None,
              finish: Callable[[dict[str, Any]], None] | None = None,
-             last: bool = False) -> None:
+             last: bool = False, periodic: bool = False) -> None:
         """Take a snapshot of ``state_dict`` (or of what the callable returns, called
         only here: other ranks skip building it) and write it in the background
         (local rank 0 only). Never waits for an earlier snapshot's write.
@@ -409,6 +409,9 @@ class SnapshotTier:
         and switches snapshots off, like a failed write. ``last``: the last snapshot
         of a rank that fails (its peer died): taken even when the write before failed
         (a snapshot whose audit sum the dead peer never joined), which is logged.
+        ``periodic``: one of the every-K-steps snapshots, which a large device state
+        skips while no snapshot file is free (see :meth:`_skip_for_pinned_buffers`);
+        any other (an explicit or a leaving node's snapshot) is always taken.
         """
         if not self.writes:
             return
@@ -440,7 +443,7 @@ class SnapshotTier:
                               f"need {need / 1e6:.0f} MB")
                 return
         self._fold_later_costs()
-        if not last and self._skip_for_pinned_buffers(state_dict, step):
+        if periodic and not last and self._skip_for_pinned_buffers(state_dict, step):
             return
         try:
             buffers, idle = self._writer.buffers()

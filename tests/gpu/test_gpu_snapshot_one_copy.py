@@ -179,14 +179,14 @@ def test_a_large_cuda_states_first_snapshot_waits_for_its_registered_file(
 
     monkeypatch.setattr(tier_module, "PINNED_STAGING_MAX_BYTES", 1 << 20)  # 4 MB is large
     tier = SnapshotTier("/durable", info=ek.DistInfo(run_id="job"), every=1, root=shm)
-    tier.save(_cuda_state(1), step=1, metadata={})
+    tier.save(_cuda_state(1), step=1, metadata={}, periodic=True)
     assert tier.wait(timeout=60)
     slots = tier._slots
     assert tier.skipped == [1] and tier.written == [] and slots is not None
     assert slots.made == 1 and all(s.registered for s in slots._slots)
     for step in (2, 3):
         state = _cuda_state(step)
-        tier.save(state, step=step, metadata={})
+        tier.save(state, step=step, metadata={}, periodic=True)
         assert tier.wait(timeout=60)
     assert tier.written == [2, 3] and tier.direct == 2 and tier.skipped == [1]
     assert tier._writer._sets[0].nbytes == 0           # no staging buffer, pinned or not
@@ -205,17 +205,18 @@ def test_a_large_cuda_snapshot_due_while_one_is_written_is_skipped_not_staged(
 
     monkeypatch.setattr(tier_module, "PINNED_STAGING_MAX_BYTES", 1 << 20)
     tier = SnapshotTier("/durable", info=ek.DistInfo(run_id="job"), every=1, root=shm)
-    tier.save(_cuda_state(1), step=1, metadata={})
+    tier.save(_cuda_state(1), step=1, metadata={}, periodic=True)
     assert tier.wait(timeout=60)
     release = threading.Event()
-    tier.save(_cuda_state(2), step=2, metadata={}, finish=lambda state: release.wait(30))
-    tier.save(_cuda_state(3), step=3, metadata={})  # step 2 is still being written
+    tier.save(_cuda_state(2), step=2, metadata={}, periodic=True,
+              finish=lambda state: release.wait(30))
+    tier.save(_cuda_state(3), step=3, metadata={}, periodic=True)  # step 2 is still being written
     release.set()
     assert tier.wait(timeout=60)
     assert tier.skipped == [1, 3] and tier.written == [2]
     assert tier._writer._sets[0].nbytes == 0 and len(tier._writer._sets) == 1
     state = _cuda_state(4)
-    tier.save(state, step=4, metadata={})
+    tier.save(state, step=4, metadata={}, periodic=True)
     assert tier.wait(timeout=60) and tier.written == [2, 4]
     loaded = tier.load(map_location="cuda")
     assert loaded is not None and loaded.step == 4
