@@ -13,6 +13,7 @@ from __future__ import annotations
 import multiprocessing.process
 import os
 import subprocess
+from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
@@ -50,3 +51,14 @@ def _no_process_starts(request: pytest.FixtureRequest,
     monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", process_start)
     monkeypatch.setattr(os, "fork", fork)
     yield
+
+
+@pytest.fixture()
+def shm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A snapshot root of the test's own (``$ELASTIC_KIT_SNAPSHOT_DIR``), this process
+    one node (``node0``)."""
+    root = tmp_path / "shm"
+    root.mkdir()
+    monkeypatch.setenv("ELASTIC_KIT_SNAPSHOT_DIR", str(root))
+    monkeypatch.setenv("ELASTIC_KIT_SNAPSHOT_NODE", "node0")
+    return str(root)

@@ -20,15 +20,6 @@ from elastic_kit.snapshot import SnapshotTier
 from elastic_kit.store import IDENTITY_NAME, CheckpointStore
 
 
-@pytest.fixture()
-def shm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
-    root = tmp_path / "shm"
-    root.mkdir()
-    monkeypatch.setenv("ELASTIC_KIT_SNAPSHOT_DIR", str(root))
-    monkeypatch.setenv("ELASTIC_KIT_SNAPSHOT_NODE", "node0")
-    return str(root)
-
-
 def test_the_store_creates_one_identity_and_keeps_it(tmp_path: Path) -> None:
     url = str(tmp_path / "ck")
     store = CheckpointStore(url)

@@ -19,15 +19,6 @@ from elastic_kit.snapshot._writer import SnapshotWriter
 
 
 @pytest.fixture()
-def shm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
-    root = tmp_path / "shm"
-    root.mkdir()
-    monkeypatch.setenv("ELASTIC_KIT_SNAPSHOT_DIR", str(root))
-    monkeypatch.setenv("ELASTIC_KIT_SNAPSHOT_NODE", "node0")
-    return str(root)
-
-
-@pytest.fixture()
 def on_device(monkeypatch: pytest.MonkeyPatch) -> None:
     """Floating-point tensors count as the device's; more than 64 KB of them is large."""
     monkeypatch.setattr(tier_module, "_pinned_staging", lambda t: t.is_floating_point())

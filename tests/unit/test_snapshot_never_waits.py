@@ -21,15 +21,6 @@ from elastic_kit.snapshot import SnapshotTier, interval_for
 from elastic_kit.testing import FaultFileSystem
 
 
-@pytest.fixture()
-def shm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
-    root = tmp_path / "shm"
-    root.mkdir()
-    monkeypatch.setenv("ELASTIC_KIT_SNAPSHOT_DIR", str(root))
-    monkeypatch.setenv("ELASTIC_KIT_SNAPSHOT_NODE", "node0")
-    return str(root)
-
-
 class _Gate:
     """Holds the first snapshot's commit (its manifest write) until opened; counts
     how many commits it held."""

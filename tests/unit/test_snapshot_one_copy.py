@@ -26,15 +26,6 @@ from elastic_kit.store import (
 )
 
 
-@pytest.fixture()
-def shm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
-    root = tmp_path / "shm"
-    root.mkdir()
-    monkeypatch.setenv("ELASTIC_KIT_SNAPSHOT_DIR", str(root))
-    monkeypatch.setenv("ELASTIC_KIT_SNAPSHOT_NODE", "node0")
-    return str(root)
-
-
 def _tier(shm: str) -> SnapshotTier:
     return SnapshotTier("/durable", info=ek.DistInfo(run_id="job"), every=1, root=shm)
 
