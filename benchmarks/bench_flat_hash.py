@@ -56,25 +56,21 @@ def _layout(name: str, scale: float) -> list[tuple[str, torch.Tensor]]:
             for b, shape in (("", (1024, 1024)), ("b", (1024,)))]
 
 
-def _two_pass(mapped: torch.Tensor, plan: Any) -> tuple[list[str], list[str]]:
-    def chunk(offset: int, nbytes: int) -> str:
-        h = new_hasher("xxh3_128")
-        h.update(mapped[offset:offset + nbytes].numpy())
-        return str(h.hexdigest())
+def _xxh3(mapped: torch.Tensor, offset: int, nbytes: int) -> str:
+    h = new_hasher("xxh3_128")
+    h.update(mapped[offset:offset + nbytes].numpy())
+    return str(h.hexdigest())
 
-    sums = [_submit(chunk, o, n) for _, _, _, o, n in plan.chunks]
+
+def _two_pass(mapped: torch.Tensor, plan: Any) -> tuple[list[str], list[str]]:
+    sums = [_submit(_xxh3, mapped, o, n) for _, _, _, o, n in plan.chunks]
     digests = [_submit(lambda t=t: combine([partial(t, (0,) * t.dim(), t.shape)]))
                for t in tensor_views(mapped, plan)]
     return [f.result() for f in sums], [f.result() for f in digests]
 
 
 def _xxh3_only(mapped: torch.Tensor, plan: Any) -> list[str]:
-    def chunk(offset: int, nbytes: int) -> str:
-        h = new_hasher("xxh3_128")
-        h.update(mapped[offset:offset + nbytes].numpy())
-        return str(h.hexdigest())
-
-    return [f.result() for f in [_submit(chunk, o, n) for _, _, _, o, n in plan.chunks]]
+    return [f.result() for f in [_submit(_xxh3, mapped, o, n) for _, _, _, o, n in plan.chunks]]
 
 
 def _measure(items: list[tuple[str, torch.Tensor]], rounds: int) -> dict[str, Any]:

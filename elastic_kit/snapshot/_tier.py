@@ -298,10 +298,9 @@ class SnapshotTier:
         #: snapshots are written as ordinary checkpoints
         self._slots: Slots | None = None
         self._flat_layout: Layout | None = None
-        self._pending_layout: Any = None  # the layout of the last file asked for
-        #: the state has more than PINNED_STAGING_MAX_BYTES on a CUDA device (known
-        #: from this process's first snapshot)
-        self._large_device = False
+        #: the state has more than PINNED_STAGING_MAX_BYTES on a CUDA device (None
+        #: until this process's first periodic snapshot measured it)
+        self._large_device: bool | None = None
         #: snapshots copied straight into a snapshot file by the training thread
         #: (the others were staged in buffers while a write ran, and copied after)
         self.direct = 0
@@ -491,11 +490,12 @@ class SnapshotTier:
         if slots is None:
             return False
         if slots.count:
-            self._pending_layout = None
             if self._large_device and self._writer.busy:
                 self._note_skip(step, "the previous one is still being written")
                 return True
             return False
+        if self._large_device is False:
+            return False  # measured small: staged as usual until its file is made
         _, items = split_state(state_dict)
         on_device = sum(t.numel() * t.element_size() for _, t in items if _pinned_staging(t))
         self._large_device = on_device > PINNED_STAGING_MAX_BYTES
@@ -504,9 +504,10 @@ class SnapshotTier:
         slots.pin = True
         self._note_skip(step, f"its {on_device >> 20} MB on the device wait for the "
                               "writer to make a snapshot file")
-        if self._pending_layout != (plan := plan_flat(items)):
-            self._pending_layout = plan
-            self._writer.prepare(lambda: slots.prepare(plan))
+        # a preparation asked for again replaces the pending one, and one that finds
+        # a free file of the layout made does nothing
+        plan = plan_flat(items)
+        self._writer.prepare(lambda: slots.prepare(plan))
         return True
 
     def _note_skip(self, step: int, why: str) -> None:
