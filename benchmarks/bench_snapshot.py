@@ -81,6 +81,11 @@ the next block. Reported (the JSON's last line):
   ``ratio_load_vs_h2d``, and ``load_phases``, where it went (``SnapshotTier.
   last_load_phases``: choosing, mapping and verifying; on CUDA allocating the
   device's tensors and the pinned buffers, and the copy through them);
+- ``restart``: the restored run trained on until its first snapshot (the first to
+  protect the restored steps): the steps until it was taken, the snapshots skipped
+  before it, its blocked seconds (as ``ratio_restart_blocked_vs_blocked``, against
+  the steady state's median), whether it went straight into a snapshot file, its
+  commit latency, the longest step and the snapshot files made;
 - ``dcp_blocked_s`` / ``dcp_commit_s``: DCP's ``async_save`` call and its completion.
 
 Usage::
@@ -261,6 +266,39 @@ def run_block(loop: Loop, steps: int, after_step: Callable[[int], None]) -> list
         after_step(i)
         times.append(time.perf_counter() - t0)
     return times
+
+
+def after_restore(loop: Loop, ckpt: ek.Checkpointer, every: int) -> dict[str, Any]:
+    """Train on after a restore until its first snapshot (the first to protect the
+    restored steps) is taken and its cost known: that snapshot's blocked seconds,
+    whether it went straight into a snapshot file, the snapshots skipped before it,
+    its commit latency, and the longest step."""
+    tier = ckpt.snapshots
+    assert tier is not None
+    times: list[float] = []
+    taken_at: int | None = None
+    blocked = direct = skipped = None
+    for i in range(2 * every + 2):
+        t0 = time.perf_counter()
+        loop.step()
+        if taken_at is not None:
+            # final now (this step's optimizer pre-hook waited for its deferred copy);
+            # no snapshot taken in this step
+            blocked = tier.cost_s
+            times.append(time.perf_counter() - t0)
+            break
+        ckpt.step(1)
+        times.append(time.perf_counter() - t0)
+        if tier.cost_s is not None:
+            taken_at, direct, skipped = i, tier.direct > 0, len(tier.skipped)
+    tier.wait()
+    return {"steps": len(times), "max_step_s": round(max(times), 4),
+            "first_taken_after_steps": None if taken_at is None else taken_at + 1,
+            "skipped": skipped if skipped is not None else len(tier.skipped),
+            "blocked_s": None if blocked is None else round(blocked, 4),
+            "direct": direct,
+            "commit_s": round(tier.commit_latency_s, 4) if tier.written else None,
+            "files_made": tier._slots.made if tier._slots is not None else None}
 
 
 def main() -> None:
@@ -458,6 +496,7 @@ def main() -> None:
             torch.cuda.synchronize()
         restore_s = time.perf_counter() - t0
         restored_from = ck2.restored_from
+        restart = after_restore(loop2, ck2, every)
         ck2.close()
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -499,6 +538,7 @@ def main() -> None:
         "load_phases": load_phases,
         "restore_s": round(restore_s, 4),
         "restored_from": restored_from,
+        "restart": restart,
         "load_avg_1m": load_start,
         "machine": _common.machine(),
     }
@@ -515,6 +555,9 @@ def main() -> None:
     res["ratio_max_excess_vs_two_copies"] = round(excess / (2 * copy_s), 3) if copy_s else None
     res["ratio_restore_vs_h2d"] = round(restore_s / h2d_s, 3) if h2d_s else None
     res["ratio_load_vs_h2d"] = round(load_s / h2d_s, 3) if h2d_s else None
+    res["ratio_restart_blocked_vs_blocked"] = (
+        round(restart["blocked_s"] / statistics.median(blocked), 3)
+        if blocked and restart["blocked_s"] is not None else None)
     _common.emit(res, args.results)
 
 

@@ -177,6 +177,10 @@ class Checkpointer(Lifecycle):
             self.loaded = dataclasses.replace(loaded, state={})
         self._progress.restored()
         tier = self.snapshots
+        if loaded is not None and tier is not None and tier.writes and not sharded:
+            # the next snapshot (the first to protect the restored steps) goes straight
+            # into a file the writer makes now, not into buffers made on this thread
+            tier.prepare(state.state_dict())
         self._step_end = StepEnd(state, enabled=tier is not None and tier.writes and not sharded)
         self._step_end.record()
         staging = self.store is not None and self.overlap_staging

@@ -336,7 +336,10 @@ class SnapshotTier:
         if info.local_rank == 0:
             self._remove_unusable()
         if info.local_rank == 0 or sharded:
-            remove_dead_slots(self.write_dir)
+            if self._slots is not None:  # a killed worker's free file is the next one's
+                self._slots.claim_dead()
+            else:
+                remove_dead_slots(self.write_dir)
 
     def _disable(self, why: str) -> None:
         if self.enabled and self.info.local_rank == 0:
@@ -427,20 +430,8 @@ class SnapshotTier:
             state_dict, descs = localize(state_dict)
             metadata = describe(metadata, descs, info=self.info, group=self.group)
             copy_later = local_tensors(copy_later)
-        if not self._space_checked:
-            self._space_checked = True
-            # with sharded state, every rank of the node writes a part like this one
-            ranks = self.info.local_world_size if self.sharded else 1
-            need = int(SPACE_FACTOR * ranks * state_nbytes(state_dict))
-            try:
-                free = shutil.disk_usage(self.root).free
-            except OSError as e:
-                self._disable(f"cannot read the free space of {self.root}: {e}")
-                return
-            if free < need:
-                self._disable(f"{self.root} has {free / 1e6:.0f} MB free, two snapshots "
-                              f"need {need / 1e6:.0f} MB")
-                return
+        if not self._has_space(state_dict):
+            return
         self._fold_later_costs()
         if periodic and not last and self._skip_for_pinned_buffers(state_dict, step):
             return
@@ -473,6 +464,29 @@ class SnapshotTier:
             self._costs.append(self._cost_s)
         except Exception as e:  # snapshots are an optimisation: never fail training
             self._disable(f"taking snapshot step {step} for {self.node_dir} failed: {e!r}")
+
+    def _has_space(self, state_dict: dict[str, Any]) -> bool:
+        """Whether the root has room for two snapshots of ``state_dict`` (checked once;
+        snapshots are switched off when it has not: a file mapped on a full tmpfs
+        kills the process that touches it with SIGBUS)."""
+        if self._space_checked:
+            return self.enabled
+        self._space_checked = True
+        # with sharded state, every rank of the node writes a part like this one
+        ranks = self.info.local_world_size if self.sharded else 1
+        need = int(SPACE_FACTOR * ranks * state_nbytes(state_dict))
+        try:
+            # the dead processes' files claimed are reused, not added
+            free = shutil.disk_usage(self.root).free + (
+                self._slots.spare_bytes if self._slots is not None else 0)
+        except OSError as e:
+            self._disable(f"cannot read the free space of {self.root}: {e}")
+            return False
+        if free < need:
+            self._disable(f"{self.root} has {free / 1e6:.0f} MB free, two snapshots "
+                          f"need {need / 1e6:.0f} MB")
+            return False
+        return True
 
     def _skip_for_pinned_buffers(self, state_dict: dict[str, Any], step: int) -> bool:
         """Whether to skip this snapshot because its state would be staged in pinned
@@ -507,6 +521,40 @@ class SnapshotTier:
         # a preparation asked for again replaces the pending one, and one that finds
         # a free file of the layout made does nothing
         plan = plan_flat(items)
+        self._writer.prepare(lambda: slots.prepare(plan))
+        return True
+
+    def prepare(self, state_dict: dict[str, Any]) -> bool:
+        """Have the writer thread make (and on CUDA register) the snapshot file for
+        states of ``state_dict``'s layout now, so that the next snapshot is copied
+        straight into it; whether a file was asked for.
+
+        Why. Without a file, a process's first snapshot is staged in buffers
+        allocated on the training thread (or, for a large device state, skipped
+        while the file is made): after a restart that is the snapshot that should
+        already protect the restored steps. The checkpointer calls this once the
+        restored state is in the live objects, whose layout the next snapshots have.
+
+        Only this node's writer with snapshot files (not a sharded part), once; a
+        layout that turns out not to fit costs one file made, as a layout change does.
+        """
+        slots = self._slots
+        if not self.writes or slots is None or self.sharded or slots.count:
+            return False
+        if not self._has_space(state_dict):
+            return False
+        try:
+            _, items = split_state(state_dict)
+            plan = plan_flat(items)
+        except Exception as e:  # the snapshot itself will say what is wrong
+            log.debug("no snapshot file prepared for %s: %r", self.node_dir, e)
+            return False
+        if not items:
+            return False
+        on_device = sum(t.numel() * t.element_size() for _, t in items if _pinned_staging(t))
+        self._large_device = on_device > PINNED_STAGING_MAX_BYTES
+        # registered as pinned memory when the state is on CUDA
+        slots.pin = slots.pin or self._large_device or any(t.is_cuda for _, t in items)
         self._writer.prepare(lambda: slots.prepare(plan))
         return True
 
