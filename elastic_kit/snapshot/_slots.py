@@ -63,20 +63,28 @@ def slot_pid(name: str) -> int | None:
     return int(pid) if pid.isdigit() else None
 
 
-def remove_dead_slots(node_dir: str) -> int:
-    """Remove slot files left by processes that are gone (a killed worker's); returns
-    how many. A live process's slots stay (another tier of it may use them)."""
-    removed = 0
+def _dead_slots(node_dir: str) -> list[str]:
+    """The names of the slot files in ``node_dir`` whose processes are gone (a killed
+    worker's), sorted; a live process's are left out (another tier of it may use them)."""
     try:
-        names = os.listdir(node_dir)
+        names = sorted(os.listdir(node_dir))
     except OSError:
-        return 0
+        return []
+    out = []
     for name in names:
         if not name.startswith(SLOT_PREFIX):
             continue
         pid = slot_pid(name)
-        if pid is not None and _pid_alive(pid):
-            continue
+        if pid is None or not _pid_alive(pid):
+            out.append(name)
+    return out
+
+
+def remove_dead_slots(node_dir: str) -> int:
+    """Remove slot files left by processes that are gone (a killed worker's); returns
+    how many. A live process's slots stay (another tier of it may use them)."""
+    removed = 0
+    for name in _dead_slots(node_dir):
         try:
             os.remove(os.path.join(node_dir, name))
             removed += 1
@@ -238,17 +246,8 @@ class Slots:
         fresh pages (measured: half the cost of a new file). A live process's slots
         stay (another tier of it may use them); those beyond the slots this writer
         can use, and any that is not a plain file of this user's, are removed."""
-        try:
-            names = sorted(os.listdir(self.node_dir))
-        except OSError:
-            return 0
         claimed = 0
-        for name in names:
-            if not name.startswith(SLOT_PREFIX):
-                continue
-            pid = slot_pid(name)
-            if pid is not None and _pid_alive(pid):
-                continue
+        for name in _dead_slots(self.node_dir):
             path = os.path.join(self.node_dir, name)
             if len(self._spares) < self.max_slots:
                 spare = os.path.join(self.node_dir, f"{SLOT_PREFIX}{os.getpid()}-{self._tag}"
