@@ -575,7 +575,7 @@ class SnapshotTier:
         if self.sharded:
             add_partials(job.staged.state, job.metadata)
         if self._slots is not None:
-            self._commit_flat(job.staged.state, job.step, job.metadata, job.slot)
+            self._commit_flat(job.staged.state, job.step, job.metadata, job.slot, job=job)
             return
         # the stream to the peer starts on the store's worker once the write committed
         self.store.save(job.staged.state, step=job.step, metadata=job.metadata,
@@ -583,11 +583,12 @@ class SnapshotTier:
         self.store.wait_local()  # the previous snapshot's deletion, here, not in training
 
     def _commit_flat(self, state: Any, step: int, metadata: dict[str, Any],
-                     slot: Slot | None) -> str:
+                     slot: Slot | None, *, job: Job | None = None) -> str:
         """Commit ``state`` as snapshot ``step`` in a snapshot file (the writer thread,
         or a restore keeping a copy): copied into a free slot unless it was staged
-        there, hashed in parallel, committed with the manifest last, then the older
-        snapshots deleted, their file moved back out to be the next one's slot."""
+        there, hashed in parallel, committed with the manifest last (``job``: the
+        write's, which learns when), then the older snapshots deleted, their file
+        moved back out to be the next one's slot."""
         assert self._slots is not None and self._flat_layout is not None
         payload, items = split_state(state)
         if slot is None:
@@ -605,6 +606,8 @@ class SnapshotTier:
             self._slots.done(slot, None)
             raise
         self._slots.done(slot, step)
+        if job is not None:
+            job.committed_at = time.perf_counter()
         if self._sender is not None:
             self._sender.offer(step, path)
         self._release_older(step)

@@ -48,6 +48,10 @@ class Job:
     slot: Slot | None = None
     #: completes the staged state on the writer thread before it is written
     finish: Callable[[Any], None] | None = None
+    #: when its manifest was committed (set by ``write``; None: at the write's end).
+    #: What follows the commit in a write (deleting the older snapshot, making the
+    #: next file) is not part of the commit latency.
+    committed_at: float | None = None
 
 
 class SnapshotWriter:
@@ -64,7 +68,7 @@ class SnapshotWriter:
             written (the newer one is written instead).
         last_write_s: seconds the last write took on the writer thread.
         last_commit_latency_s: seconds from taking the last written snapshot to its
-            commit.
+            commit (its manifest written: restorable from then on).
         write_cpu_s: for each write, whether its state was on CUDA and the CPU
             seconds it took (this thread's and the shared thread pool's over the
             write, which includes pool work of other writers meanwhile, if any); the
@@ -202,7 +206,7 @@ class SnapshotWriter:
                 self._write(job)
                 done = time.perf_counter()
                 self.last_write_s = done - t0
-                self.last_commit_latency_s = done - job.taken_at
+                self.last_commit_latency_s = (job.committed_at or done) - job.taken_at
                 cpu = time.thread_time() - cpu0 + pool_cpu_seconds() - pool0
                 self.write_cpu_s.append((job.staged.cuda, cpu))
                 self.written.append(job.step)

@@ -238,3 +238,29 @@ def test_the_space_check_counts_the_claimed_files_as_room(
                         lambda p: real(p)._replace(free=need - 256 * 1024))
     assert tier.prepare(state) and tier.wait(timeout=60) and tier.enabled
     tier.close(remove=True)
+
+
+def test_the_commit_latency_ends_at_the_commit_not_after_the_cleanup_that_follows(
+        shm: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What follows a commit on the writer thread (deleting the older snapshot, which
+    for a restored run's first snapshot is a state's size of pages to free, and making
+    the next file) does not delay the snapshot being restorable: the commit latency
+    reported stops at the manifest."""
+    import time
+
+    tier = _tier(shm)
+    release_started: list[float] = []
+    release = tier._release_older
+
+    def slow_release(step: int) -> None:
+        release_started.append(time.perf_counter())
+        time.sleep(0.05)
+        release(step)
+
+    monkeypatch.setattr(tier, "_release_older", slow_release)
+    taken = time.perf_counter()
+    tier.save({"model": {"w": torch.randn(64, 64)}}, step=1, metadata={}, started=taken)
+    assert tier.wait(timeout=60) and tier.written == [1]
+    assert len(release_started) == 1
+    assert 0 < tier.commit_latency_s <= release_started[0] - taken
+    tier.close(remove=True)
