@@ -223,3 +223,47 @@ def test_a_large_cuda_snapshot_due_while_one_is_written_is_skipped_not_staged(
     for k, v in state.items():
         assert torch.equal(loaded.state[k], v), k
     tier.close(remove=True)
+
+
+def test_a_restored_large_cuda_states_first_snapshot_goes_into_a_registered_file(
+        shm: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a restore the writer makes and registers the file before the first
+    snapshot is due: that snapshot is neither skipped nor staged."""
+    import elastic_kit.snapshot._tier as tier_module
+
+    monkeypatch.setattr(tier_module, "PINNED_STAGING_MAX_BYTES", 1 << 20)  # 4 MB is large
+
+    def run(seed: int) -> tuple[ek.Checkpointer, torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(seed)
+        model = torch.nn.Linear(1024, 1024).cuda()
+        opt = torch.optim.AdamW(model.parameters())
+        ckpt = ek.Checkpointer(ek.TrainState(model, opt), str(tmp_path / "durable"),
+                               handle_signals=False, snapshot_every=1, info=ek.DistInfo())
+        return ckpt, model, opt
+
+    def train(ckpt: ek.Checkpointer, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+        model(torch.randn(8, 1024, device="cuda")).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        ckpt.step(8)
+
+    first, model, opt = run(0)
+    first.restore()
+    for _ in range(3):
+        train(first, model, opt)
+    assert first.snapshots is not None and first.snapshots.wait(timeout=60)
+    first.abandon()
+
+    second, model, opt = run(1)
+    second.restore(map_location="cuda")
+    tier = second.snapshots
+    assert second.restored_from == "memory" and tier is not None and tier.wait(timeout=60)
+    slots = tier._slots
+    assert slots is not None and slots.count == 1 and all(s.registered for s in slots._slots)
+    train(second, model, opt)
+    assert tier.wait(timeout=60)
+    assert tier.skipped == [] and tier.written == [4] and tier.direct == 1
+    assert tier._writer._sets[0].nbytes == 0
+    loaded = tier.load(map_location="cuda")
+    assert loaded is not None and torch.equal(loaded.state["model"]["weight"], model.weight)
+    second.close()
