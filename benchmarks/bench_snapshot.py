@@ -85,7 +85,9 @@ the next block. Reported (the JSON's last line):
   protect the restored steps): the steps until it was taken, the snapshots skipped
   before it, its blocked seconds (as ``ratio_restart_blocked_vs_blocked``, against
   the steady state's median), whether it went straight into a snapshot file, its
-  commit latency, the longest step and the snapshot files made;
+  commit latency and the writer's whole time on it (``write_s``: also deleting the
+  restored snapshot, or taking its file over, and making the next file), the longest
+  step, and the snapshot files made and of those reused;
 - ``dcp_blocked_s`` / ``dcp_commit_s``: DCP's ``async_save`` call and its completion.
 
 Usage::
@@ -298,7 +300,12 @@ def after_restore(loop: Loop, ckpt: ek.Checkpointer, every: int) -> dict[str, An
             "blocked_s": None if blocked is None else round(blocked, 4),
             "direct": direct,
             "commit_s": round(tier.commit_latency_s, 4) if tier.written else None,
-            "files_made": tier._slots.made if tier._slots is not None else None}
+            # the writer's whole time on it: also the restored snapshot's deletion (or
+            # the take-over of its file) and the next file's making, after the commit
+            "write_s": round(tier._writer.last_write_s, 4) if tier.written else None,
+            "files_made": tier._slots.made if tier._slots is not None else None,
+            "files_reused": (sum(s.reused for s in tier._slots._slots)
+                             if tier._slots is not None else None)}
 
 
 def main() -> None:

@@ -80,6 +80,27 @@ def _dead_slots(node_dir: str) -> list[str]:
     return out
 
 
+def mapped_files() -> set[tuple[int, int]]:
+    """``(st_dev, st_ino)`` of every file this process maps now (``/proc/self/maps``;
+    empty where the kernel does not say)."""
+    out: set[tuple[int, int]] = set()
+    try:
+        with open("/proc/self/maps") as f:
+            lines = f.readlines()
+    except OSError:
+        return out
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        if len(fields) < 5 or fields[4] == "0":
+            continue
+        major, _, minor = fields[3].partition(":")
+        try:
+            out.add((os.makedev(int(major, 16), int(minor, 16)), int(fields[4])))
+        except ValueError:
+            continue
+    return out
+
+
 def remove_dead_slots(node_dir: str) -> int:
     """Remove slot files left by processes that are gone (a killed worker's); returns
     how many. A live process's slots stay (another tier of it may use them)."""
@@ -250,8 +271,7 @@ class Slots:
         for name in _dead_slots(self.node_dir):
             path = os.path.join(self.node_dir, name)
             if len(self._spares) < self.max_slots:
-                spare = os.path.join(self.node_dir, f"{SLOT_PREFIX}{os.getpid()}-{self._tag}"
-                                                    f"-spare{len(self._spares)}")
+                spare = self.spare_path()
                 try:
                     os.rename(path, spare)  # atomic: another claimant finds it gone
                     st = os.lstat(spare)
@@ -268,6 +288,25 @@ class Slots:
             except OSError:
                 pass
         return claimed
+
+    def wants_spare(self) -> bool:
+        """Whether a file taken over now would be one of this writer's slots (it has
+        fewer slots and claimed files than it can use)."""
+        with self._lock:
+            return len(self._slots) + len(self._spares) < self.max_slots
+
+    def spare_path(self) -> str:
+        """A new name in the node directory for a file to take over as a spare."""
+        with self._lock:
+            self._n += 1
+            return os.path.join(self.node_dir, f"{SLOT_PREFIX}{os.getpid()}-{self._tag}"
+                                               f"-spare{self._n}")
+
+    def add_spare(self, path: str) -> None:
+        """Take over the file moved to :meth:`spare_path` ``path`` (a plain file of
+        this user's with one name, which nothing maps) for the next slot made."""
+        with self._lock:
+            self._spares.append(path)
 
     def _new(self, plan: FlatPlan) -> Slot:
         self._n += 1

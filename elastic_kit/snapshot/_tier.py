@@ -11,6 +11,7 @@ import re
 import secrets
 import shutil
 import socket
+import stat
 import statistics
 import time
 from typing import Any, Callable, Iterable
@@ -19,9 +20,10 @@ import fsspec
 import torch
 
 from elastic_kit.store import (
-    CheckpointStore, FlatCheckpoint, Layout, LoadedCheckpoint, Manifest, agree_on_holder,
-    broadcast_state, commit_flat, copy_tensors, hash_flat, is_flat, map_tree, open_flat,
-    plan_flat, release_flat, resolve_url, split_state, state_nbytes, target_device,
+    CheckpointStore, FlatCheckpoint, Layout, LoadedCheckpoint, Manifest, StepDir,
+    agree_on_holder, broadcast_state, check_file_name, commit_flat, copy_tensors, flat_file,
+    hash_flat, is_flat, map_tree, open_flat, plan_flat, release_flat, resolve_url,
+    split_state, state_nbytes, target_device,
 )
 from elastic_kit.distributed import DistInfo, all_gather_object, broadcast_object, is_dist_ready
 from elastic_kit.errors import CheckpointError
@@ -35,7 +37,7 @@ from elastic_kit.snapshot._shards import (
     Listing, add_partials, describe, is_part, listing, load_parts, local_tensors, localize,
     part_dir_name, part_source,
 )
-from elastic_kit.snapshot._slots import Slot, Slots, remove_dead_slots
+from elastic_kit.snapshot._slots import Slot, Slots, mapped_files, remove_dead_slots
 from elastic_kit.snapshot._mirror import DeviceMirror, MirrorCopy
 from elastic_kit.snapshot._relay import DeviceRelay, max_bytes_from_env
 from elastic_kit.snapshot._staging import DeviceStall, FileTarget, storage_keys
@@ -630,7 +632,8 @@ class SnapshotTier:
             slot = self._slots.holder(d.step)
             try:
                 if slot is None:
-                    layout.delete(d)
+                    if not self._take_over(layout, d, manifest):
+                        layout.delete(d)
                     continue
                 idle = self._sender is None or self._sender.wait_not_sending(
                     d.step, self._release_wait_s)
@@ -645,6 +648,38 @@ class SnapshotTier:
             layout.clean_stale(newest_committed=step)
         except OSError as e:
             log.debug("cannot clean %s: %r", self.node_dir, e)
+
+    def _take_over(self, layout: Layout, d: StepDir, manifest: Manifest) -> bool:
+        """Delete step ``d``, a snapshot file this writer did not make (the one a
+        restarted run restored: its killed predecessor's), moving its file out to be
+        this writer's next slot; whether it did. The file's pages exist: reusing it
+        spares freeing as many and allocating new ones.
+
+        Only a plain file of this user's with one name that this process does not map:
+        a restored tensor may still be a view of its copy-on-write mapping, whose
+        pages read the file's until written, so writing the file would change it. Not
+        while the stream to the peer sends it, nor for a sharded state's part."""
+        slots = self._slots
+        name = flat_file(manifest) if is_flat(manifest) else None
+        if slots is None or self.sharded or name is None or not slots.wants_spare():
+            return False
+        try:
+            st = os.lstat(os.path.join(d.path, check_file_name(name)))
+        except (OSError, ValueError):
+            return False
+        if not (stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and st.st_uid == os.getuid()):
+            return False
+        if (st.st_dev, st.st_ino) in mapped_files():
+            log.debug("snapshot %s is still mapped: deleted, not reused", d.path)
+            return False
+        if self._sender is not None and not self._sender.wait_not_sending(
+                d.step, self._release_wait_s):
+            return False
+        spare = slots.spare_path()
+        if not release_flat(layout, d, to=spare, inode=st.st_ino, manifest=manifest):
+            return True  # deleted (its file had gone)
+        slots.add_spare(spare)
+        return True
 
     def _fold_later_costs(self) -> None:
         """Add to the last snapshot's cost what it cost training after it was taken,

@@ -31,15 +31,15 @@ from __future__ import annotations
 from elastic_kit.store._api import load_checkpoint, save_checkpoint
 from elastic_kit.store._broadcast import agree_on_holder, broadcast_state, target_device
 from elastic_kit.store._flat_commit import (
-    FLAT_NAME, FlatCheckpoint, FlatHashes, FlatPlan, commit_flat, copy_tensors, hash_flat,
-    is_flat, open_flat, plan_flat, pool_cpu_seconds, release_flat, split_state, storable,
+    FLAT_NAME, FlatCheckpoint, FlatHashes, FlatPlan, commit_flat, copy_tensors, flat_file,
+    hash_flat, is_flat, open_flat, plan_flat, pool_cpu_seconds, release_flat, split_state, storable,
     tensor_views, zero_bytes,
 )
 from elastic_kit.store._digest import combine as combine_digest, partial as digest_partial
 from elastic_kit.store._fs import resolve_url
 from elastic_kit.store._identity import IDENTITY_NAME
 from elastic_kit.store._backend_local import TMP_PREFIX
-from elastic_kit.store._layout import Layout, parse_step_dir, step_dir_name
+from elastic_kit.store._layout import Layout, StepDir, parse_step_dir, step_dir_name
 from elastic_kit.store._manifest import MANIFEST_NAME, Manifest, check_file_name
 from elastic_kit.store._sharded import local_box
 from elastic_kit.store._tensorfile import map_file
@@ -59,6 +59,7 @@ __all__ = [
     "SaveHandle",
     # the layout, for the in-memory tier
     "Layout",
+    "StepDir",
     "IDENTITY_NAME",
     "Manifest",
     "MANIFEST_NAME",
@@ -83,6 +84,7 @@ __all__ = [
     "hash_flat",
     "commit_flat",
     "release_flat",
+    "flat_file",
     "is_flat",
     "open_flat",
     # sharded state kept by the in-memory tier: a shard's box and the

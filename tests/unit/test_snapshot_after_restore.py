@@ -65,6 +65,10 @@ def _killed_run(root: Path) -> dict[str, torch.Tensor]:
     return weights
 
 
+def _step_file(tier: SnapshotTier, step: int) -> Path:
+    return Path(tier.write_dir) / f"step-{step:012d}" / "tensors.bin"
+
+
 def _restored(root: Path) -> _Run:
     run = _Run(root, seed=1)
     run.ckpt.restore()
@@ -81,6 +85,8 @@ def test_the_first_snapshot_after_a_restore_goes_straight_into_a_file_made_befor
     assert tier.wait(timeout=60)                   # the file was made meanwhile
     assert tier._slots is not None and tier._slots.count == 1 and tier._slots.made == 1
 
+    restored_file = os.stat(_step_file(tier, 3)).st_ino
+
     run.train(1)                                   # the first snapshot after the restore
     assert tier.wait(timeout=60)
     assert tier.written == [4] and tier.direct == 1
@@ -88,6 +94,41 @@ def test_the_first_snapshot_after_a_restore_goes_straight_into_a_file_made_befor
     loaded = tier.load()
     assert loaded is not None and loaded.step == 4
     assert torch.equal(loaded.state["model"]["weight"], run.model.weight.detach())
+    del loaded
+    # the restored snapshot's file, no longer mapped, is the next snapshot's
+    assert not _step_file(tier, 3).parent.exists()
+    assert [s.reused for s in tier._slots._slots] == [False, True]
+    assert tier._slots._slots[1].inode == restored_file and tier._slots.made == 2
+    for _ in range(2):
+        run.train(1)
+        assert tier.wait(timeout=60)
+    assert tier.written == [4, 5, 6] and tier.direct == 3
+    loaded = tier.load()
+    assert loaded is not None and loaded.step == 6
+    assert torch.equal(loaded.state["model"]["weight"], run.model.weight.detach())
+    run.ckpt.close()
+
+
+def test_a_restored_file_still_viewed_by_a_tensor_is_deleted_not_reused(
+        shm: str, tmp_path: Path) -> None:
+    """A restored tensor on the CPU is a view of the snapshot file's copy-on-write
+    mapping, whose pages read the file until written: writing the file would change
+    the tensor. A file this process still maps is never taken over."""
+    _killed_run(tmp_path / "durable")
+    run = _restored(tmp_path / "durable")
+    tier = run.tier
+    held = tier.load()                             # views of step 3's file, kept
+    assert held is not None and held.step == 3
+    kept = held.state["model"]["weight"]
+    value = kept.clone()
+    restored_file = os.stat(_step_file(tier, 3)).st_ino
+    for _ in range(3):
+        run.train(1)
+        assert tier.wait(timeout=60)
+    assert tier.written == [4, 5, 6]
+    assert restored_file not in {s.inode for s in tier._slots._slots}
+    assert not any(s.reused for s in tier._slots._slots)
+    assert torch.equal(kept, value)                # the view still reads what was restored
     run.ckpt.close()
 
 
