@@ -244,3 +244,21 @@ def test_bad_sampler_state_is_refused_before_the_model_is_overwritten() -> None:
         dst.load_state_dict(sd)
     for k, v in dst.model.state_dict().items():
         assert torch.equal(v, before[k]), k
+
+
+def test_state_dict_of_an_unsharded_model_does_not_walk_its_parameters(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Snapshots take the state often: whether the model is sharded is read from its
+    state dict's values (no DTensor there), not from a walk over its parameters."""
+    import elastic_kit.state._train_state as module
+
+    state = _state()
+    _train_a_bit(state)
+    walks: list[object] = []
+    monkeypatch.setattr(module, "is_sharded", lambda m: walks.append(m) or False)
+    sd = state.state_dict()
+    state.state_dict()
+    assert walks == []
+    assert set(sd["model"]) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+    assert torch.equal(sd["model"]["0.weight"], state.model[0].weight)
+    assert sd["optimizer"]["state"][0]["exp_avg"].shape == (3, 4)
