@@ -292,7 +292,9 @@ class StagingBuffers:
             nonlocal taken, device
             if not isinstance(x, torch.Tensor):
                 return x  # primitives; anything else the store's validator refuses, naming it
-            t = x.detach()
+            # a state dict's tensors are mostly detached already; detaching each again
+            # costs about 0.3 us per tensor of the training thread's time
+            t = x.detach() if x.requires_grad else x
             if t.layout != torch.strided:
                 return t.to("cpu", copy=True)
             if plan is not None and storable(t):

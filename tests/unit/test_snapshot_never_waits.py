@@ -208,3 +208,27 @@ def test_the_training_thread_copies_what_the_writer_has_not_reached_instead_of_w
     assert torch.equal(staged.state["b"], torch.ones(10)) and staged.state["n"] == 3
     staged.copy_deferred()                      # the writer, late: nothing left to copy
     assert torch.equal(staged.state["w"], torch.arange(1000.0))
+
+
+def test_a_tensor_that_requires_grad_is_staged_as_plain_values(shm: str) -> None:
+    """Tensors a state dict gives detached are staged as they are; one that requires
+    grad (a parameter kept in the user's extras) is detached first, so its staged copy
+    and the snapshot hold values, not a node of the autograd graph."""
+    from elastic_kit.snapshot._staging import StagingBuffers, storage_keys
+
+    p = nn.Parameter(torch.arange(6.0))
+    live = {"p": p, "m": torch.ones(4)}
+    for later in (frozenset(), storage_keys([p])):
+        staged = StagingBuffers().stage(live, later=later)
+        staged.copy_deferred()
+        assert not staged.state["p"].requires_grad and staged.state["p"].grad_fn is None
+        assert torch.equal(staged.state["p"], torch.arange(6.0))
+    assert p.requires_grad and p.grad_fn is None   # the live one is unchanged
+
+    tier = SnapshotTier("/durable", info=ek.DistInfo(run_id="job"), every=1, root=shm)
+    tier.save({"model": {"p": p}}, step=1, metadata={})
+    assert tier.wait(timeout=60)
+    loaded = tier.load()
+    assert loaded is not None and not loaded.state["model"]["p"].requires_grad
+    assert torch.equal(loaded.state["model"]["p"], torch.arange(6.0))
+    tier.close(remove=True)
