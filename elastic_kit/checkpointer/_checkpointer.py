@@ -177,7 +177,7 @@ class Checkpointer(Lifecycle):
             self.loaded = dataclasses.replace(loaded, state={})
         self._progress.restored()
         tier = self.snapshots
-        if loaded is not None and tier is not None and tier.writes and not sharded:
+        if loaded is not None and tier is not None and tier.writes:
             # the next snapshot (the first to protect the restored steps) goes straight
             # into a file the writer makes now, not into buffers made on this thread
             tier.prepare(state.state_dict())

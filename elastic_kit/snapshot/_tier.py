@@ -537,12 +537,15 @@ class SnapshotTier:
         already protect the restored steps. The checkpointer calls this once the
         restored state is in the live objects, whose layout the next snapshots have.
 
-        Only this node's writer with snapshot files (not a sharded part), once; a
-        layout that turns out not to fit costs one file made, as a layout change does.
+        Only a rank that writes snapshot files, once; with sharded state, for this
+        rank's part. A layout that turns out not to fit costs one file made, as a
+        layout change does.
         """
         slots = self._slots
-        if not self.writes or slots is None or self.sharded or slots.count:
+        if not self.writes or slots is None or slots.count:
             return False
+        if self.sharded:  # this rank's part: its local shards and the rest
+            state_dict, _ = localize(state_dict)
         if not self._has_space(state_dict):
             return False
         try:

@@ -50,7 +50,11 @@ def _job(url: str, shm: str, stop_at: int | None, snapshots: bool = True) -> dic
     state = ek.TrainState(model, opt, sampler=sampler)
     ckpt = ek.Checkpointer(state, url, every_steps=10, audit="error", handle_signals=False,
                            snapshot_every=1 if snapshots else None)
-    for epoch in range(ckpt.restore(), 2):
+    start = ckpt.restore()
+    if ckpt.snapshots is not None:  # the file a restore has the writer make is made
+        ckpt.snapshots.wait(timeout=60)
+    first_direct = None  # whether the first snapshot went straight into a file
+    for epoch in range(start, 2):
         sampler.set_epoch(epoch)
         for _, x, y in loader:
             w = ckpt.sample_weights(len(x))
@@ -59,6 +63,11 @@ def _job(url: str, shm: str, stop_at: int | None, snapshots: bool = True) -> dic
             opt.step()
             opt.zero_grad()
             ckpt.step(len(x))
+            tier = ckpt.snapshots
+            if first_direct is None and tier is not None and tier.cost_s is not None:
+                # the snapshots taken so far (one, or two at an epoch's end) went straight
+                # into a file
+                first_direct = tier.direct == len(tier._costs)
             if state.step == stop_at:
                 tier = ckpt.snapshots
                 assert tier is not None and tier.sharded
@@ -70,7 +79,7 @@ def _job(url: str, shm: str, stop_at: int | None, snapshots: bool = True) -> dic
     full = _full(model, opt)
     ckpt.close()
     return {"full": full, "report": state.run_report(), "restored": ckpt.restored_step,
-            "from": ckpt.restored_from, "step": state.step}
+            "from": ckpt.restored_from, "step": state.step, "first_direct": first_direct}
 
 
 @pytest.fixture(scope="module")
@@ -109,8 +118,12 @@ def test_same_world_size_resumes_from_memory_bitwise(tmp_path: Path, shm: str,
     # step kept until every part of the newest is in memory everywhere
     two = ["step-000000000003", "step-000000000004"]
     assert _parts(run, "node0") == {"p0": two, "p1": two}
-    out = spawn_multi_process(2, _job, url, shm, None, local_world_size=2)[0]
+    outs = spawn_multi_process(2, _job, url, shm, None, local_world_size=2)
+    out = outs[0]
     assert (out["restored"], out["from"]) == (4, "memory")
+    # each rank's part of the first snapshot after the restore went straight into the
+    # file its writer made at the restore
+    assert [o["first_direct"] for o in outs] == [True, True]
     assert out["step"] == plain["step"] == 10
     assert out["full"] == plain["full"]  # the same layout: bit for bit
     assert [(a["epoch"], a["count"], a["ok"]) for a in out["report"]["audit"]] == [
