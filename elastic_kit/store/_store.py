@@ -236,8 +236,17 @@ class CheckpointStore:
 
     def _drain(self) -> None:
         """Wait for every queued background job (write, retention); raise nothing."""
-        if self._executor is not None:
-            self._executor.submit(lambda: None).result()
+        executor = self._executor
+        if executor is None:
+            return
+        try:
+            marker = executor.submit(lambda: None)
+        except RuntimeError:
+            # being shut down (close() on another thread, such as a leaving rank's,
+            # or the interpreter's exit): the shutdown waits for the jobs instead
+            executor.shutdown(wait=True)
+            return
+        marker.result()
 
     def _take_pending(self) -> BaseException | None:
         """Join the in-flight write; return (and forget) its error."""

@@ -66,3 +66,19 @@ def test_a_loaded_checkpoint_is_the_listed_record_plus_its_state(tmp_path) -> No
         7, 2, 1, {"epoch": 2, "note": "x"})
     assert loaded.size_bytes == listed.size_bytes > 0 and loaded.manifest is not None
     assert torch.equal(loaded.state["w"], torch.arange(4.0)) and not loaded.lacked_locally
+
+
+def test_waiting_on_a_store_being_closed_on_another_thread_raises_nothing(tmp_path) -> None:
+    """A rank that leaves closes its store on one thread while the exit hook waits on
+    it on another: the wait must not fail on the executor the close shut down (it did:
+    'cannot schedule new futures after shutdown' at every such exit)."""
+    import torch
+
+    store = CheckpointStore(str(tmp_path / "ckpt"))
+    store.save({"w": torch.ones(3)}, step=1, blocking=False)
+    executor = store._executor
+    assert executor is not None
+    executor.shutdown(wait=True)  # close() on another thread, not done yet
+    store.wait_local()
+    assert store.latest_step() == 1
+    store.close()
