@@ -544,17 +544,15 @@ class SnapshotTier:
         slots = self._slots
         if not self.writes or slots is None or slots.count:
             return False
-        if self.sharded:  # this rank's part: its local shards and the rest
-            state_dict, _ = localize(state_dict)
-        if not self._has_space(state_dict):
-            return False
         try:
+            if self.sharded:  # this rank's part: its local shards and the rest
+                state_dict, _ = localize(state_dict)
             _, items = split_state(state_dict)
             plan = plan_flat(items)
         except Exception as e:  # the snapshot itself will say what is wrong
             log.debug("no snapshot file prepared for %s: %r", self.node_dir, e)
             return False
-        if not items:
+        if not items or not self._has_space(state_dict):
             return False
         on_device = sum(t.numel() * t.element_size() for _, t in items if _pinned_staging(t))
         self._large_device = on_device > PINNED_STAGING_MAX_BYTES
