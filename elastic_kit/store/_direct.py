@@ -48,7 +48,6 @@ import numpy as np
 
 try:
     import ctypes
-    import ctypes.util
 except ImportError:  # pragma: no cover - no ctypes in this build
     ctypes = None  # type: ignore[assignment]
 
@@ -421,10 +420,16 @@ def memory_filesystem(directory: str | os.PathLike[str]) -> str | None:
 
 @functools.lru_cache(maxsize=None)
 def _libc_statfs() -> Any:
+    """libc's ``statfs``, from the symbols this process has loaded already.
+
+    Not through ``ctypes.util.find_library``, which runs ``ldconfig`` in a subprocess:
+    called first from a save's background thread while the training thread forks a
+    DataLoader worker, the worker inherited the pipe on which ``subprocess`` waits for
+    the child's ``exec``, and the save hung for as long as that worker lived."""
     if ctypes is None or not hasattr(os, "O_DIRECT"):  # Linux only (where O_DIRECT is)
         return None
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc = ctypes.CDLL(None, use_errno=True)
         fn = libc.statfs
     except (OSError, AttributeError):  # pragma: no cover - no libc statfs
         return None

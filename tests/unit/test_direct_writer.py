@@ -297,3 +297,29 @@ def test_a_store_round_trip_is_bitwise_and_the_checksum_verifies(tmp_path, monke
     with open(payload, "rb") as f:
         assert hash_stream(f, manifest["checksum"]) == (entry["size"], entry["checksum"])
     assert sorted(os.listdir(root / "step-000000000001")) == sorted([MANIFEST_NAME, name])
+
+
+def test_finding_statfs_starts_no_process(tmp_path, monkeypatch):
+    """The first save's background thread looks up libc's ``statfs``. Through
+    ``ctypes.util.find_library`` that ran ``ldconfig`` in a subprocess, and a DataLoader
+    worker forked by the training thread meanwhile inherited the pipe ``subprocess``
+    waits on for the child's exec: the save hung for as long as that worker lived. The
+    lookup must start no process."""
+    import subprocess
+
+    started: list[object] = []
+
+    def no_process(*args, **kwargs):
+        started.append(args)
+        raise OSError("no process may be started here")
+
+    monkeypatch.setattr(subprocess, "Popen", no_process)
+    _direct._libc_statfs.cache_clear()
+    try:
+        kind = _direct.memory_filesystem(str(tmp_path))
+        assert started == []
+        assert kind == (_mount_type(str(tmp_path)) if _mount_type(str(tmp_path)) in (
+            "tmpfs", "ramfs") else None)
+        assert _direct._libc_statfs() is not None
+    finally:
+        _direct._libc_statfs.cache_clear()
