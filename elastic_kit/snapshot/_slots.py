@@ -34,7 +34,7 @@ import torch
 
 from elastic_kit.store import FlatPlan, map_file, plan_flat, tensor_views, zero_bytes
 
-__all__ = ["SLOT_PREFIX", "Slot", "Slots", "remove_dead_slots"]
+__all__ = ["SLOT_PREFIX", "Slot", "Slots", "mapped_files", "remove_dead_slots", "reusable"]
 
 _OPEN_FLAGS = os.O_RDWR | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 
@@ -191,6 +191,12 @@ class Slot:
                 pass
 
 
+def reusable(st: os.stat_result) -> bool:
+    """Whether a file of status ``st`` may become a slot: a plain file of this user's
+    with one name (nothing else reaches its pages through another name)."""
+    return stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and st.st_uid == os.getuid()
+
+
 def _adopt(spare: str, path: str) -> int | None:
     """Open the claimed file ``spare`` under the slot's name ``path`` (an open file
     descriptor), or None (the spare is removed) when it is not a plain file of this
@@ -207,7 +213,7 @@ def _adopt(spare: str, path: str) -> int | None:
                 pass
         return None
     st = os.fstat(fd)
-    if stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and st.st_uid == os.getuid():
+    if reusable(st):
         return fd
     os.close(fd)
     try:
@@ -278,7 +284,7 @@ class Slots:
                 except OSError:
                     continue
                 path = spare
-                if stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and st.st_uid == os.getuid():
+                if reusable(st):
                     with self._lock:
                         self._spares.append(spare)
                     claimed += 1

@@ -11,7 +11,6 @@ import re
 import secrets
 import shutil
 import socket
-import stat
 import statistics
 import time
 from typing import Any, Callable, Iterable
@@ -37,7 +36,7 @@ from elastic_kit.snapshot._shards import (
     Listing, add_partials, describe, is_part, listing, load_parts, local_tensors, localize,
     part_dir_name, part_source,
 )
-from elastic_kit.snapshot._slots import Slot, Slots, mapped_files, remove_dead_slots
+from elastic_kit.snapshot._slots import Slot, Slots, mapped_files, remove_dead_slots, reusable
 from elastic_kit.snapshot._mirror import DeviceMirror, MirrorCopy
 from elastic_kit.snapshot._relay import DeviceRelay, max_bytes_from_env
 from elastic_kit.snapshot._staging import DeviceStall, FileTarget, storage_keys
@@ -668,7 +667,7 @@ class SnapshotTier:
             st = os.lstat(os.path.join(d.path, check_file_name(name)))
         except (OSError, ValueError):
             return False
-        if not (stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and st.st_uid == os.getuid()):
+        if not reusable(st):
             return False
         if (st.st_dev, st.st_ino) in mapped_files():
             log.debug("snapshot %s is still mapped: deleted, not reused", d.path)
