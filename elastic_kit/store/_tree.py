@@ -39,6 +39,8 @@ PRIMITIVES = (int, float, complex, str, bytes, bool, type(None), torch.Size, tor
 TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 _DICTS = (dict, collections.OrderedDict, collections.Counter)
 _KEY_TYPES = (int, float, str, bool, type(None), bytes)
+#: The types :func:`map_tree` walks into (anything else is a leaf).
+_CONTAINERS = frozenset((*_DICTS, list, tuple, set))
 
 
 def check_key(key: Any, path: str, *, root: str = "state") -> None:
@@ -67,10 +69,14 @@ def map_tree(state: Any, leaf: Callable[[str, Any], Any], *, path: str = "",
     t = type(state)
     if t in _DICTS:
         out = t() if t is not collections.Counter else collections.Counter()
+        # a state dict's thousands of leaves: a str key needs no check, and a value
+        # that is no container goes to ``leaf`` without a call to this function
         for k, v in state.items():
             sub = f"{path}[{k!r}]"
-            check_key(k, sub, root=root)
-            out[k] = map_tree(v, leaf, path=sub, root=root)
+            if type(k) is not str:
+                check_key(k, sub, root=root)
+            out[k] = (map_tree(v, leaf, path=sub, root=root) if type(v) in _CONTAINERS
+                      else leaf(sub, v))
         return out
     if t is list or t is tuple:
         items = [map_tree(v, leaf, path=f"{path}[{i}]", root=root)
