@@ -284,8 +284,11 @@ class StagingBuffers:
         copies: list[tuple[torch.Tensor, torch.Tensor, bool, int]] = []
         plan = None if into is None else into.plan
         views: Sequence[torch.Tensor] = () if into is None else into.views
+        keys: Sequence[str] = () if plan is None else plan.keys
         pinned_file = into is not None and into.pinned
-        device: torch.device | None = None  # the first CUDA tensor's, for the mirror
+        # the first CUDA tensor's device, for the mirror (looked for only when it is used)
+        device: torch.device | None = None
+        find_device = mirror is not None and pinned_file
         taken = 0  # the plan's tensors matched so far
 
         def leaf(path: str, x: Any) -> Any:
@@ -297,15 +300,18 @@ class StagingBuffers:
             t = x.detach() if x.requires_grad else x
             if t.layout != torch.strided:
                 return t.to("cpu", copy=True)
-            if plan is not None and storable(t):
-                i, taken = taken, taken + 1
-                if (i >= len(views) or plan.keys[i] != path or plan.dtypes[i] != t.dtype
-                        or plan.shapes[i] != t.shape):
-                    raise _Unfit
-                copies.append((t, views[i], pinned_file, i))
-                if device is None and _mirrorable(t):
-                    device = t.device
-                return views[i]
+            if plan is not None:
+                i = taken
+                # the plan's next key: a tensor of its (storable) dtype is storable
+                fits = i < len(keys) and keys[i] == path and plan.dtypes[i] == t.dtype
+                if fits or storable(t):
+                    if not fits or plan.shapes[i] != t.shape:
+                        raise _Unfit
+                    taken = i + 1
+                    copies.append((t, views[i], pinned_file, i))
+                    if find_device and device is None and _mirrorable(t):
+                        device = t.device
+                    return views[i]
             buf = pool.get(path)
             if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
                 buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.is_cuda)
