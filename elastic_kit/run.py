@@ -22,7 +22,9 @@ not inherited; the launcher then only spares the agent the failure-log import.
 A restart's rendezvous ends sooner: torch's agents, waiting for each other, read the
 rendezvous state once a second; this launcher's read it every 0.1 s (up to ten nodes;
 ``--rdzv-poll`` chooses; see :mod:`elastic_kit.health._rdzv_poll`), which takes about
-a second off each restart.
+a second off each restart; and a restart's round closes as soon as every node of the
+last round is back and no other is waiting, instead of ``last_call_timeout`` after
+the minimum number of nodes joined (see :mod:`elastic_kit.health._rdzv_close`).
 
 A node that leaves on purpose (a preemption notice) has its agent leave the
 rendezvous at once, so the nodes that stay restart without waiting for its
@@ -51,7 +53,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from elastic_kit.health import (
-    RDZV_TORCH_POLL_S as TORCH_POLL_S, install_agent_leave, install_rendezvous_poll,
+    RDZV_TORCH_POLL_S as TORCH_POLL_S, install_agent_leave, install_rendezvous_close,
+    install_rendezvous_poll,
     rendezvous_max_nodes as max_nodes, rendezvous_poll_seconds as poll_seconds,
 )
 
@@ -146,6 +149,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     install_agent_leave()  # a planned leave takes this node out of the rendezvous at once
     install_rendezvous_poll(poll)  # a restart's rendezvous ends within a poll of its state
+    install_rendezvous_close()  # ... once every node of the last round is back
     torchrun_main(opts.torchrun_argv)
 
 

@@ -9,9 +9,10 @@ seconds and the survivors leave the hung collective (see
 preemption notice (GCE, AWS, Azure metadata) or the scheduler's signal, so the
 checkpointer can turn an announced departure into a planned leave with nothing lost
 (see :mod:`elastic_kit.health._preemption`). In the launcher's agent, a planned
-leave takes the node out of the rendezvous at once, and a restart's rendezvous reads
-its state every 0.1 s instead of every second (:mod:`elastic_kit.health._agent_leave`,
-:mod:`elastic_kit.health._rdzv_poll`).
+leave takes the node out of the rendezvous at once, a restart's rendezvous reads its
+state every 0.1 s instead of every second, and it closes as soon as every node of the
+last round is back (:mod:`elastic_kit.health._agent_leave`,
+:mod:`elastic_kit.health._rdzv_poll`, :mod:`elastic_kit.health._rdzv_close`).
 """
 
 from elastic_kit.health._preemption import (
@@ -21,6 +22,7 @@ from elastic_kit.health._preemption import (
 from elastic_kit.health._agent_leave import (
     LEAVE_ENV, LEAVE_SIGNAL, install as install_agent_leave, leave_rendezvous,
 )
+from elastic_kit.health._rdzv_close import install as install_rendezvous_close
 from elastic_kit.health._rdzv_poll import (
     TORCH_POLL_S as RDZV_TORCH_POLL_S, install as install_rendezvous_poll,
     max_nodes as rendezvous_max_nodes, poll_seconds as rendezvous_poll_seconds,
@@ -33,8 +35,8 @@ from elastic_kit.health._heartbeat import (
 
 __all__ = [
     "LEAVE_ENV", "LEAVE_SIGNAL", "install_agent_leave", "leave_rendezvous",
-    "RDZV_TORCH_POLL_S", "install_rendezvous_poll", "rendezvous_max_nodes",
-    "rendezvous_poll_seconds",
+    "RDZV_TORCH_POLL_S", "install_rendezvous_close", "install_rendezvous_poll",
+    "rendezvous_max_nodes", "rendezvous_poll_seconds",
     "CLOUD_ENV", "METADATA_URL_ENV", "SIGNALS_ENV", "PreemptionWatcher", "detect_cloud",
     "notice_from_metadata", "preemption_signals",
     "DEFAULT_INTERVAL_S", "DEFAULT_TIMEOUT_S", "HELLO_TIMEOUT_S", "Heartbeat", "MAX_PENDING",

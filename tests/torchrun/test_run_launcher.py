@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+import time
+from pathlib import Path
+from typing import Any
 
 import pytest
 
 from elastic_kit.run import LauncherOptions, parse_options
+from elastic_kit.testing import LocalCluster, wait_for
 
 
 def test_leading_launcher_options_are_taken_off_and_the_rest_is_torchrun_s() -> None:
@@ -84,3 +89,48 @@ def test_the_agents_rendezvous_reads_its_state_at_the_chosen_poll(tmp_path) -> N
                   "--start-method=fork", "--run-path", str(script))
     assert out.returncode == 0, out.stderr[-3000:]
     assert out_file.read_text() == "[0.25] 0.25"
+
+
+LAST_CALL_S = 15  # torch closes an elastic job's open round this long after its minimum
+
+
+def test_a_restarts_round_closes_when_every_node_is_back_not_after_the_last_call(
+        tmp_path: Path) -> None:
+    """Two agents of a 1-3 node job under the launcher: a worker's SIGKILL restarts
+    both, and their new round closes as soon as both are back (torch's agents would
+    wait out the 15 s last call for a third node), with both nodes in it: one restart,
+    world size 2 again. The job's first round keeps torch's last call."""
+    script = tmp_path / "starts.py"
+    starts = tmp_path / "starts"
+    starts.mkdir()
+    script.write_text(
+        "import json, os, time\n"
+        f"starts = {str(starts)!r}\n"
+        "node = os.environ['GROUP_RANK']\n"
+        "again = any(n.startswith(node + '-') for n in os.listdir(starts))\n"
+        "with open(os.path.join(starts, f'{node}-{os.getpid()}'), 'w') as f:\n"
+        "    json.dump({'node': int(node), 't': time.time(),\n"
+        "               'world': int(os.environ['WORLD_SIZE'])}, f)\n"
+        "if not again:\n"
+        "    time.sleep(300)  # until the SIGKILL, or its agent stops it for the restart\n")
+
+    def started() -> list[dict[str, Any]]:
+        return sorted((json.loads(p.read_text()) for p in starts.iterdir()
+                       if p.stat().st_size), key=lambda s: s["t"])
+
+    with LocalCluster([str(script)], nnodes="1:3", max_restarts=2, log_dir=tmp_path / "logs",
+                      rdzv_conf=f"last_call_timeout={LAST_CALL_S},join_timeout=120",
+                      monitor_interval=0.1, launcher="elastic_kit.run") as cluster:
+        first = cluster.add_agent()
+        cluster.add_agent()
+        wait_for(lambda: len(started()) == 2, 120, what="both nodes' first workers",
+                 abort_if=cluster.all_exited)
+        killed_at = time.time()
+        cluster.kill_worker(first)
+        assert cluster.wait(120) == [0, 0], cluster.logs()[-6000:]
+    # each node's worker started twice (a restart of the group, not a round of one node
+    # first and another restart when the second came back), both times with both nodes
+    assert sorted(s["node"] for s in started()) == [0, 0, 1, 1], started()
+    assert [s["world"] for s in started()] == [2, 2, 2, 2], started()
+    restarted = started()[2:]
+    assert max(s["t"] for s in restarted) - killed_at < LAST_CALL_S - 5, (killed_at, started())
