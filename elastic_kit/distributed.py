@@ -270,6 +270,8 @@ def init_distributed(
         info = get_dist_info()
         log.debug("world size 1 without a rendezvous: no process group")
         return DistInfo(**{**info.__dict__, "device": _device_for(local_rank, backend)})
+    if _env_int("RANK", 0) != 0:
+        _wait_for_master_store(min(timeout.total_seconds(), MASTER_STORE_WAIT_S))
     dist.init_process_group(backend=backend, timeout=timeout)
     _register_exit_teardown()
     info = get_dist_info()
@@ -280,6 +282,47 @@ def init_distributed(
         info.backend, info.restart_count, info.run_id,
     )
     return info
+
+
+#: The longest a rank other than 0 polls for rank 0's store before joining the group.
+MASTER_STORE_WAIT_S = 30.0
+#: The first and the longest pause between two of those polls.
+_POLL_FIRST_S, _POLL_MAX_S = 0.002, 0.05
+
+
+def _wait_for_master_store(budget_s: float) -> bool:
+    """Wait (at most ``budget_s``) until ``MASTER_ADDR:MASTER_PORT`` accepts a TCP
+    connection, polling every few milliseconds; whether it did (also True without
+    ``MASTER_ADDR`` or a numeric ``MASTER_PORT``: nothing to wait for, or torch's
+    own attempt says what is wrong).
+
+    Why. The ranks of a new group start together, and rank 0 makes the group's store
+    as it joins: the other ranks' first connection usually finds no listener. torch's
+    store client then retries after a back-off (0.2-0.7 s measured on the 2-core test
+    machine when the store came up 20-500 ms after the first try), which every
+    restart paid, most of a forked worker's start. A refused connection costs a few
+    microseconds, so polling at first every 2 ms (then up to every 50 ms, so a large
+    group's ranks do not flood rank 0's host) lets the client's own first try succeed.
+    The probe's connection is closed unused (the store drops it as a client that said
+    nothing). Past the budget, torch's own attempt decides as before."""
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not addr or not port or not port.isdigit():
+        return True  # torch's own attempt names what is wrong
+    deadline = time.monotonic() + budget_s
+    pause = _POLL_FIRST_S
+    while True:
+        try:
+            socket.create_connection((addr, int(port)), timeout=1.0).close()
+            return True
+        except OSError:
+            pass
+        left = deadline - time.monotonic()
+        if left <= 0:
+            log.debug("rank 0's store at %s:%s did not answer within %.0f s", addr, port,
+                      budget_s)
+            return False
+        time.sleep(min(pause, left))
+        pause = min(2 * pause, _POLL_MAX_S)
 
 
 _exit_hook_registered = False
