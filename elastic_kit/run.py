@@ -23,8 +23,9 @@ A restart's rendezvous ends sooner: torch's agents, waiting for each other, read
 rendezvous state once a second; this launcher's read it every 0.1 s (up to ten nodes;
 ``--rdzv-poll`` chooses; see :mod:`elastic_kit.health._rdzv_poll`), which takes about
 a second off each restart; and a restart's round closes as soon as every node of the
-last round is back and no other is waiting, instead of ``last_call_timeout`` after
-the minimum number of nodes joined (see :mod:`elastic_kit.health._rdzv_close`).
+last round is back (or seen dead) and no other is waiting, instead of
+``last_call_timeout`` after the minimum number of nodes joined (see
+:mod:`elastic_kit.health._rdzv_close`).
 
 A node that leaves on purpose (a preemption notice) has its agent leave the
 rendezvous at once, so the nodes that stay restart without waiting for its

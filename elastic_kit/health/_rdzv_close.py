@@ -15,14 +15,19 @@ of a round that is not complete marks it complete as soon as
   keeps torch's last call: nobody knows yet how many nodes are starting),
 - every node of the last round this agent completed is a participant again (a node
   between leaving the old round and joining the new one is still counted as
-  coming: it holds no keep-alive then),
+  coming: it holds no keep-alive then), or is dead: this agent saw its keep-alive
+  during this rendezvous, and it is older now than torch's expiry
+  (``keep_alive_interval * keep_alive_max_attempt``, after which torch drops the
+  node from the state; a live node refreshes it every interval until it leaves the
+  old round, and is back within moments),
 - no node waits to join and every node with a live keep-alive is a participant, and
 - the round has its minimum number of nodes.
 
-Otherwise torch decides, as before: a round that misses a node of the last one (a
-node died, or left on a preemption notice) still waits out the last call, as does a
-round where a node is waiting. A node that starts while such a round closes waits
-for the next round, as one asking after the last call does.
+Otherwise torch decides, as before: a round that misses a node of the last one that
+is not known dead (one that left on a preemption notice, or died before this agent's
+rendezvous began) still waits out the last call, as does a round where a node is
+waiting. A node that starts while such a round closes waits for the next round, as
+one asking after the last call does.
 
 Marking the round complete is torch's own step (its ranks, its write to the shared
 state): the write is a compare-and-set, so a state that changed meanwhile (a node
@@ -35,23 +40,27 @@ public API: where they are missing (another torch), rounds close as torch closes
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from datetime import datetime, timedelta, timezone
+from typing import Any, Callable, Collection
 
-__all__ = ["install", "may_close"]
+__all__ = ["dead_nodes", "install", "may_close"]
 
 log = logging.getLogger(__name__)
 
 #: run id -> (round, nodes): the last round this process's agent saw complete with
 #: itself a participant.
 _completed: dict[str, tuple[int, frozenset[Any]]] = {}
+#: run id -> node -> the newest keep-alive this agent saw of it since that round.
+_seen: dict[str, dict[Any, datetime]] = {}
 
 
 def may_close(state: Any, node: Any, min_nodes: int,
-              completed: tuple[int, frozenset[Any]] | None) -> bool:
+              completed: tuple[int, frozenset[Any]] | None,
+              dead: Collection[Any] = ()) -> bool:
     """Whether ``node``, a participant of ``state``'s open round, may close it now:
-    every node of the ``completed`` round (``(round, nodes)``, None before any) is back,
-    nobody waits, every node with a live keep-alive is in, and there are at least
-    ``min_nodes`` (see the module)."""
+    every node of the ``completed`` round (``(round, nodes)``, None before any) is back
+    or in ``dead``, nobody waits, every node with a live keep-alive is in, and there
+    are at least ``min_nodes`` (see the module)."""
     if completed is None or state.complete or state.closed:
         return False
     done_round, nodes = completed
@@ -59,10 +68,18 @@ def may_close(state: Any, node: Any, min_nodes: int,
     return (state.round > done_round
             and node in participants
             and len(participants) >= min_nodes
-            and all(n in participants for n in nodes)
+            and all(n in participants or n in dead for n in nodes)
             and not state.wait_list
             and not state.redundancy_list
             and all(n in participants for n in state.last_heartbeats))
+
+
+def dead_nodes(seen: dict[Any, datetime], expiry: timedelta,
+               now: datetime | None = None) -> set[Any]:
+    """The nodes whose newest keep-alive in ``seen`` is older than ``expiry`` (torch's
+    own test of a dead node)."""
+    cutoff = (now or datetime.now(timezone.utc)) - expiry
+    return {n for n, beat in seen.items() if beat < cutoff}
 
 
 def install() -> bool:
@@ -89,15 +106,24 @@ def install() -> bool:
 
     def __call__(self: Any, ctx: Any, deadline: float) -> Any:  # torch's signature
         action = call(self, ctx, deadline)
-        state, run_id = ctx.state, ctx.settings.run_id
+        state, settings = ctx.state, ctx.settings
+        run_id = settings.run_id
         if action == finish and state.complete and ctx.node in state.participants:
             _completed[run_id] = (state.round, frozenset(state.participants))
-        elif action == sync and may_close(state, ctx.node, ctx.settings.min_nodes,
-                                          _completed.get(run_id)):
-            log.info("rendezvous %s: round %d closed with %d nodes, every node of round "
-                     "%d being back", run_id, state.round, len(state.participants),
-                     _completed[run_id][0])
-            return complete
+            _seen[run_id] = {}  # the next rendezvous' sightings start afresh
+            return action
+        seen = _seen.setdefault(run_id, {})
+        for n, beat in state.last_heartbeats.items():
+            if n not in seen or beat > seen[n]:
+                seen[n] = beat
+        if action == sync:
+            dead = dead_nodes(seen, settings.keep_alive_interval
+                              * settings.keep_alive_max_attempt)
+            if may_close(state, ctx.node, settings.min_nodes, _completed.get(run_id), dead):
+                log.info("rendezvous %s: closing round %d with %d nodes, every node of "
+                         "round %d being back or dead", run_id, state.round,
+                         len(state.participants), _completed[run_id][0])
+                return complete
         return action
 
     __call__._elastic_kit_original = call  # type: ignore[attr-defined]

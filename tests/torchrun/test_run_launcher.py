@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 
@@ -93,6 +93,61 @@ def test_the_agents_rendezvous_reads_its_state_at_the_chosen_poll(tmp_path) -> N
 
 LAST_CALL_S = 15  # torch closes an elastic job's open round this long after its minimum
 
+_RECORD = """\
+import json, os, time
+starts = {starts!r}
+node = os.environ['GROUP_RANK']
+again = any(n.startswith(node + '-') for n in os.listdir(starts))
+
+
+def record():
+    with open(os.path.join(starts, f'{{node}}-{{os.getpid()}}'), 'w') as f:
+        json.dump({{'node': int(node), 't': time.time(),
+                   'world': int(os.environ['WORLD_SIZE'])}}, f)
+
+
+"""
+#: a node's first worker waits to be killed, or stopped for the restart
+_SLEEP = """\
+record()
+if not again:
+    time.sleep(300)
+"""
+#: ... in a loop of all-reduces, which fails when a peer dies (recorded once in the group)
+_COLLECTIVES = """\
+import torch, torch.distributed as dist
+dist.init_process_group('gloo')
+t = torch.zeros(1)
+dist.all_reduce(t)
+record()
+while not again:
+    dist.all_reduce(t)
+    time.sleep(0.05)
+"""
+
+
+def _recorder(tmp_path: Path, body: str) -> tuple[Path, Callable[[], list[dict[str, Any]]]]:
+    """A script whose workers record each start (node, time, world size), then at a
+    node's first start wait (``body``), at a later one exit at once; and the reader of
+    the starts, oldest first."""
+    script, starts = tmp_path / "starts.py", tmp_path / "starts"
+    starts.mkdir()
+    script.write_text(_RECORD.format(starts=str(starts)) + body)
+
+    def started() -> list[dict[str, Any]]:
+        return sorted((json.loads(p.read_text()) for p in starts.iterdir()
+                       if p.stat().st_size), key=lambda s: s["t"])
+
+    return script, started
+
+
+def _cluster(tmp_path: Path, script: Path) -> LocalCluster:
+    return LocalCluster(
+        [str(script)], nnodes="1:3", max_restarts=2, log_dir=tmp_path / "logs",
+        rdzv_conf=(f"last_call_timeout={LAST_CALL_S},join_timeout=120,"
+                   "keep_alive_interval=1,keep_alive_max_attempt=3"),
+        monitor_interval=0.1, launcher="elastic_kit.run", env={"OMP_NUM_THREADS": "1"})
+
 
 def test_a_restarts_round_closes_when_every_node_is_back_not_after_the_last_call(
         tmp_path: Path) -> None:
@@ -100,27 +155,8 @@ def test_a_restarts_round_closes_when_every_node_is_back_not_after_the_last_call
     both, and their new round closes as soon as both are back (torch's agents would
     wait out the 15 s last call for a third node), with both nodes in it: one restart,
     world size 2 again. The job's first round keeps torch's last call."""
-    script = tmp_path / "starts.py"
-    starts = tmp_path / "starts"
-    starts.mkdir()
-    script.write_text(
-        "import json, os, time\n"
-        f"starts = {str(starts)!r}\n"
-        "node = os.environ['GROUP_RANK']\n"
-        "again = any(n.startswith(node + '-') for n in os.listdir(starts))\n"
-        "with open(os.path.join(starts, f'{node}-{os.getpid()}'), 'w') as f:\n"
-        "    json.dump({'node': int(node), 't': time.time(),\n"
-        "               'world': int(os.environ['WORLD_SIZE'])}, f)\n"
-        "if not again:\n"
-        "    time.sleep(300)  # until the SIGKILL, or its agent stops it for the restart\n")
-
-    def started() -> list[dict[str, Any]]:
-        return sorted((json.loads(p.read_text()) for p in starts.iterdir()
-                       if p.stat().st_size), key=lambda s: s["t"])
-
-    with LocalCluster([str(script)], nnodes="1:3", max_restarts=2, log_dir=tmp_path / "logs",
-                      rdzv_conf=f"last_call_timeout={LAST_CALL_S},join_timeout=120",
-                      monitor_interval=0.1, launcher="elastic_kit.run") as cluster:
+    script, started = _recorder(tmp_path, _SLEEP)
+    with _cluster(tmp_path, script) as cluster:
         first = cluster.add_agent()
         cluster.add_agent()
         wait_for(lambda: len(started()) == 2, 120, what="both nodes' first workers",
@@ -134,3 +170,20 @@ def test_a_restarts_round_closes_when_every_node_is_back_not_after_the_last_call
     assert [s["world"] for s in started()] == [2, 2, 2, 2], started()
     restarted = started()[2:]
     assert max(s["t"] for s in restarted) - killed_at < LAST_CALL_S - 5, (killed_at, started())
+
+
+def test_a_round_that_lost_a_node_closes_once_its_keep_alives_lapse(tmp_path: Path) -> None:
+    """The second node is SIGKILLed (agent and worker): the survivor's worker fails,
+    and its agent's new round closes once the dead node's keep-alives lapsed (3 s, when
+    torch drops the node) instead of a 15 s last call after that."""
+    script, started = _recorder(tmp_path, _COLLECTIVES)
+    with _cluster(tmp_path, script) as cluster:
+        cluster.add_agent()
+        second = cluster.add_agent()
+        wait_for(lambda: len(started()) == 2, 120, what="both nodes' first workers",
+                 abort_if=cluster.all_exited)
+        killed_at = time.time()
+        cluster.kill_agent(second)
+        assert cluster.wait(120)[0] == 0, cluster.logs()[-6000:]
+    assert [(s["node"], s["world"]) for s in started()][2:] == [(0, 1)], started()
+    assert started()[2]["t"] - killed_at < LAST_CALL_S - 5, (killed_at, started())

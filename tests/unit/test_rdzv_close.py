@@ -22,6 +22,7 @@ def join(monkeypatch: pytest.MonkeyPatch) -> Any:
     with no round completed yet in this process."""
     monkeypatch.setattr(dr._RendezvousJoinOp, "__call__", dr._RendezvousJoinOp.__call__)
     monkeypatch.setattr(_rdzv_close, "_completed", {})
+    monkeypatch.setattr(_rdzv_close, "_seen", {})
     assert install_rendezvous_close()
     return dr._RendezvousJoinOp()
 
@@ -34,10 +35,12 @@ def _settings(min_nodes: int = 1, max_nodes: int = 3) -> Any:
 
 
 def _state(round_: int, participants: list[Any], *, complete: bool = False,
-           waiting: list[Any] = (), alive: list[Any] | None = None) -> Any:
+           waiting: list[Any] = (), alive: list[Any] | None = None,
+           silent_s: dict[Any, float] | None = None) -> Any:
     """A state as torch's operations leave it: a round's participants, the wait list,
-    and keep-alives of the nodes ``alive`` (default: participants and waiting nodes);
-    an open round past its minimum has a last call 30 s away."""
+    and keep-alives of the nodes ``alive`` (default: participants and waiting nodes),
+    now or ``silent_s[node]`` seconds ago; an open round past its minimum has a last
+    call 30 s away."""
     state = dr._RendezvousState()
     state.round, state.complete = round_, complete
     state.participants = {n: i for i, n in enumerate(sorted(participants))}
@@ -45,6 +48,8 @@ def _state(round_: int, participants: list[Any], *, complete: bool = False,
     now = datetime.now(timezone.utc)
     state.last_heartbeats = {n: now for n in (alive if alive is not None
                                               else [*participants, *waiting])}
+    for n, ago in (silent_s or {}).items():
+        state.last_heartbeats[n] = now - timedelta(seconds=ago)
     if not complete and participants:
         state.deadline = now + timedelta(seconds=30)
     return state
@@ -56,10 +61,10 @@ def _act(join: Any, node: Any, state: Any, settings: Any = None) -> Any:
                 time.monotonic() + 3600)
 
 
-def _completed_round_0(join: Any, node: Any) -> None:
-    """This process's agent, ``node``, saw round 0 complete with A and B (an agent is
+def _completed_round_0(join: Any, node: Any, nodes: tuple[Any, ...] = (A, B)) -> None:
+    """This process's agent, ``node``, saw round 0 complete with ``nodes`` (an agent is
     one node: what it completed is the process's)."""
-    assert _act(join, node, _state(0, [A, B], complete=True)) == dr._Action.FINISH
+    assert _act(join, node, _state(0, list(nodes), complete=True)) == dr._Action.FINISH
 
 
 def test_a_restart_round_closes_once_every_node_of_the_last_round_is_back(join: Any) -> None:
@@ -97,6 +102,42 @@ def test_otherwise_the_round_closes_as_torch_closes_it(join: Any, case: str) -> 
     else:
         settings = _settings(min_nodes=3)
     assert _act(join, A, state, settings) == dr._Action.SYNC
+
+
+def test_a_node_seen_going_silent_past_torchs_expiry_is_not_waited_for(
+        join: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A node of the last round died: this agent saw its keep-alive during this
+    rendezvous, and that is older than torch's expiry (1 s x 3 attempts here) once
+    torch drops the node from the state; the round closes without waiting out the last
+    call for it."""
+    _completed_round_0(join, A, (A, B, C))
+    # C's last keep-alive, 2 s old: it may be alive (torch keeps it in the state)
+    assert _act(join, A, _state(1, [A, B], silent_s={C: 2.0})) == dr._Action.SYNC
+    assert _act(join, A, _state(1, [A, B], alive=[A, B])) == dr._Action.SYNC
+    # 1.5 s later that keep-alive is past the expiry (and torch dropped C): dead
+    later = datetime.now(timezone.utc) + timedelta(seconds=1.5)
+
+    class _Later(datetime):
+        @classmethod
+        def now(cls, tz: Any = None) -> Any:
+            return later
+
+    monkeypatch.setattr(_rdzv_close, "datetime", _Later)
+    assert _act(join, A, _state(1, [A, B], alive=[A, B])) == (
+        dr._Action.MARK_RENDEZVOUS_COMPLETE)
+
+
+def test_a_node_not_seen_in_this_rendezvous_is_waited_for(join: Any) -> None:
+    # C's keep-alive was last seen before round 0 completed: that is no sign of death
+    assert _act(join, A, _state(0, [A, B, C], silent_s={C: 30.0})) == dr._Action.SYNC
+    _completed_round_0(join, A, (A, B, C))
+    assert _act(join, A, _state(1, [A, B], alive=[A, B])) == dr._Action.SYNC
+
+
+def test_dead_nodes_are_those_silent_past_the_expiry() -> None:
+    now = datetime.now(timezone.utc)
+    seen = {A: now, B: now - timedelta(seconds=2.9), C: now - timedelta(seconds=3.1)}
+    assert _rdzv_close.dead_nodes(seen, timedelta(seconds=3), now) == {C}
 
 
 def test_only_a_participant_closes_a_round() -> None:
