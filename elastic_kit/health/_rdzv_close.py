@@ -15,11 +15,13 @@ of a round that is not complete marks it complete as soon as
   keeps torch's last call: nobody knows yet how many nodes are starting),
 - every node of the last round this agent completed is a participant again (a node
   between leaving the old round and joining the new one is still counted as
-  coming: it holds no keep-alive then), or is dead: this agent saw its keep-alive
-  during this rendezvous, and it is older now than torch's expiry
-  (``keep_alive_interval * keep_alive_max_attempt``, after which torch drops the
-  node from the state; a live node refreshes it every interval until it leaves the
-  old round, and is back within moments),
+  coming: it holds no keep-alive then), or is dead: torch's own sync of the state in
+  this process dropped it for keep-alives older than the expiry
+  (``keep_alive_interval * keep_alive_max_attempt``; the agent syncs while it
+  monitors its workers, so a frozen node is usually dropped here first), or this
+  agent saw its keep-alive during this rendezvous and that keep-alive is older than
+  the expiry now (a live node refreshes it every interval until it leaves the old
+  round, and is back within moments),
 - no node waits to join and every node with a live keep-alive is a participant, and
 - the round has its minimum number of nodes.
 
@@ -52,6 +54,8 @@ log = logging.getLogger(__name__)
 _completed: dict[str, tuple[int, frozenset[Any]]] = {}
 #: run id -> node -> the newest keep-alive this agent saw of it since that round.
 _seen: dict[str, dict[Any, datetime]] = {}
+#: run id -> the nodes this process's state syncs dropped as dead since that round.
+_dropped: dict[str, set[Any]] = {}
 
 
 def may_close(state: Any, node: Any, min_nodes: int,
@@ -111,6 +115,7 @@ def install() -> bool:
         if action == finish and state.complete and ctx.node in state.participants:
             _completed[run_id] = (state.round, frozenset(state.participants))
             _seen[run_id] = {}  # the next rendezvous' sightings start afresh
+            _dropped[run_id] = set()
             return action
         seen = _seen.setdefault(run_id, {})
         for n, beat in state.last_heartbeats.items():
@@ -118,7 +123,7 @@ def install() -> bool:
                 seen[n] = beat
         if action == sync:
             dead = dead_nodes(seen, settings.keep_alive_interval
-                              * settings.keep_alive_max_attempt)
+                              * settings.keep_alive_max_attempt) | _dropped.get(run_id, set())
             if may_close(state, ctx.node, settings.min_nodes, _completed.get(run_id), dead):
                 log.info("rendezvous %s: closing round %d with %d nodes, every node of "
                          "round %d being back or dead", run_id, state.round,
@@ -128,4 +133,28 @@ def install() -> bool:
 
     __call__._elastic_kit_original = call  # type: ignore[attr-defined]
     op.__call__ = __call__
+    _record_dropped(dynamic_rendezvous)
     return True
+
+
+def _record_dropped(dynamic_rendezvous: Any) -> None:
+    """Remember the nodes the state holder's sanitizer drops as dead (its
+    ``_dead_nodes``), per run; where this torch's holder has no such step, only the
+    join operation's sightings say which nodes are dead."""
+    holder = getattr(dynamic_rendezvous, "_BackendRendezvousStateHolder", None)
+    sanitize: Callable[..., Any] | None = getattr(holder, "_sanitize", None)
+    sanitize = getattr(sanitize, "_elastic_kit_original", sanitize)
+    if holder is None or sanitize is None:
+        log.info("this torch's rendezvous state holder has no sanitizer: dead nodes are "
+                 "known from the keep-alives seen while joining only")
+        return
+
+    def _sanitize(self: Any) -> None:
+        sanitize(self)
+        dropped = getattr(self, "_dead_nodes", None)
+        settings = getattr(self, "_settings", None)
+        if dropped and settings is not None:
+            _dropped.setdefault(settings.run_id, set()).update(dropped)
+
+    _sanitize._elastic_kit_original = sanitize  # type: ignore[attr-defined]
+    holder._sanitize = _sanitize

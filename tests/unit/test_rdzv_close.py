@@ -21,8 +21,10 @@ def join(monkeypatch: pytest.MonkeyPatch) -> Any:
     """torch's join operation, wrapped as the launcher wraps it (undone after the test),
     with no round completed yet in this process."""
     monkeypatch.setattr(dr._RendezvousJoinOp, "__call__", dr._RendezvousJoinOp.__call__)
-    monkeypatch.setattr(_rdzv_close, "_completed", {})
-    monkeypatch.setattr(_rdzv_close, "_seen", {})
+    holder = dr._BackendRendezvousStateHolder
+    monkeypatch.setattr(holder, "_sanitize", holder._sanitize)
+    for name in ("_completed", "_seen", "_dropped"):
+        monkeypatch.setattr(_rdzv_close, name, {})
     assert install_rendezvous_close()
     return dr._RendezvousJoinOp()
 
@@ -125,6 +127,21 @@ def test_a_node_seen_going_silent_past_torchs_expiry_is_not_waited_for(
     monkeypatch.setattr(_rdzv_close, "datetime", _Later)
     assert _act(join, A, _state(1, [A, B], alive=[A, B])) == (
         dr._Action.MARK_RENDEZVOUS_COMPLETE)
+
+
+def test_a_node_torchs_sync_in_this_process_dropped_as_dead_is_not_waited_for(
+        join: Any) -> None:
+    """A frozen node: its keep-alives lapse while the agent monitors its workers (and
+    syncs the state), long before the restart; torch's sanitizer drops it there."""
+    _completed_round_0(join, A, (A, B, C))
+    holder = dr._BackendRendezvousStateHolder(None, _settings())
+    holder._state = _state(0, [A, B, C], complete=True, silent_s={C: 3.5})
+    holder._sanitize()
+    assert C not in holder._state.participants  # torch's own drop
+    assert _act(join, A, _state(1, [A, B])) == dr._Action.MARK_RENDEZVOUS_COMPLETE
+    # C came back and took part in round 1: a drop before that round no longer counts
+    assert _act(join, A, _state(1, [A, B, C], complete=True)) == dr._Action.FINISH
+    assert _act(join, A, _state(2, [A, B], alive=[A, B])) == dr._Action.SYNC
 
 
 def test_a_node_not_seen_in_this_rendezvous_is_waited_for(join: Any) -> None:
