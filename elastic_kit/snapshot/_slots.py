@@ -32,6 +32,8 @@ from typing import Sequence
 
 import torch
 
+from elastic_kit.snapshot._cuda_host import register as host_register
+from elastic_kit.snapshot._cuda_host import unregister as host_unregister
 from elastic_kit.store import FlatPlan, map_file, plan_flat, tensor_views, zero_bytes
 
 __all__ = ["SLOT_PREFIX", "Slot", "Slots", "mapped_files", "remove_dead_slots", "reusable"]
@@ -159,15 +161,13 @@ class Slot:
         refusal is logged: the copies then go through pageable memory, slower."""
         if self.registered or not torch.cuda.is_available() or not self.mapped.numel():
             return
-        cudart = torch.cuda.cudart()
-        err = cudart.cudaHostRegister(self.mapped.data_ptr(), self.mapped.numel(), 0)
-        if int(err) != 0:
+        err, message = host_register(self.mapped.data_ptr(), self.mapped.numel())
+        if err != 0:
             # Linux refuses to pin a shared mapping of a file on a disk's file system
             # for long: the snapshot directory should be on a tmpfs (/dev/shm)
             log.warning("cannot register snapshot file %s as pinned memory (CUDA error %d: "
                         "%s): its copies go through pageable memory; is its directory on a "
-                        "tmpfs such as /dev/shm?", self.path, int(err),
-                        cudart.cudaGetErrorString(err))
+                        "tmpfs such as /dev/shm?", self.path, err, message)
             return
         self.registered = True
 
@@ -179,7 +179,10 @@ class Slot:
         at its own path (a file in a committed step directory stays: it is the
         snapshot)."""
         if self.registered:
-            torch.cuda.cudart().cudaHostUnregister(self.mapped.data_ptr())
+            err = host_unregister(self.mapped.data_ptr())
+            if err != 0:
+                log.debug("unregistering snapshot file %s failed (CUDA error %d)", self.path,
+                          err)
             self.registered = False
         self.views = []
         self.mapped = torch.empty(0, dtype=torch.uint8)

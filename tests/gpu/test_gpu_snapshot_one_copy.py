@@ -139,6 +139,10 @@ def test_cuda_snapshots_go_through_the_devices_mirror_in_a_few_copies(shm: str) 
         want = _cpu_copy(live)
         later = [live["model"]["w"], live["optim"]["m"], live["big"]]
         tier.save(live, step=step, metadata={}, copy_later=later)
+        if step == 1:
+            # no file yet: staged, the tensors to copy later on a side stream, which
+            # may read them until wait_staged (copy_later's contract)
+            tier.wait_staged()
         for t in later + [live["model"]["n"]]:
             t.add_(1)                              # queued right after: not in the snapshot
         tier.wait_staged()
@@ -267,3 +271,22 @@ def test_a_restored_large_cuda_states_first_snapshot_goes_into_a_registered_file
     loaded = tier.load(map_location="cuda")
     assert loaded is not None and torch.equal(loaded.state["model"]["weight"], model.weight)
     second.close()
+
+
+def test_a_refused_registration_leaves_no_cuda_error_behind() -> None:
+    """The CUDA runtime keeps a refused cudaHostRegister as the thread's last error,
+    which the next kernel launch's check reads: a refusal (here, registering memory
+    twice; in use, a snapshot file on a disk's file system) must not make an unrelated
+    launch on the same thread fail."""
+    from elastic_kit.snapshot._cuda_host import register, unregister
+
+    buf = torch.empty(1 << 20, dtype=torch.uint8)
+    assert register(buf.data_ptr(), buf.numel()) == (0, "")
+    try:
+        err, message = register(buf.data_ptr(), buf.numel())
+        assert err != 0 and message, (err, message)
+        x = torch.ones(4, device="cuda").add_(1)  # launches check the thread's last error
+        torch.cuda.synchronize()
+        assert x.tolist() == [2.0] * 4
+    finally:
+        assert unregister(buf.data_ptr()) == 0
