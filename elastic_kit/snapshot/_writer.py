@@ -25,6 +25,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import torch
+
 from elastic_kit.snapshot._slots import Slot
 from elastic_kit.snapshot._staging import StagedState, StagingBuffers
 from elastic_kit.store import pool_cpu_seconds
@@ -87,6 +89,9 @@ class SnapshotWriter:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._sets = [StagingBuffers()]
+        #: the CUDA device current on the thread that hands work over (None: CUDA not
+        #: in use), which the writer thread makes its own (see _follow_device)
+        self._device: int | None = None
         self.written: list[int] = []
         self.replaced: list[int] = []
         self.last_write_s = 0.0
@@ -140,6 +145,8 @@ class SnapshotWriter:
             self._start()
 
     def _start(self) -> None:  # with self._cond held
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            self._device = torch.cuda.current_device()
         self._cond.notify_all()
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
@@ -196,6 +203,7 @@ class SnapshotWriter:
                     task = None
                     job, self._queued = self._queued, None
                     self._inflight = job
+            self._follow_device()
             if task is not None:
                 self._prepare(task)
                 continue
@@ -218,6 +226,18 @@ class SnapshotWriter:
                 with self._cond:
                     self._inflight = None
                     self._cond.notify_all()
+
+    def _follow_device(self) -> None:
+        """Make the training thread's CUDA device this thread's current one. A new
+        thread's is device 0: registering a snapshot file there, or a copy it issues,
+        would make a CUDA context on GPU 0 for a rank of another GPU (hundreds of MB
+        of GPU 0's memory for each such rank of a node, with sharded state)."""
+        device = self._device
+        try:
+            if device is not None and torch.cuda.current_device() != device:
+                torch.cuda.set_device(device)
+        except Exception as e:  # the writes still run, on the thread's device
+            log.debug("the snapshot writer cannot use CUDA device %s: %r", device, e)
 
     def _prepare(self, task: Callable[[], None]) -> None:
         try:
