@@ -195,8 +195,8 @@ class DeviceMirror:
             self._runs = (key, mirror_runs(plan, mirrored))
         runs = self._runs[1]
         if buf.device.type != "cuda":  # the stand-in: done on return
-            for dsts, srcs in groups.values():
-                torch._foreach_copy_(dsts, srcs)
+            for (dtype, _), (dsts, srcs) in groups.items():
+                _copy_group(dtype, dsts, srcs)
             for a, b in runs:
                 mapped[a:b].copy_(buf[a:b])
             return MirrorCopy()
@@ -206,8 +206,8 @@ class DeviceMirror:
         out = MirrorCopy(begin=torch.cuda.Event(enable_timing=True),
                          end=torch.cuda.Event(enable_timing=True), read=torch.cuda.Event())
         out.begin.record(stream)
-        for dsts, srcs in groups.values():
-            torch._foreach_copy_(dsts, srcs)
+        for (dtype, _), (dsts, srcs) in groups.items():
+            _copy_group(dtype, dsts, srcs)
         out.end.record(stream)
         side = side_stream(buf.device)
         side.wait_event(out.end)
@@ -218,3 +218,24 @@ class DeviceMirror:
         buf.record_stream(side)
         self._read = out.read
         return out
+
+
+#: The dtypes torch's multi-tensor copy takes on CUDA (its kernel is compiled for
+#: these); a tensor of another (``uint16``, ``complex32``, ...) is copied on its own.
+FOREACH_DTYPES = frozenset(
+    [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64,
+     torch.complex128, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+     torch.bool]
+    + [getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+                                   "float8_e5m2fnuz") if hasattr(torch, n)])
+
+
+def _copy_group(dtype: torch.dtype, dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    """Copy ``srcs`` (all of ``dtype``) into ``dsts``: in one multi-tensor copy where
+    its kernel takes the dtype, else one copy each."""
+    if dtype in FOREACH_DTYPES:
+        torch._foreach_copy_(dsts, srcs)
+    else:
+        for dst, src in zip(dsts, srcs):
+            dst.copy_(src)
+

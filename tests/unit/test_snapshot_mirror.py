@@ -161,3 +161,30 @@ def test_staging_sends_the_device_tensors_through_the_mirror_and_the_rest_straig
     assert mirror.nbytes == plan.size
     unpinned = StagingBuffers().stage(state, into=FileTarget(plan, views, mapped), mirror=mirror)
     assert unpinned.into_file and unpinned.mirrored is None   # an unregistered file: as before
+
+
+def test_a_dtype_the_multi_tensor_copy_lacks_is_copied_on_its_own(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA torch's multi-tensor copy is compiled for some dtypes only ("not
+    implemented" for uint16, uint32, uint64, complex32, ...): their tensors are copied
+    one by one. The CPU's multi-tensor copy, which takes every dtype, is made as
+    strict as CUDA's here."""
+    from elastic_kit.snapshot import _mirror
+
+    foreach = torch._foreach_copy_
+
+    def cuda_like(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+        if srcs[0].dtype not in _mirror.FOREACH_DTYPES:
+            raise NotImplementedError(f"_foreach_copy_ not implemented for {srcs[0].dtype}")
+        foreach(dsts, srcs)
+
+    monkeypatch.setattr(torch, "_foreach_copy_", cuda_like)
+    state = _state()
+    state["ids"] = torch.arange(11, dtype=torch.int32).to(torch.uint16)
+    state["u32"] = torch.arange(6, dtype=torch.int64).to(torch.uint32)
+    items, plan, mapped, views = _file(state)
+    mirror = DeviceMirror()
+    assert mirror.views(plan, torch.device("cpu")) is not None
+    mirror.copy(plan, mapped, [(n, t) for n, (_, t) in enumerate(items) if t.numel()])
+    for (key, t), view in zip(items, views):
+        assert view.dtype == t.dtype and torch.equal(view, t), key
