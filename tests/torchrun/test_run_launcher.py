@@ -95,6 +95,7 @@ LAST_CALL_S = 15  # torch closes an elastic job's open round this long after its
 
 _RECORD = """\
 import json, os, time
+T0 = time.time()  # the process's start: right after its agent's round closed
 starts = {starts!r}
 node = os.environ['GROUP_RANK']
 again = any(n.startswith(node + '-') for n in os.listdir(starts))
@@ -102,7 +103,7 @@ again = any(n.startswith(node + '-') for n in os.listdir(starts))
 
 def record():
     with open(os.path.join(starts, f'{{node}}-{{os.getpid()}}'), 'w') as f:
-        json.dump({{'node': int(node), 't': time.time(),
+        json.dump({{'node': int(node), 't': T0,
                    'world': int(os.environ['WORLD_SIZE'])}}, f)
 
 
@@ -127,9 +128,11 @@ while not again:
 
 
 def _recorder(tmp_path: Path, body: str) -> tuple[Path, Callable[[], list[dict[str, Any]]]]:
-    """A script whose workers record each start (node, time, world size), then at a
-    node's first start wait (``body``), at a later one exit at once; and the reader of
-    the starts, oldest first."""
+    """A script whose workers record each start (node, the process's start time, world
+    size), then at a node's first start wait (``body``), at a later one exit at once;
+    and the reader of the starts, oldest first. The time is taken before any import
+    that takes long (torch's), so it measures the rendezvous, not a loaded machine's
+    imports."""
     script, starts = tmp_path / "starts.py", tmp_path / "starts"
     starts.mkdir()
     script.write_text(_RECORD.format(starts=str(starts)) + body)
