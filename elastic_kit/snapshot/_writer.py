@@ -145,7 +145,7 @@ class SnapshotWriter:
             self._start()
 
     def _start(self) -> None:  # with self._cond held
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
+        if torch.cuda.is_initialized():  # (never on a machine without CUDA)
             self._device = torch.cuda.current_device()
         self._cond.notify_all()
         if self._thread is None:
