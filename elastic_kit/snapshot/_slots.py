@@ -28,7 +28,7 @@ import os
 import secrets
 import stat
 import threading
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -36,7 +36,7 @@ from elastic_kit.snapshot._cuda_host import register as host_register
 from elastic_kit.snapshot._cuda_host import unregister as host_unregister
 from elastic_kit.store import FlatPlan, map_file, plan_flat, tensor_views, zero_bytes
 
-__all__ = ["SLOT_PREFIX", "Slot", "Slots", "mapped_files", "remove_dead_slots", "reusable"]
+__all__ = ["PARKED", "SLOT_PREFIX", "Slot", "Slots", "mapped_files", "remove_dead_slots", "reusable"]
 
 _OPEN_FLAGS = os.O_RDWR | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 
@@ -152,6 +152,9 @@ class Slot:
         self.step: int | None = None
         self.busy = False
         self.registered = False
+        #: CUDA events of copies into the file that may still run (a replaced
+        #: snapshot's): the mapping outlives them (see :class:`_Parked`)
+        self.pending: list[Any] = []
         if pin:
             self.register()
 
@@ -178,12 +181,16 @@ class Slot:
         """Unregister and drop the mapping; with ``unlink`` remove the file when it is
         at its own path (a file in a committed step directory stays: it is the
         snapshot)."""
-        if self.registered:
-            err = host_unregister(self.mapped.data_ptr())
-            if err != 0:
-                log.debug("unregistering snapshot file %s failed (CUDA error %d)", self.path,
-                          err)
-            self.registered = False
+        PARKED.reap()
+        running = [e for e in self.pending if not _finished(e)]
+        if running:  # given back once they complete
+            log.debug("snapshot file %s: its mapping is kept until %d copies into it "
+                      "complete", self.path, len(running))
+            PARKED.add(self.mapped, self.registered, running)
+        else:
+            _unregister(self.mapped, self.registered, f"snapshot file {self.path}")
+        self.registered = False
+        self.pending = []
         self.views = []
         self.mapped = torch.empty(0, dtype=torch.uint8)
         if unlink and self.step is None:
@@ -192,6 +199,63 @@ class Slot:
                     os.remove(self.path)
             except OSError:
                 pass
+
+
+def _finished(event: Any) -> bool:
+    """Whether the CUDA ``event`` completed; an event that cannot say (a failed
+    device) counts as running, so that its copy's memory is never given back."""
+    try:
+        return bool(event.query())
+    except Exception:
+        return False
+
+
+class _Parked:
+    """Mappings of closed slots that copies on the device may still write into.
+
+    Why. A snapshot replaced before it was written gives its file back while its
+    device-to-host copies may still run (the CPU runs ahead of the device). Were the
+    file unmapped (or unregistered) then, because the state's layout changed and the
+    writer drops the file, the copy would write into memory that is no longer the
+    file's. Waiting for the copies is no answer either: they may wait behind a
+    collective that never ends (a dead peer's), and the writer would hang. So such a
+    mapping is kept, with its events, until they complete, and given back at a later
+    close of any slot (the file itself is removed at once: its pages live as long as
+    the mapping)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held: list[tuple[torch.Tensor, bool, list[Any]]] = []
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._held)
+
+    def add(self, mapped: torch.Tensor, registered: bool, events: list[Any]) -> None:
+        with self._lock:
+            self._held.append((mapped, registered, events))
+
+    def reap(self) -> int:
+        """Give back the mappings whose copies completed; returns how many."""
+        with self._lock:
+            done, running = [], []
+            for h in self._held:
+                (done if all(_finished(e) for e in h[2]) else running).append(h)
+            self._held = running
+        for mapped, registered, _ in done:
+            _unregister(mapped, registered, "a closed snapshot file")
+        return len(done)
+
+
+#: The mappings of closed slots whose copies were still running (see :class:`_Parked`).
+PARKED = _Parked()
+
+
+def _unregister(mapped: torch.Tensor, registered: bool, what: str) -> None:
+    if registered:
+        err = host_unregister(mapped.data_ptr())
+        if err != 0:
+            log.debug("unregistering %s failed (CUDA error %d)", what, err)
 
 
 def reusable(st: os.stat_result) -> bool:

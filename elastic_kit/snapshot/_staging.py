@@ -122,6 +122,10 @@ class StagedState:
         side_all: an event after the relay's copies to the host, which follow
             ``side_done`` on the side stream (None without a relay).
         side_device: the device of those copies.
+        device: the CUDA device whose streams carry this snapshot's copies and
+            events: its first CUDA tensor's (None without CUDA tensors). A tensor
+            on another device (a state spread over several) is copied at once,
+            synchronously, so that every event here covers every copy.
         stall: the device's wait for them before the optimizer step.
         nbytes: the tensors' bytes.
         into_file: the tensors were staged straight into a snapshot file's views.
@@ -137,6 +141,7 @@ class StagedState:
     side_done: Any = None
     side_all: Any = None
     side_device: torch.device | None = None
+    device: torch.device | None = None
     stall: DeviceStall | None = None
     staged: threading.Event = field(default_factory=threading.Event)
     nbytes: int = 0
@@ -203,6 +208,31 @@ class StagedState:
             self._next = len(self.deferred)
             self._cond.wait_for(lambda: self._active == 0)
         self.staged.set()
+
+    def side_events(self) -> list[Any]:
+        """The events that end this snapshot's copies on the snapshot stream (into
+        its buffers or file; empty without them). A copy on the training stream
+        (``copied``) needs none: a later copy on that stream runs after it."""
+        events = [self.side_done, self.side_all,
+                  None if self.mirrored is None else self.mirrored.read]
+        return [e for e in events if e is not None]
+
+    def fence(self) -> None:
+        """Make the training stream wait, on the device, for this snapshot's copies
+        on the snapshot stream (the CPU does not wait).
+
+        Called on the training thread when a newer snapshot replaces this one
+        before it was written and takes over its buffers: the newer one's copies
+        may be issued on the training stream, which nothing else orders after
+        these, and the writer would then read buffers (or a file) that a copy of
+        this older snapshot still writes into."""
+        if self.device is None:
+            return
+        events = self.side_events()
+        if events:
+            stream = torch.cuda.current_stream(self.device)
+            for event in events:
+                stream.wait_event(event)
 
     def wait_staged(self) -> None:
         """Return once nothing reads the live tensors any more, or, for the copies on
@@ -330,10 +360,18 @@ class StagingBuffers:
             mirror_views = mirror.views(plan, device)
         mirrored: list[tuple[int, torch.Tensor]] = []
         side: list[tuple[torch.Tensor, torch.Tensor]] = []
+        primary: torch.device | None = None  # the device of the first CUDA tensor
         for t, buf, pinned, i in copies:
             out.nbytes += buf.nbytes
             cuda = t.is_cuda
             out.cuda = out.cuda or cuda
+            if cuda and primary is None:
+                primary = t.device
+            elif cuda and t.device != primary:
+                # another device's tensor: copied now, so that the snapshot's events
+                # (on the first device's streams) need not cover a second device
+                buf.copy_(t)
+                continue
             if (mirror_views is not None and i >= 0 and t.numel() and t.device == device
                     and _mirrorable(t)):
                 mirrored.append((i, t))
@@ -354,11 +392,14 @@ class StagingBuffers:
             out.mirrored = mirror.copy(into.plan, into.mapped, mirrored)
         if side:
             _copy_on_side_stream(side, out, relay)
+        out.device = primary
+        # recorded on the state's device: the training thread's current device may be
+        # another one (a script that never called torch.cuda.set_device)
         if any(src.is_cuda for src, _ in out.deferred):
             out.after = torch.cuda.Event()
-            out.after.record()
+            out.after.record(torch.cuda.current_stream(primary))
         if out.copied is not None:
-            out.copied.record()
+            out.copied.record(torch.cuda.current_stream(primary))
         if not out.deferred and out.side_done is None:
             # CUDA copies run on the caller's stream, ahead of any later update to
             # the live tensors: only the writer waits for them (``copied``)

@@ -89,9 +89,11 @@ class SnapshotWriter:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._sets = [StagingBuffers()]
-        #: the CUDA device current on the thread that hands work over (None: CUDA not
-        #: in use), which the writer thread makes its own (see _follow_device)
+        #: the CUDA device the writer thread makes its own (see _follow_device): the
+        #: device of the last snapshot's state, else the one current on the thread
+        #: that hands work over (None: CUDA not in use)
         self._device: int | None = None
+        self._state_device = False  # _device is a snapshot's state's
         self.written: list[int] = []
         self.replaced: list[int] = []
         self.last_write_s = 0.0
@@ -114,7 +116,11 @@ class SnapshotWriter:
             if self._queued is not None:
                 job, self._queued = self._queued, None
                 job.staged.discard()  # the newer snapshot copies everything again
+                # the newer snapshot's copies into these buffers (or the writer's
+                # into this file) come after this one's still running on the device
+                job.staged.fence()
                 if job.slot is not None:  # its file is free for the next snapshot
+                    job.slot.pending = job.staged.side_events()
                     job.slot.busy = False
                 self.replaced.append(job.step)
                 log.debug("snapshot step %d is replaced by a newer one before it was "
@@ -133,7 +139,7 @@ class SnapshotWriter:
         with self._cond:
             self._closed = False
             self._queued = job
-            self._start()
+            self._start(job.staged.device)
 
     def prepare(self, task: Callable[[], None]) -> None:
         """Run ``task`` on the writer thread when no snapshot waits to be written
@@ -144,8 +150,10 @@ class SnapshotWriter:
             self._task = task
             self._start()
 
-    def _start(self) -> None:  # with self._cond held
-        if torch.cuda.is_initialized():  # (never on a machine without CUDA)
+    def _start(self, device: torch.device | None = None) -> None:  # with self._cond held
+        if device is not None and device.index is not None:  # the state's device
+            self._device, self._state_device = device.index, True
+        elif not self._state_device and torch.cuda.is_initialized():  # (never without CUDA)
             self._device = torch.cuda.current_device()
         self._cond.notify_all()
         if self._thread is None:
@@ -228,7 +236,9 @@ class SnapshotWriter:
                     self._cond.notify_all()
 
     def _follow_device(self) -> None:
-        """Make the training thread's CUDA device this thread's current one. A new
+        """Make the snapshots' CUDA device (that of their state, else the training
+        thread's current one, which a script that never called
+        ``torch.cuda.set_device`` leaves at 0) this thread's current one. A new
         thread's is device 0: registering a snapshot file there, or a copy it issues,
         would make a CUDA context on GPU 0 for a rank of another GPU (hundreds of MB
         of GPU 0's memory for each such rank of a node, with sharded state)."""

@@ -139,3 +139,79 @@ def test_a_cuda_snapshot_taken_during_a_write_is_queued_and_written_next(
     assert loaded is not None and loaded.step == 2
     assert all(torch.equal(v, torch.full_like(v, 2.0)) for v in loaded.state.values())
     tier.close(remove=True)
+
+
+def test_a_replaced_snapshots_late_copies_land_before_the_newer_ones() -> None:
+    """A snapshot queued behind a write is replaced by a newer one, which takes over
+    its pinned buffers. The older one's copies on the snapshot stream are held up (a
+    long kernel ahead of them there); the newer one's run on the training stream. The
+    state written must be the newer one's: the older copies may not land on it after
+    it was copied (the writer here reads once the snapshot stream is idle)."""
+    from elastic_kit.snapshot._staging import storage_keys
+    from elastic_kit.snapshot._streams import side_stream
+    from elastic_kit.snapshot._writer import Job, SnapshotWriter
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    older = torch.full((1 << 22,), 1.0, device=device)
+    newer = torch.full((1 << 22,), 2.0, device=device)
+    written: dict[int, torch.Tensor] = {}
+    started, release = threading.Event(), threading.Event()
+
+    def write(job: Job) -> None:
+        if job.step == 1:
+            started.set()
+            release.wait(60)
+            return
+        side_stream(device).synchronize()      # every copy of the older one has run
+        written[job.step] = job.staged.state["w"].clone()
+
+    writer = SnapshotWriter(write, name="ek-test-writer")
+    try:
+        buffers, _ = writer.buffers()
+        writer.submit(Job(buffers.stage({"w": torch.zeros(4, device=device)}), 1, {},
+                          buffers))
+        assert started.wait(60)                # in flight, held
+        buffers, idle = writer.buffers()
+        assert not idle
+        with torch.cuda.stream(side_stream(device)):
+            torch.cuda._sleep(int(1e9))        # ~0.5 s on the snapshot stream
+        queued = buffers.stage({"w": older}, later=storage_keys([older]))
+        assert queued.side_done is not None
+        writer.submit(Job(queued, 2, {}, buffers))
+        again, idle = writer.buffers()         # replaced before it was written
+        assert again is buffers and writer.replaced == [2]
+        writer.submit(Job(again.stage({"w": newer}), 3, {}, again))
+        release.set()
+        assert writer.wait(timeout=60)
+    finally:
+        release.set()
+        writer.close()
+    assert writer.written == [1, 3]
+    assert torch.equal(written[3], torch.full_like(written[3], 2.0))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_a_state_off_the_current_device_is_staged_whole() -> None:
+    """A script that never called torch.cuda.set_device keeps device 0 current while
+    its state lives on device 1 (and a state may span both): the snapshot's events
+    cover the copies on the state's device, and a second device's tensors are copied
+    at once."""
+    from elastic_kit.snapshot._staging import storage_keys
+
+    torch.cuda.set_device(0)
+    on1 = torch.ones(1 << 24, device="cuda:1")
+    on0 = torch.ones(1 << 20, device="cuda:0")
+    with torch.cuda.device(1):
+        torch.cuda._sleep(int(1e9))            # the update below runs ~0.5 s from now
+    on1.mul_(2.0)
+    on0.mul_(2.0)
+    staged = StagingBuffers().stage({"a": on1, "b": on0, "c": on1 * 1})
+    assert staged.device == torch.device("cuda", 1)
+    staged.copy_deferred()                     # the writer's wait
+    for k in "abc":
+        got = staged.state[k]
+        assert torch.equal(got, torch.full_like(got, 2.0)), k
+    deferred = StagingBuffers().stage({"a": on1, "b": on0}, later=storage_keys([on1, on0]))
+    deferred.wait_staged()
+    deferred.copy_deferred()
+    assert all(torch.equal(v, torch.full_like(v, 2.0)) for v in deferred.state.values())

@@ -58,3 +58,26 @@ def test_without_cuda_in_use_the_writer_leaves_devices_alone(
     finally:
         writer.close()
     assert devices == []
+
+
+def test_the_writer_thread_takes_the_states_device_over_the_current_one(
+        devices: list[tuple[str, int]]) -> None:
+    """A script that never called torch.cuda.set_device keeps device 0 current while
+    its state lives on another GPU: the writer works on the state's device, and keeps
+    it for the preparations that follow."""
+    from elastic_kit.snapshot._staging import StagedState, StagingBuffers
+    from elastic_kit.snapshot._writer import Job
+
+    seen: list[tuple[str, int]] = []
+    writer = SnapshotWriter(lambda job: seen.append(("write", torch.cuda.current_device())),
+                            name="ek-test-writer")
+    try:
+        staged = StagedState(state={}, device=torch.device("cuda", 2))
+        writer.submit(Job(staged, 1, {}, StagingBuffers()))
+        assert writer.wait(timeout=30)
+        writer.prepare(lambda: seen.append(("prepare", torch.cuda.current_device())))
+        assert writer.wait(timeout=30)
+    finally:
+        writer.close()
+    assert seen == [("write", 2), ("prepare", 2)]
+    assert torch.cuda.current_device() == 0  # the training thread's is left alone
