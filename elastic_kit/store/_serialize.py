@@ -43,7 +43,7 @@ from elastic_kit.store._manifest import FileEntry
 from elastic_kit.errors import UnsafeCheckpointError
 
 __all__ = ["save_into", "WRITEBACK_EVERY", "prepare_state", "stage_tensor", "validate_state",
-           "storage_keys", "copy_deferred", "HashingWriter", "iter_tensors", "torch_zip_crc_off", "new_hasher",
+           "storage_keys", "copy_deferred", "cuda_devices", "HashingWriter", "iter_tensors", "torch_zip_crc_off", "new_hasher",
            "hash_stream", "load_payload", "pinned_copy"]
 
 _ASYNC_MIN = 1 << 16  # smaller chunks are copied: cheaper than locating their memory
@@ -151,28 +151,38 @@ def storage_keys(tensors: Iterable[torch.Tensor]) -> frozenset[int]:
                      if isinstance(t, torch.Tensor) and t.layout == torch.strided)
 
 
+def cuda_devices(state: Any) -> set[torch.device]:
+    """The CUDA devices ``state``'s tensors are on (empty: none on CUDA)."""
+    return {t.device for t in iter_tensors(state) if t.is_cuda}
+
+
 def copy_deferred(pairs: list[tuple[torch.Tensor, torch.Tensor]],
-                  after: Any = None) -> None:
+                  after: dict[torch.device, Any] | None = None) -> None:
     """Fill the staging buffers that :func:`prepare_state` left empty, in order.
 
-    Runs on the background save thread. CUDA sources are copied on a side stream
-    that first waits for ``after`` (a ``torch.cuda.Event`` recorded on the caller's
-    stream when it called ``save``, so the copy sees every update issued before it)
-    and is synchronized before returning.
+    Runs on the background save thread. CUDA sources are copied on a side stream of
+    their device that first waits for that device's event in ``after`` (recorded on
+    the device's current stream when the caller called ``save``, so the copy sees
+    every update issued before it), synchronized before returning.
     """
-    cuda = [p for p in pairs if p[0].device.type == "cuda"]
+    by_device: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
     for src, dst in pairs:
         if src.device.type != "cuda":
             dst.copy_(src)
-    if not cuda:
-        return
-    stream = torch.cuda.Stream(device=cuda[0][0].device)
-    if after is not None:
-        stream.wait_event(after)
-    with torch.cuda.stream(stream):
-        for src, dst in cuda:
-            dst.copy_(src, non_blocking=True)
-    stream.synchronize()
+        else:
+            by_device.setdefault(src.device, []).append((src, dst))
+    streams = []
+    for device, cuda in by_device.items():
+        stream = torch.cuda.Stream(device=device)
+        event = None if after is None else after.get(device)
+        if event is not None:
+            stream.wait_event(event)
+        with torch.cuda.stream(stream):
+            for src, dst in cuda:
+                dst.copy_(src, non_blocking=True)
+        streams.append(stream)
+    for stream in streams:
+        stream.synchronize()
 
 
 def new_hasher(algorithm: str) -> Any:

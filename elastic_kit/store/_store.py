@@ -44,7 +44,7 @@ from elastic_kit.store._layout import Found, Layout, StepDir
 from elastic_kit.store._manifest import CHECKSUMS, Manifest
 from elastic_kit.store._records import CheckpointInfo, LoadedCheckpoint, SaveHandle, resolved
 from elastic_kit.store._serialize import (
-    copy_deferred, iter_tensors, load_payload, new_hasher, prepare_state, storage_keys,
+    copy_deferred, cuda_devices, iter_tensors, load_payload, new_hasher, prepare_state, storage_keys,
     validate_state,
 )
 from elastic_kit.store._exchange import KvExchange
@@ -357,11 +357,14 @@ class CheckpointStore:
                                used=used, later=storage_keys(copy_later), deferred=deferred)
         self._staging = used if self.reuse_staging else {}
         after = None
-        if any(t.is_cuda for t in iter_tensors(state_dict)):
-            if any(src.is_cuda for src, _ in deferred):
-                after = torch.cuda.Event()
-                after.record()  # the deferred copies wait for work issued so far
-            torch.cuda.synchronize()  # the pinned copies were issued non_blocking
+        devices = cuda_devices(state_dict)
+        if devices:
+            # the deferred copies wait for the work issued so far on their device (the
+            # current device may be another: a script that never called set_device)
+            after = {d: torch.cuda.current_stream(d).record_event()
+                     for d in {src.device for src, _ in deferred if src.is_cuda}} or None
+            for d in devices:  # the pinned copies were issued non_blocking
+                torch.cuda.synchronize(d)
         event = threading.Event() if deferred else None
         handle = SaveHandle(step, staged=Future() if deferred else resolved(),
                             committed=Future())
@@ -391,8 +394,8 @@ class CheckpointStore:
         used: dict[str, torch.Tensor] = {}
         staged = stage(state, pool=self._staging if self.reuse_staging else None, used=used)
         self._staging = used if self.reuse_staging else {}
-        if any(t.is_cuda for t in iter_tensors(state)):
-            torch.cuda.synchronize()  # the pinned copies were issued non_blocking
+        for d in cuda_devices(state):  # the pinned copies were issued non_blocking
+            torch.cuda.synchronize(d)
         global _SHARDED_SEQ
         with _LOAD_LOCK:
             _SHARDED_SEQ += 1

@@ -215,3 +215,27 @@ def test_a_state_off_the_current_device_is_staged_whole() -> None:
     deferred.wait_staged()
     deferred.copy_deferred()
     assert all(torch.equal(v, torch.full_like(v, 2.0)) for v in deferred.state.values())
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_a_non_blocking_save_of_a_state_off_the_current_device_is_whole(
+        tmp_path: Path) -> None:
+    """The durable non-blocking save's pinned copies and its deferred copies wait for
+    the work queued on the state's device, not on the current one."""
+    torch.cuda.set_device(0)
+    w = torch.ones(1 << 24, device="cuda:1")
+    p = torch.ones(1 << 22, device="cuda:1")
+    with torch.cuda.device(1):
+        torch.cuda._sleep(int(1e9))            # the updates below run ~0.5 s from now
+    w.mul_(2.0)
+    p.mul_(2.0)
+    with ek.CheckpointStore(str(tmp_path / "ck"), info=ek.DistInfo()) as store:
+        handle = store.save({"w": w, "p": p}, step=1, blocking=False, copy_later=[p])
+        handle.staged.result(60)
+        p.fill_(3.0)                           # the optimizer step, after staging
+        handle.wait(60)
+        loaded = store.load(map_location="cpu")
+    assert loaded is not None
+    for k in "wp":
+        got = loaded.state[k]
+        assert torch.equal(got, torch.full_like(got, 2.0)), k
