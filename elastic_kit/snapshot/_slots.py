@@ -23,12 +23,14 @@ whose pages exist already.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import secrets
+import shutil
 import stat
 import threading
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -137,17 +139,27 @@ class Slot:
         if fd is None:
             fd = os.open(path, _OPEN_FLAGS | os.O_CREAT | os.O_EXCL, 0o600)
         try:
+            st = os.fstat(fd)
+            # a page of a mapped file that a full tmpfs cannot give kills the process
+            # that touches it (SIGBUS): refuse here instead, as an OSError
+            _check_room(path, plan.size, plan.size - st.st_blocks * 512)
             os.ftruncate(fd, plan.size)
-            self.inode = os.fstat(fd).st_ino
+            self.inode = st.st_ino
+            self.mapped = map_file(path, plan.size, shared=True)
+            # first touch of the tmpfs pages (or, in a reused file, of the mapping's
+            # page table: about half the cost), here (the writer thread, with the
+            # hashing threads), not in a snapshot
+            zero_bytes(self.mapped)
+        except BaseException:
+            try:
+                os.remove(path)
+            except OSError:
+                pass
+            raise
         finally:
             os.close(fd)
         self.path = path
         self.plan = plan
-        self.mapped = map_file(path, plan.size, shared=True)
-        # first touch of the tmpfs pages (or, in a reused file, of the mapping's page
-        # table: about half the cost), here (the writer thread, with the hashing
-        # threads), not in a snapshot
-        zero_bytes(self.mapped)
         self.views = tensor_views(self.mapped, plan)
         self.step: int | None = None
         self.busy = False
@@ -199,6 +211,17 @@ class Slot:
                     os.remove(self.path)
             except OSError:
                 pass
+
+
+def _check_room(path: str, size: int, need: int) -> None:
+    """Raise ``OSError(ENOSPC)`` when the file system of ``path`` has less than
+    ``need`` bytes free (what a snapshot file of ``size`` bytes adds to it)."""
+    if need <= 0:
+        return
+    free = shutil.disk_usage(os.path.dirname(path) or ".").free
+    if free < need:
+        raise OSError(errno.ENOSPC, f"no room for a snapshot file of {size / 1e6:.0f} MB: "
+                      f"{free / 1e6:.0f} MB free, {need / 1e6:.0f} MB needed", path)
 
 
 def _finished(event: Any) -> bool:
@@ -418,10 +441,10 @@ class Slots:
         if slot is not None:
             return slot
         plan = plan_flat(items)
-        with self._lock:
-            unfit = [s for s in self._slots if not s.busy and s.step is None]
-        for s in unfit:  # a free slot of another layout: the state changed shape
-            self._drop(s)
+        # a free slot of another layout (the state changed shape) is taken out under
+        # the lock, so that the training thread's take_free cannot take it meanwhile
+        for s in self._take_out(lambda s: True):
+            s.close(unlink=True)
         slot = self._new(plan)
         slot.busy = True
         with self._lock:
@@ -435,11 +458,19 @@ class Slots:
             free = [s for s in self._slots if not s.busy and s.step is None]
             if any(s.plan == plan for s in free) or len(self._slots) - len(free) >= self.max_slots:
                 return
-        for s in free:
-            self._drop(s)
+        for s in self._take_out(lambda s: s.plan != plan):
+            s.close(unlink=True)
         slot = self._new(plan)
         with self._lock:
             self._slots.append(slot)
+
+    def _take_out(self, which: Callable[[Slot], bool]) -> list[Slot]:
+        """Remove the free slots ``which`` selects from the list, under the lock (the
+        caller closes them): none of them can be taken meanwhile."""
+        with self._lock:
+            out = [s for s in self._slots if not s.busy and s.step is None and which(s)]
+            self._slots = [s for s in self._slots if all(s is not o for o in out)]
+        return out
 
     def done(self, slot: Slot, step: int | None) -> None:
         """``slot`` now holds committed ``step`` (None: the write failed; it is free

@@ -572,10 +572,15 @@ class SnapshotTier:
         """Write and commit one staged snapshot (on the writer thread)."""
         assert self.store is not None
         sender = self._sender
-        if job.finish is not None:
-            job.finish(job.staged.state)
-        if self.sharded:
-            add_partials(job.staged.state, job.metadata)
+        try:
+            if job.finish is not None:
+                job.finish(job.staged.state)
+            if self.sharded:
+                add_partials(job.staged.state, job.metadata)
+        except BaseException:
+            if job.slot is not None and self._slots is not None:
+                self._slots.done(job.slot, None)  # free for the next snapshot (a failing
+            raise                                  # rank's last one is still taken)
         if self._slots is not None:
             self._commit_flat(job.staged.state, job.step, job.metadata, job.slot, job=job)
             return
@@ -607,7 +612,12 @@ class SnapshotTier:
         except BaseException:
             self._slots.done(slot, None)
             raise
+        # the step committed again (an explicit snapshot at a step a periodic one
+        # took): commit_flat removed the file it replaced, whose slot is dropped
+        before = self._slots.holder(step)
         self._slots.done(slot, step)
+        if before is not None and before is not slot:
+            self._slots.released(before, moved=False)
         if job is not None:
             job.committed_at = time.perf_counter()
         if self._sender is not None:

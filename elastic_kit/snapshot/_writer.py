@@ -218,8 +218,14 @@ class SnapshotWriter:
             t0 = time.perf_counter()
             cpu0, pool0 = time.thread_time(), pool_cpu_seconds()
             try:
-                job.staged.copy_deferred()
-                self._write(job)
+                try:
+                    job.staged.copy_deferred()
+                except BaseException:
+                    if job.slot is not None:  # its file is free again, once the copies
+                        job.slot.pending = job.staged.side_events()  # still running end
+                        job.slot.busy = False
+                    raise
+                self._write(job)  # which frees the job's file if it fails
                 done = time.perf_counter()
                 self.last_write_s = done - t0
                 self.last_commit_latency_s = (job.committed_at or done) - job.taken_at
