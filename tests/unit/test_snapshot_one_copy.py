@@ -392,8 +392,9 @@ def test_zero_bytes_zeroes_every_piece(monkeypatch: pytest.MonkeyPatch, tmp_path
         assert f.read() == bytes(10_000)
 
 
+@pytest.mark.parametrize("width", [64, 1024])   # the optimizer's tensors: cloned; copied on the pool
 def test_a_checkpointer_restored_from_memory_does_not_hold_the_snapshots_file(
-        shm: str, tmp_path: Path) -> None:
+        shm: str, tmp_path: Path, width: int) -> None:
     """After a CPU restore from a snapshot the run keeps nothing mapped of its file:
     the model copies from the views, the optimizer state gets memory of its own and
     ``loaded`` keeps no state (before, both held the mapping for the rest of the run,
@@ -402,7 +403,7 @@ def test_a_checkpointer_restored_from_memory_does_not_hold_the_snapshots_file(
 
     def make() -> tuple[ek.Checkpointer, torch.nn.Module, torch.optim.Optimizer]:
         torch.manual_seed(0)
-        model = torch.nn.Linear(64, 64)
+        model = torch.nn.Linear(width, 64)
         opt = torch.optim.Adam(model.parameters(), lr=0.1)
         ck = ek.Checkpointer(ek.TrainState(model, opt), str(tmp_path / "durable"),
                              handle_signals=False, snapshot_every=1,
@@ -411,7 +412,7 @@ def test_a_checkpointer_restored_from_memory_does_not_hold_the_snapshots_file(
 
     ck, model, opt = make()
     ck.restore()
-    model(torch.ones(2, 64)).sum().backward()
+    model(torch.ones(2, width)).sum().backward()
     opt.step()
     ck.step(2)
     assert ck.snapshots is not None and ck.snapshots.wait(timeout=60)
