@@ -13,22 +13,27 @@ of a round that is not complete marks it complete as soon as
 
 - this agent took part in an earlier round of the rendezvous (the job's first round
   keeps torch's last call: nobody knows yet how many nodes are starting),
-- every node of the last round this agent completed is a participant again (a node
-  between leaving the old round and joining the new one is still counted as
-  coming: it holds no keep-alive then), or is dead: torch's own sync of the state in
-  this process dropped it for keep-alives older than the expiry
-  (``keep_alive_interval * keep_alive_max_attempt``; the agent syncs while it
-  monitors its workers, so a frozen node is usually dropped here first), or this
-  agent saw its keep-alive during this rendezvous and that keep-alive is older than
-  the expiry now (a live node refreshes it every interval until it leaves the old
-  round, and is back within moments),
+- every node of the last complete round this agent saw (its own, or one it waited
+  through) is a participant again (a node between leaving the old round and joining
+  the new one is still counted as coming: it holds no keep-alive then), or is dead:
+  torch's own sync of the state in this process dropped it for a keep-alive older
+  than the expiry (``keep_alive_interval * keep_alive_max_attempt``; the agent syncs
+  while it monitors its workers, so a frozen node is usually dropped here first) and
+  no newer keep-alive of it was seen since, or its keep-alive left the state
+  between two reads of this agent at most an interval apart while the last one this
+  agent saw of it was already older than the expiry (another agent's sync dropped
+  it; a node that leaves a round itself removes a keep-alive at most two intervals
+  old, so it is not taken for dead; after a longer gap between reads nobody can
+  tell, and the node counts as one that may come),
 - no node waits to join and every node with a live keep-alive is a participant, and
 - the round has its minimum number of nodes.
 
 Otherwise torch decides, as before: a round that misses a node of the last one that
 is not known dead (one that left on a preemption notice, or died before this agent's
 rendezvous began) still waits out the last call, as does a round where a node is
-waiting. A node that starts while such a round closes waits for the next round, as
+waiting. A node taken for dead that was alive after all (a keep-alive late past the
+expiry, a host frozen for seconds) joins the next round: one restart more, as torch
+itself has it for a node its sync dropped. A node that starts while such a round closes waits for the next round, as
 one asking after the last call does.
 
 Marking the round complete is torch's own step (its ranks, its write to the shared
@@ -49,13 +54,20 @@ __all__ = ["dead_nodes", "install", "may_close"]
 
 log = logging.getLogger(__name__)
 
-#: run id -> (round, nodes): the last round this process's agent saw complete with
-#: itself a participant.
+#: run id -> (round, nodes): the last complete round this process's agent saw (its
+#: participants; the agent itself among them or waiting for the next round).
 _completed: dict[str, tuple[int, frozenset[Any]]] = {}
-#: run id -> node -> the newest keep-alive this agent saw of it since that round.
+#: run id -> node -> the newest keep-alive this agent saw of it since it last
+#: completed a round.
 _seen: dict[str, dict[Any, datetime]] = {}
-#: run id -> the nodes this process's state syncs dropped as dead since that round.
-_dropped: dict[str, set[Any]] = {}
+#: run id -> node -> the keep-alive of it that this process's state syncs dropped as
+#: dead since then (forgotten when a newer one is seen).
+_dropped: dict[str, dict[Any, datetime]] = {}
+#: run id -> node -> whether its keep-alive, seen before, left the state already past
+#: the expiry (dead) or not (left the round itself); forgotten when it is back.
+_vanished: dict[str, dict[Any, bool]] = {}
+#: run id -> when the join operation last read the state (this rendezvous).
+_last_read: dict[str, datetime] = {}
 
 
 def may_close(state: Any, node: Any, min_nodes: int,
@@ -112,18 +124,17 @@ def install() -> bool:
         action = call(self, ctx, deadline)
         state, settings = ctx.state, ctx.settings
         run_id = settings.run_id
-        if action == finish and state.complete and ctx.node in state.participants:
+        if state.complete and state.round > _completed.get(run_id, (-1, None))[0]:
             _completed[run_id] = (state.round, frozenset(state.participants))
+        if action == finish and state.complete and ctx.node in state.participants:
             _seen[run_id] = {}  # the next rendezvous' sightings start afresh
-            _dropped[run_id] = set()
+            _dropped[run_id] = {}
+            _vanished[run_id] = {}
+            _last_read.pop(run_id, None)
             return action
-        seen = _seen.setdefault(run_id, {})
-        for n, beat in state.last_heartbeats.items():
-            if n not in seen or beat > seen[n]:
-                seen[n] = beat
+        dead = _sightings(run_id, state.last_heartbeats, settings.keep_alive_interval,
+                          settings.keep_alive_interval * settings.keep_alive_max_attempt)
         if action == sync:
-            dead = dead_nodes(seen, settings.keep_alive_interval
-                              * settings.keep_alive_max_attempt) | _dropped.get(run_id, set())
             if may_close(state, ctx.node, settings.min_nodes, _completed.get(run_id), dead):
                 log.info("rendezvous %s: closing round %d with %d nodes, every node of "
                          "round %d being back or dead", run_id, state.round,
@@ -135,6 +146,30 @@ def install() -> bool:
     op.__call__ = __call__
     _record_dropped(dynamic_rendezvous)
     return True
+
+
+def _sightings(run_id: str, beats: dict[Any, datetime], interval: timedelta,
+               expiry: timedelta) -> set[Any]:
+    """Record the keep-alives ``beats`` of a state this agent read, and return the
+    nodes known dead (see the module)."""
+    now = datetime.now(timezone.utc)
+    previous = _last_read.get(run_id)
+    _last_read[run_id] = now
+    dense = previous is not None and now - previous <= interval
+    seen = _seen.setdefault(run_id, {})
+    dropped = _dropped.setdefault(run_id, {})
+    vanished = _vanished.setdefault(run_id, {})
+    for n, beat in beats.items():
+        if n not in seen or beat > seen[n]:
+            seen[n] = beat
+        if n in dropped and beat > dropped[n]:
+            del dropped[n]  # alive after all
+        vanished.pop(n, None)
+    stale = dead_nodes(seen, expiry, now)
+    for n in seen:
+        if n not in beats and n not in vanished:
+            vanished[n] = dense and n in stale
+    return set(dropped) | {n for n, is_dead in vanished.items() if is_dead}
 
 
 def _record_dropped(dynamic_rendezvous: Any) -> None:
@@ -150,11 +185,20 @@ def _record_dropped(dynamic_rendezvous: Any) -> None:
         return
 
     def _sanitize(self: Any) -> None:
+        state = getattr(self, "_state", None)
+        beats = dict(getattr(state, "last_heartbeats", None) or {})
         sanitize(self)
         dropped = getattr(self, "_dead_nodes", None)
         settings = getattr(self, "_settings", None)
-        if dropped and settings is not None:
-            _dropped.setdefault(settings.run_id, set()).update(dropped)
+        if settings is None:
+            return
+        record = _dropped.setdefault(settings.run_id, {})
+        for n, beat in beats.items():
+            if n in record and beat > record[n]:
+                del record[n]  # a newer keep-alive: alive after all
+        for n in dropped or ():
+            if n in beats:
+                record[n] = beats[n]
 
     _sanitize._elastic_kit_original = sanitize  # type: ignore[attr-defined]
     holder._sanitize = _sanitize

@@ -23,7 +23,7 @@ def join(monkeypatch: pytest.MonkeyPatch) -> Any:
     monkeypatch.setattr(dr._RendezvousJoinOp, "__call__", dr._RendezvousJoinOp.__call__)
     holder = dr._BackendRendezvousStateHolder
     monkeypatch.setattr(holder, "_sanitize", holder._sanitize)
-    for name in ("_completed", "_seen", "_dropped"):
+    for name in ("_completed", "_seen", "_dropped", "_vanished", "_last_read"):
         monkeypatch.setattr(_rdzv_close, name, {})
     assert install_rendezvous_close()
     return dr._RendezvousJoinOp()
@@ -106,18 +106,9 @@ def test_otherwise_the_round_closes_as_torch_closes_it(join: Any, case: str) -> 
     assert _act(join, A, state, settings) == dr._Action.SYNC
 
 
-def test_a_node_seen_going_silent_past_torchs_expiry_is_not_waited_for(
-        join: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A node of the last round died: this agent saw its keep-alive during this
-    rendezvous, and that is older than torch's expiry (1 s x 3 attempts here) once
-    torch drops the node from the state; the round closes without waiting out the last
-    call for it."""
-    _completed_round_0(join, A, (A, B, C))
-    # C's last keep-alive, 2 s old: it may be alive (torch keeps it in the state)
-    assert _act(join, A, _state(1, [A, B], silent_s={C: 2.0})) == dr._Action.SYNC
-    assert _act(join, A, _state(1, [A, B], alive=[A, B])) == dr._Action.SYNC
-    # 1.5 s later that keep-alive is past the expiry (and torch dropped C): dead
-    later = datetime.now(timezone.utc) + timedelta(seconds=1.5)
+def _later(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
+    """This module's clock, ``seconds`` ahead from now on."""
+    later = datetime.now(timezone.utc) + timedelta(seconds=seconds)
 
     class _Later(datetime):
         @classmethod
@@ -125,8 +116,80 @@ def test_a_node_seen_going_silent_past_torchs_expiry_is_not_waited_for(
             return later
 
     monkeypatch.setattr(_rdzv_close, "datetime", _Later)
+
+
+def test_a_node_another_agent_dropped_as_dead_is_not_waited_for(
+        join: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A node of the last round died: this agent saw its keep-alive during this
+    rendezvous, and the keep-alive left the state (another agent's sync dropped it)
+    when the one this agent last saw was older than torch's expiry (1 s x 3 here): the
+    round closes without waiting out the last call for it."""
+    _completed_round_0(join, A, (A, B, C))
+    # C's last keep-alive, 2 s old: it may be alive (torch keeps it in the state)
+    assert _act(join, A, _state(1, [A, B], silent_s={C: 2.0})) == dr._Action.SYNC
+    _later(monkeypatch, 0.6)
+    assert _act(join, A, _state(1, [A, B], silent_s={C: 2.0})) == dr._Action.SYNC
+    _later(monkeypatch, 1.2)   # past the expiry, and another agent dropped C
     assert _act(join, A, _state(1, [A, B], alive=[A, B])) == (
         dr._Action.MARK_RENDEZVOUS_COMPLETE)
+
+
+def test_a_keep_alive_gone_after_a_long_gap_between_reads_is_no_sign_of_death(
+        join: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Between two reads more than an interval apart, C's keep-alive left the state:
+    dropped as dead, or removed by C leaving the round with a keep-alive two intervals
+    old (its rejoin slowed by many nodes writing the state). Nobody can tell: C may
+    come, and the round waits for torch's last call."""
+    _completed_round_0(join, A, (A, B, C))
+    assert _act(join, A, _state(1, [A, B], silent_s={C: 1.9})) == dr._Action.SYNC
+    _later(monkeypatch, 1.2)
+    assert _act(join, A, _state(1, [A, B], alive=[A, B])) == dr._Action.SYNC
+    _later(monkeypatch, 1.4)
+    assert _act(join, A, _state(1, [A, B], alive=[A, B])) == dr._Action.SYNC
+
+
+def test_a_node_that_left_the_round_itself_is_not_taken_for_dead(
+        join: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A node removes its own keep-alive as it leaves a round (its rejoin may be slow:
+    many nodes writing the state; or it left on a notice): its last keep-alive was
+    fresh then, so it stays a node that may come, however old that keep-alive gets,
+    and the round waits for torch's last call."""
+    _completed_round_0(join, A, (A, B, C))
+    assert _act(join, A, _state(1, [A, B], silent_s={C: 1.9})) == dr._Action.SYNC
+    assert _act(join, A, _state(1, [A, B], alive=[A, B])) == dr._Action.SYNC  # C left
+    _later(monkeypatch, 1.5)
+    assert _act(join, A, _state(1, [A, B], alive=[A, B])) == dr._Action.SYNC
+    # back in the round: closed with it
+    assert _act(join, A, _state(1, [A, B, C])) == dr._Action.MARK_RENDEZVOUS_COMPLETE
+
+
+def test_a_drop_is_forgotten_once_a_newer_keep_alive_is_seen(join: Any) -> None:
+    """This process's sync found C's keep-alive past the expiry once (a late one), but
+    C's next keep-alive reached the state before any agent wrote the drop: C is alive,
+    and a round without it waits for it."""
+    _completed_round_0(join, A, (A, B, C))
+    holder = dr._BackendRendezvousStateHolder(None, _settings())
+    holder._state = _state(0, [A, B, C], complete=True, silent_s={C: 3.05})
+    holder._sanitize()
+    assert C not in holder._state.participants  # torch's drop, in this process only
+    holder._state = _state(0, [A, B, C], complete=True)  # read again: C's new keep-alive
+    holder._sanitize()
+    assert _act(join, A, _state(1, [A, B], alive=[A, B])) == dr._Action.SYNC
+    # the same when the newer keep-alive is seen by the join instead
+    holder._state = _state(0, [A, B, C], complete=True, silent_s={C: 3.05})
+    holder._sanitize()
+    assert _act(join, A, _state(1, [A, B], waiting=[C])) == dr._Action.SYNC
+    assert _act(join, A, _state(1, [A, B], alive=[A, B])) == dr._Action.SYNC
+
+
+def test_the_last_round_is_the_newest_complete_one_seen_also_while_waiting(
+        join: Any) -> None:
+    """A's agent completed round 0 with B, came late to round 1 (which completed as B
+    and C) and waited through it: round 2 needs C back, not only round 0's nodes."""
+    _completed_round_0(join, A, (A, B))
+    assert _act(join, A, _state(1, [B, C], complete=True)) == dr._Action.ADD_TO_WAIT_LIST
+    assert _act(join, A, _state(2, [A, B], alive=[A, B])) == dr._Action.SYNC
+    assert _act(join, A, _state(2, [A, B, C])) == dr._Action.MARK_RENDEZVOUS_COMPLETE
 
 
 def test_a_node_torchs_sync_in_this_process_dropped_as_dead_is_not_waited_for(
