@@ -1,6 +1,6 @@
 """Training throughput and replica latency while strangers flood the replica channel.
 
-Claim checked: with wrong-token connections opened as fast as one client can and one
+Claim checked: with unauthenticated connections opened as fast as one client can and one
 idle connection held open, the peer's replica of each snapshot still arrives within
 2 s of its commit, training throughput stays >= 0.95x of the same loop without the
 flood, and the receiver's ``close()`` takes <= 1 s.
@@ -11,7 +11,7 @@ thread; every 0.5 s its state is saved as a snapshot into a private node-local
 :class:`ReplicaSender` to a :class:`ReplicaReceiver` listening on loopback in the
 same process (the receiver's thread competes with training for the interpreter, as
 on a real node). In the ``flood`` phases a second process holds one idle connection
-to the receiver and opens wrong-token connections in a tight loop; the ``baseline``
+to the receiver and opens unauthenticated connections in a tight loop; the ``baseline``
 phases run the same loop without it. Phases alternate (baseline, flood, ...), each
 timed alone; a watcher thread (in both phases) notes when each replica lands.
 
@@ -54,9 +54,9 @@ SNAPSHOT_EVERY_S = 0.5
 
 
 def _flood(host: str, port: int, stop: Any, count: Any) -> None:
-    """One client: an idle connection held open, and wrong-token connections as fast
+    """One client: an idle connection held open, and unauthenticated connections as fast
     as it can open them."""
-    wrong = b'{"token": "not-the-token", "run": "bench", "source": "x", "step": 1}\n'
+    wrong = b'{"mac": "' + b'0' * 64 + b'", "run": "bench", "source": "x", "step": 1}\n'
     idle = socket.create_connection((host, port), timeout=5)
     n = 0
     while not stop.is_set():
@@ -163,7 +163,7 @@ def main() -> None:
     base_lat = [x for r in runs["baseline"] for x in r["latency_s"]]
     emit({
         "benchmark": "replica_flood",
-        "claim": "a flood of wrong-token connections and an idle connection cost training "
+        "claim": "a flood of unauthenticated connections and an idle connection cost training "
                  "< 5% and delay no replica past 2 s of its commit; close() <= 1 s",
         "machine": machine(),
         "load_avg_1m_start": load_avg(),

@@ -18,25 +18,33 @@ side channel that carries no collective and never blocks training:
   newest two steps of each part of the sending node stay, see ``_drop_older``.)
 - :class:`ReplicaSender` (a daemon thread on each writer) is offered each committed
   snapshot directory; it streams the newest one offered (an older one still waiting
-  is skipped): a header line (run, token, source node, step, file names and sizes),
-  which the receiver accepts (``go``) or refuses with a reason, then the files with
+  is skipped): a header line (run, source node, step, file names and sizes), which
+  the receiver accepts (``go``) or refuses with a reason, then the files with
   ``sendfile``, manifest last, and waits for the receiver's ``ok``.
 
-A stream carries a token rank 0 draws when the group forms and the run's name with
-the durable store's run identity, so the receiver refuses streams of another run, of
-another run of the same store, or of an older group. The bytes
+Both ends prove that they hold the group's token, which rank 0 draws when the group
+forms, without ever sending it (another local user can listen on a port a dead
+receiver freed, or connect to a live one): the receiver greets each connection with
+a fresh nonce, the sender's header carries an HMAC of the header and that nonce, and
+the receiver's ``go`` carries an HMAC of the sender's own nonce, checked before a
+byte of a file is sent. A receiver that has no token yet (between its start and the
+group's exchange) refuses every stream; a refusal before the header's HMAC checked
+says nothing about the run. The header also names the run with the durable store's
+run identity, so a stream of another run of the same store is refused. The bytes
 are not trusted: a replica is loaded like any snapshot, after its manifest's
 checksum verified.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import ipaddress
 import json
 import logging
 import os
 import re
+import secrets
 import selectors
 import shutil
 import socket
@@ -52,7 +60,7 @@ from elastic_kit.store import (
 )
 
 __all__ = ["ADDR_ENV", "REPLICAS", "ReplicaReceiver", "ReplicaSender", "advertised_host",
-           "writer_addresses"]
+           "receiver_proof", "signed_header", "writer_addresses"]
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +95,9 @@ CLOSE_WAIT_S = 1.0
 IO_TIMEOUT_S = 30.0
 #: Seconds the sender keeps trying to open a stream the receiver answers.
 CONNECT_DEADLINE_S = 5.0
+#: The slowest a stream may go on average (bytes/s) before the sender drops it: its
+#: deadline is :data:`IO_TIMEOUT_S` plus its bytes at this rate.
+MIN_RATE = 10 << 20
 
 
 def advertised_host() -> str:
@@ -105,9 +116,15 @@ def _note(history: list[Any], item: Any) -> None:
     del history[:-_HISTORY]
 
 
-def _recv_line(conn: socket.socket, limit: int) -> bytes:
+def _recv_line(conn: socket.socket, limit: int, deadline: float) -> bytes:
+    """A line from ``conn`` (without its newline), read by ``deadline``
+    (``time.monotonic()``) however slowly the peer trickles it."""
     out = bytearray()
     while not out.endswith(b"\n"):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the peer's line did not arrive in time")
+        conn.settimeout(left)
         c = conn.recv(1)
         if not c:
             raise ConnectionError("stream ended inside its header")
@@ -121,16 +138,54 @@ class _Refused(Exception):
     """A stream the receiver refuses; the message is the reply's reason."""
 
 
-def check_header(header: Any, *, run: str, token: str) -> tuple[str, int, list[str], list[int]]:
-    """``(source, step, names, sizes)`` of a stream's header, every field validated
-    before anything is made on disk.
+#: What the two ends' HMACs cover starts with these (so that neither can be replayed
+#: as the other).
+_SENDER_MAC, _RECEIVER_MAC = b"elastic_kit replica header\n", b"elastic_kit replica go\n"
+
+
+def _mac(token: str, *parts: bytes) -> str:
+    return hmac.new(token.encode(), b"\n".join(parts), hashlib.sha256).hexdigest()
+
+
+def _canonical(header: dict[str, Any]) -> bytes:
+    """The bytes a header's HMAC covers: its fields but ``mac``, in one spelling."""
+    return json.dumps({k: v for k, v in header.items() if k != "mac"}, sort_keys=True,
+                      separators=(",", ":")).encode()
+
+
+def signed_header(header: dict[str, Any], *, token: str, nonce: str) -> bytes:
+    """``header`` with the HMAC that proves the token for the receiver's greeting
+    ``nonce``, as the line to send."""
+    signed = {**header, "mac": _mac(token, _SENDER_MAC, nonce.encode(), _canonical(header))}
+    return json.dumps(signed).encode() + b"\n"
+
+
+def receiver_proof(token: str, *, sender_nonce: str, nonce: str) -> str:
+    """The HMAC a receiver's ``go`` carries: it holds the token (for the sender's
+    nonce in its header, and the receiver's own greeting ``nonce``)."""
+    return _mac(token, _RECEIVER_MAC, sender_nonce.encode(), nonce.encode())
+
+
+def check_header(header: Any, *, run: str, token: str,
+                 nonce: str) -> tuple[str, int, list[str], list[int]]:
+    """``(source, step, names, sizes)`` of a stream's header, its HMAC (for the
+    greeting ``nonce``) checked first and every field validated before anything is
+    made on disk.
 
     Raises:
-        _Refused: naming the field, its value and what was expected.
+        _Refused: naming the field, its value and what was expected (only once the
+            header proved the token: before that, nothing about the run).
     """
-    if not isinstance(header, dict) or not hmac.compare_digest(
-            str(header.get("token", "")).encode(), token.encode()):
-        raise _Refused("wrong token (another group's stream)")
+    if not token:
+        raise _Refused("not ready: the group's token is not known yet")
+    mac = header.get("mac") if isinstance(header, dict) else None
+    if not isinstance(mac, str) or not hmac.compare_digest(
+            mac.encode(), _mac(token, _SENDER_MAC, nonce.encode(),
+                               _canonical(header)).encode()):
+        raise _Refused("not authenticated (another group's stream)")
+    sender_nonce = header.get("nonce")
+    if not isinstance(sender_nonce, str) or not 16 <= len(sender_nonce) <= 128:
+        raise _Refused(f"bad nonce {str(sender_nonce)[:40]!r}: expected 16-128 characters")
     if header.get("run") != run:
         raise _Refused(f"run {str(header.get('run'))[:200]!r} is not {run!r}")
     source, step, files = header.get("source"), header.get("step"), header.get("files")
@@ -165,6 +220,7 @@ class _Stream:
         self.deadline = deadline
         self.buf = bytearray()
         self.receiving = False  # the header was accepted
+        self.nonce = secrets.token_hex(16)  # the greeting's: the header's HMAC covers it
         self.source, self.step = "", -1
         self.names: list[str] = []
         self.sizes: list[int] = []
@@ -286,6 +342,11 @@ class ReplicaReceiver:
         if len(waiting) >= MAX_PENDING:
             self._fail(sel, waiting[0], "dropped for a newer connection")
         st = _Stream(conn, time.monotonic() + HEADER_TIMEOUT_S)
+        try:
+            conn.send(f"hello {st.nonce}\n".encode())  # a few bytes: a fresh socket takes them
+        except OSError:
+            conn.close()
+            return
         self._streams.append(st)
         sel.register(conn, selectors.EVENT_READ, st)
 
@@ -321,14 +382,17 @@ class ReplicaReceiver:
 
     def _start(self, st: _Stream, header: Any) -> None:
         """Validate the header; then (only then) make the temporary directory."""
-        st.source, st.step, st.names, st.sizes = check_header(header, run=self.run,
-                                                               token=self.token)
+        st.source, st.step, st.names, st.sizes = check_header(
+            header, run=self.run, token=self.token, nonce=st.nonce)
         where = self.node_dir if os.path.isdir(self.node_dir) else os.path.dirname(
             self.node_dir)
-        free = shutil.disk_usage(where).free
+        # the streams still arriving will take their remaining bytes too
+        owed = sum(o.left + sum(o.sizes[o.index + 1:]) for o in self._streams
+                   if o.receiving and o is not st)
+        free = shutil.disk_usage(where).free - owed
         if free < sum(st.sizes):
-            raise _Refused(f"{where} has {free / 1e6:.0f} MB free, the replica needs "
-                           f"{sum(st.sizes) / 1e6:.0f} MB")
+            raise _Refused(f"{where} has {max(free, 0) / 1e6:.0f} MB free beside the "
+                           f"replicas arriving, this one needs {sum(st.sizes) / 1e6:.0f} MB")
         os.makedirs(self.node_dir, mode=0o700, exist_ok=True)
         root = private_dir(self.node_dir, [REPLICAS, st.source], check_base=True)
         st.tmp = os.path.join(root, f"{TMP_PREFIX}{step_dir_name(st.step)}-"
@@ -336,7 +400,9 @@ class ReplicaReceiver:
         os.mkdir(st.tmp, 0o700)
         st.receiving = True
         st.deadline = time.monotonic() + PROGRESS_TIMEOUT_S
-        st.sock.sendall(b"go\n")  # the header is accepted: the sender streams the files
+        proof = receiver_proof(self.token, sender_nonce=header["nonce"], nonce=st.nonce)
+        # the header is accepted: the sender checks the proof, then streams the files
+        st.sock.sendall(f"go {proof}\n".encode())
         st.index, st.left = -1, 0
         self._next_file(st)
 
@@ -394,10 +460,14 @@ class ReplicaReceiver:
                            f"{sorted(m.files)}) does not describe the stream (step "
                            f"{st.step}, files {sorted(got)})")
         target = os.path.join(os.path.dirname(st.tmp), step_dir_name(st.step))
-        if os.path.lexists(target):
-            shutil.rmtree(target)  # the same step again (a re-sent stream)
+        old = None
+        if os.path.lexists(target):  # the same step again (a re-sent stream): the old
+            old = f"{st.tmp}-old"    # copy stays whole until the new one is in place
+            os.rename(target, old)
         os.rename(st.tmp, target)
         st.tmp = None
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
         self._drop_older(st.source, st.step)
         _note(self.received, (st.source, st.step))
         log.debug("replica of node %s step %d committed in %s", st.source, st.step, target)
@@ -504,6 +574,21 @@ def writer_addresses(hosts: list[str]) -> frozenset[str] | None:
     return frozenset(out)
 
 
+def _send_file(conn: socket.socket, f: Any, size: int, deadline: float) -> None:
+    """Send ``size`` bytes of the open file ``f`` by ``deadline``, in pieces, each
+    bounded by what is left of it."""
+    offset = 0
+    while offset < size:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"the peer took {size} bytes of {f.name} too slowly")
+        conn.settimeout(min(left, IO_TIMEOUT_S))
+        n = conn.sendfile(f, offset, min(_CHUNK * 16, size - offset))
+        if n <= 0:
+            raise ConnectionError(f"sent {offset} of the {size} bytes of {f.name}")
+        offset += n
+
+
 class ReplicaSender:
     """Streams this node's newest committed snapshot to its ring successor (a daemon
     thread); :meth:`offer` never blocks.
@@ -519,6 +604,7 @@ class ReplicaSender:
         self._offered: tuple[int, str] | None = None
         self._busy = False
         self._sending: int | None = None  # the step being streamed now
+        self._greeting = ""  # the receiver's nonce on the connection being opened
         self._closed = False
         self._warned = False
         #: the last steps the peer committed (for logs and tests)
@@ -566,20 +652,30 @@ class ReplicaSender:
         try:
             sizes = [os.fstat(f.fileno()).st_size for f in files]
             header: dict[str, Any] = {
-                "token": self.token, "run": self.run, "source": self.source, "step": step,
+                "run": self.run, "source": self.source, "step": step,
+                "nonce": secrets.token_hex(16),
                 "files": [[n, s] for n, s in zip(names, sizes)] + [[MANIFEST_NAME,
                                                                      len(manifest_bytes)]],
             }
-            conn, reply = self._open(json.dumps(header).encode() + b"\n")
+            conn, reply = self._open(header)
             with conn:
-                if reply != "go":
+                go, _, proof = reply.partition(" ")
+                if go != "go":
                     raise RuntimeError(f"the peer refused the replica: {reply}")
-                conn.settimeout(IO_TIMEOUT_S)
+                if not hmac.compare_digest(proof.encode(), receiver_proof(
+                        self.token, sender_nonce=header["nonce"],
+                        nonce=self._greeting).encode()):
+                    raise RuntimeError("the peer did not prove the group's token: nothing "
+                                       "was sent to it")
+                # one deadline for the whole stream, at a floor of MIN_RATE bytes/s: a
+                # peer that reads a byte now and then cannot hold the thread
+                deadline = time.monotonic() + IO_TIMEOUT_S + (
+                    sum(sizes) + len(manifest_bytes)) / MIN_RATE
                 for f, size in zip(files, sizes):
-                    if conn.sendfile(f, 0, size) != size:
-                        raise ConnectionError(f"sent less than the {size} bytes of {f.name}")
+                    _send_file(conn, f, size, deadline)
+                conn.settimeout(max(0.05, deadline - time.monotonic()))
                 conn.sendall(manifest_bytes)
-                reply = _recv_line(conn, 2000).decode(errors="replace")
+                reply = _recv_line(conn, 2000, deadline).decode(errors="replace")
         finally:
             for f in files:
                 f.close()
@@ -588,13 +684,15 @@ class ReplicaSender:
         _note(self.sent, step)
         log.debug("snapshot step %d replicated to %s:%d", step, *self.peer)
 
-    def _open(self, header: bytes) -> tuple[socket.socket, str]:
-        """A connection whose header the receiver answered, and the answer.
+    def _open(self, header: dict[str, Any]) -> tuple[socket.socket, str]:
+        """A connection whose header (signed for the receiver's greeting) the receiver
+        answered, and the answer; the greeting's nonce is in ``_greeting``.
 
-        Tried again, on a fresh connection, until :data:`CONNECT_DEADLINE_S`: a
-        receiver busy with a flood of strangers stops accepting for a moment, and a
-        connection that waits in its full listen queue (or whose handshake the kernel
-        dropped) would otherwise wait out TCP's one-second retransmission."""
+        Tried again, on a fresh connection, until :data:`CONNECT_DEADLINE_S` (each try
+        bounded by it too): a receiver busy with a flood of strangers stops accepting
+        for a moment, and a connection that waits in its full listen queue (or whose
+        handshake the kernel dropped) would otherwise wait out TCP's one-second
+        retransmission."""
         deadline = time.monotonic() + CONNECT_DEADLINE_S
         wait = 0.25  # for the answer: grows per try, for a receiver that is just slow
         while True:
@@ -604,8 +702,15 @@ class ReplicaSender:
                 conn = socket.create_connection(
                     self.peer, timeout=max(0.05, min(left, wait)),
                     source_address=None if self.bind is None else (self.bind, 0))
-                conn.sendall(header)
-                return conn, _recv_line(conn, 2000).decode(errors="replace")
+                this_try = min(deadline, time.monotonic() + wait)
+                hello, _, nonce = _recv_line(conn, 200, this_try).decode(
+                    errors="replace").partition(" ")
+                if hello != "hello" or not nonce:
+                    raise ValueError(f"the peer's greeting is not one: {hello[:40]!r}")
+                self._greeting = nonce
+                conn.settimeout(max(0.05, this_try - time.monotonic()))
+                conn.sendall(signed_header(header, token=self.token, nonce=nonce))
+                return conn, _recv_line(conn, 2000, this_try).decode(errors="replace")
             except (OSError, ValueError) as e:
                 if conn is not None:
                     conn.close()

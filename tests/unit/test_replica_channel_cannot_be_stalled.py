@@ -18,6 +18,7 @@ import torch
 from elastic_kit.snapshot import _replica
 from elastic_kit.snapshot._replica import ReplicaReceiver, ReplicaSender
 from elastic_kit.store import CheckpointStore
+from tests.replica_wire import greeted, read_all, read_line, send_header
 
 TOKEN = "t0ken"
 
@@ -46,8 +47,8 @@ def _leftovers(r: ReplicaReceiver) -> list[str]:
 def test_a_replica_arrives_while_an_idle_connection_is_held(
         tmp_path: Path, receiver: ReplicaReceiver) -> None:
     idle = _connect(receiver)                          # says nothing, stays open
-    half = _connect(receiver)
-    half.sendall(b'{"token": "t0ken", "run"')          # half a header, then silence
+    half, _ = greeted(receiver)
+    half.sendall(b'{"run": "run-1", "mac"')            # half a header, then silence
     try:
         sender = ReplicaSender((receiver.host, receiver.port), source="nodeA", run="run-1",
                                token=TOKEN)
@@ -64,7 +65,8 @@ def test_a_silent_client_is_dropped_at_the_header_deadline(
         receiver: ReplicaReceiver, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_replica, "HEADER_TIMEOUT_S", 0.3)
     with _connect(receiver) as idle:
-        reply = idle.recv(200)                        # the receiver hangs up on it
+        assert read_line(idle).startswith(b"hello ")
+        reply = read_all(idle)                        # the receiver hangs up on it
     assert reply.startswith(b"error: timed out: no header within")
     assert receiver.refused == 1
 
@@ -72,14 +74,13 @@ def test_a_silent_client_is_dropped_at_the_header_deadline(
 def test_a_stalled_stream_is_dropped_and_leaves_nothing(
         receiver: ReplicaReceiver, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_replica, "PROGRESS_TIMEOUT_S", 0.3)
-    header = {"token": TOKEN, "run": "run-1", "source": "nodeA", "step": 6,
+    header = {"run": "run-1", "source": "nodeA", "step": 6,
               "files": [["state.pt", 1000], ["manifest.json", 10]]}
-    with _connect(receiver) as conn:
-        conn.sendall(json.dumps(header).encode() + b"\n" + b"x" * 100)
-        out = b""
-        while chunk := conn.recv(200):
-            out += chunk
-    assert out.startswith(b"go\nerror: timed out: no progress")
+    with send_header(receiver, header, TOKEN) as conn:
+        conn.sendall(b"x" * 100)
+        assert read_line(conn).startswith(b"go ")
+        out = read_all(conn)
+    assert out.startswith(b"error: timed out: no progress")
     assert _leftovers(receiver) == [] and receiver.received == []
 
 
@@ -87,18 +88,22 @@ def test_close_returns_whatever_clients_do_and_removes_a_stream_in_flight(
         tmp_path: Path) -> None:
     r = ReplicaReceiver(str(tmp_path / "peer"), run="run-1", token=TOKEN, host="127.0.0.1")
     idle = _connect(r)
-    mid = _connect(r)
-    header = {"token": TOKEN, "run": "run-1", "source": "nodeA", "step": 6,
+    header = {"run": "run-1", "source": "nodeA", "step": 6,
               "files": [["state.pt", 10**6], ["manifest.json", 10]]}
-    mid.sendall(json.dumps(header).encode() + b"\n" + b"x" * 1000)
-    assert mid.recv(3) == b"go\n"
+    mid = send_header(r, header, TOKEN)
+    mid.sendall(b"x" * 1000)
+    assert read_line(mid).startswith(b"go ")
     closer = threading.Thread(target=r.close)
     closer.start()
     closer.join(timeout=30)                           # generous: the bound is about 1 s
     try:
         assert not closer.is_alive(), "close() waited for its clients"
         assert _leftovers(r) == []
-        assert mid.recv(100) == b""                   # the stream in flight was dropped
+        try:                                          # the stream in flight was dropped
+            rest = mid.recv(100)                      # (reset: bytes of it unread)
+        except ConnectionResetError:
+            rest = b""
+        assert rest == b""
     finally:
         idle.close()
         mid.close()
@@ -106,7 +111,7 @@ def test_close_returns_whatever_clients_do_and_removes_a_stream_in_flight(
 
 def test_a_flood_of_wrong_tokens_is_refused_and_a_legit_stream_still_lands(
         tmp_path: Path, receiver: ReplicaReceiver) -> None:
-    wrong = json.dumps({"token": "nope", "run": "run-1"}).encode() + b"\n"
+    wrong = json.dumps({"mac": "nope", "run": "run-1"}).encode() + b"\n"
     stop = threading.Event()
     sent = [0]
 
@@ -138,12 +143,8 @@ def test_a_flood_of_wrong_tokens_is_refused_and_a_legit_stream_still_lands(
 
 
 def _refusal(r: ReplicaReceiver, header: dict[str, Any]) -> bytes:
-    with _connect(r) as conn:
-        conn.sendall(json.dumps(header).encode() + b"\n")
-        out = b""
-        while chunk := conn.recv(4096):
-            out += chunk
-    return out
+    with send_header(r, header, TOKEN) as conn:
+        return read_all(conn)
 
 
 @pytest.mark.parametrize("change, says", [
@@ -155,7 +156,7 @@ def _refusal(r: ReplicaReceiver, header: dict[str, Any]) -> bytes:
 ])
 def test_names_and_sizes_are_refused_before_any_directory_is_made(
         receiver: ReplicaReceiver, change: dict[str, Any], says: bytes) -> None:
-    header = {"token": TOKEN, "run": "run-1", "source": "nodeA", "step": 6,
+    header = {"run": "run-1", "source": "nodeA", "step": 6,
               "files": [["state.pt", 3], ["manifest.json", 2]], **change}
     reply = _refusal(receiver, header)
     assert reply.startswith(b"error: " + says), reply
@@ -164,15 +165,12 @@ def test_names_and_sizes_are_refused_before_any_directory_is_made(
 
 def test_a_stream_whose_manifest_does_not_validate_leaves_nothing(
         receiver: ReplicaReceiver) -> None:
-    header = {"token": TOKEN, "run": "run-1", "source": "nodeA", "step": 6,
+    header = {"run": "run-1", "source": "nodeA", "step": 6,
               "files": [["state.pt", 4], ["manifest.json", 7]]}
-    with _connect(receiver) as conn:
-        conn.sendall(json.dumps(header).encode() + b"\n")
-        assert conn.recv(3) == b"go\n"
+    with send_header(receiver, header, TOKEN) as conn:
+        assert read_line(conn).startswith(b"go ")
         conn.sendall(b"abcd" + b"garbage")
-        out = b""
-        while chunk := conn.recv(4096):
-            out += chunk
+        out = read_all(conn)
     assert out.startswith(b"error: the streamed manifest does not validate")
     assert receiver.received == [] and _leftovers(receiver) == []
     assert list(Path(receiver.dir, "nodeA").iterdir()) == []
@@ -187,7 +185,7 @@ def test_a_connection_from_an_address_outside_the_group_is_closed_unread(
 
     receiver.peers = writer_addresses(["127.0.0.1"])
     assert receiver.peers == frozenset({"127.0.0.1"})
-    header = {"token": TOKEN, "run": "run-1", "source": "nodeX", "step": 9,
+    header = {"mac": "0" * 64, "run": "run-1", "source": "nodeX", "step": 9,
               "files": [["state.pt", 10], ["manifest.json", 10]]}
     with socket.create_connection((receiver.host, receiver.port), timeout=30,
                                   source_address=("127.0.0.2", 0)) as stranger:

@@ -12,6 +12,7 @@ import torch
 
 from elastic_kit.store import CheckpointStore
 from elastic_kit.snapshot._replica import ReplicaReceiver, ReplicaSender
+from tests.replica_wire import read_all, read_line, send_header
 
 TOKEN = "t0ken"
 
@@ -82,17 +83,14 @@ def test_a_stream_of_another_group_or_run_is_refused(
 
 
 def _raw_stream(receiver: ReplicaReceiver, header: dict, body: bytes) -> bytes:
-    """Send a header, then (when accepted) ``body`` and end the stream; the replies."""
-    with socket.create_connection((receiver.host, receiver.port), timeout=10) as conn:
-        conn.sendall(json.dumps(header).encode() + b"\n")
-        reply = conn.recv(3)
-        if reply == b"go\n":
+    """Send a header (signed with the group's token), then (when accepted) ``body`` and
+    end the stream; the replies after the greeting."""
+    with send_header(receiver, header, TOKEN, timeout=10) as conn:
+        reply = read_line(conn) + b"\n"
+        if reply.startswith(b"go "):
             conn.sendall(body)
             conn.shutdown(socket.SHUT_WR)  # the stream ends here, cut or not
-        out = reply
-        while chunk := conn.recv(4096):
-            out += chunk
-        return out
+        return reply + read_all(conn)
 
 
 def test_a_cut_stream_leaves_the_previous_replica_valid(tmp_path: Path,
@@ -101,10 +99,10 @@ def test_a_cut_stream_leaves_the_previous_replica_valid(tmp_path: Path,
     before = _files(Path(receiver.dir, "nodeA", "step-000000000005"))
     src = _snapshot(tmp_path / "own", 6, 2.0)
     payload = (src / "state.pt").read_bytes()
-    header = {"token": TOKEN, "run": "run-1", "source": "nodeA", "step": 6,
+    header = {"run": "run-1", "source": "nodeA", "step": 6,
               "files": [["state.pt", len(payload)], ["manifest.json", 100]]}
     reply = _raw_stream(receiver, header, payload[: len(payload) // 2])
-    assert reply.startswith(b"go\nerror:") and b"stream ended" in reply
+    assert reply.startswith(b"go ") and b"\nerror:" in reply and b"stream ended" in reply
     assert _listing(receiver) == {"nodeA": ["step-000000000005"]}   # no step 6, no leftover
     assert _files(Path(receiver.dir, "nodeA", "step-000000000005")) == before
 
@@ -116,7 +114,7 @@ def test_a_cut_stream_leaves_the_previous_replica_valid(tmp_path: Path,
 ])
 def test_a_malformed_header_writes_nothing(tmp_path: Path, receiver: ReplicaReceiver,
                                            files: list) -> None:
-    header = {"token": TOKEN, "run": "run-1", "source": "nodeA", "step": 6, "files": files}
+    header = {"run": "run-1", "source": "nodeA", "step": 6, "files": files}
     reply = _raw_stream(receiver, header, b"abcde")
     assert reply.startswith(b"error:")
     assert receiver.received == []
