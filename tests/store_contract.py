@@ -172,8 +172,10 @@ class StoreContract:
         store = make(keep_last=5)
         store.save(make_state(1), step=1)
         store.save(make_state(2), step=2)
-        newest = store.list()[-1].path
-        fs, payload, manifest = store.fs, f"{newest}/{PAYLOAD_NAME}", f"{newest}/{MANIFEST_NAME}"
+        info = store.list()[-1]
+        newest = info.path
+        fs, manifest = store.fs, f"{newest}/{MANIFEST_NAME}"
+        payload = f"{newest}/{info.manifest.payload}"  # fresh per save on an object store
         if damage == "truncate":
             fs.pipe_file(payload, _truncate(fs.cat_file(payload)))
         elif damage == "flip":

@@ -47,11 +47,14 @@ _LIVE_TMP: set[str] = set()
 _LIVE_LOCK = threading.Lock()
 
 
-def fsync_dir(path: str) -> None:
+def fsync_dir(path: str, *, committed: bool = False) -> None:
     """Flush a local directory's entries (new names, renames) to disk.
 
     A rename is durable only once the directory holding the name is fsync'ed; some
-    filesystems refuse fsync on a directory, which is then logged and ignored.
+    filesystems refuse fsync on a directory, which is then logged and ignored. Any
+    other failure (NFS's EIO) raises, so that a save does not report a commit that
+    may not last, unless ``committed``: after the commit's rename, whose undoing would
+    lose more, it is logged as a warning instead.
     """
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
@@ -60,8 +63,14 @@ def fsync_dir(path: str) -> None:
         return
     try:
         os.fsync(fd)
-    except OSError as e:  # pragma: no cover - platform dependent
-        log.debug("fsync of directory %s failed: %s", path, e)
+    except OSError as e:
+        if e.errno in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            log.debug("fsync of directory %s is not supported here: %s", path, e)
+        elif committed:
+            log.warning("fsync of directory %s failed after a commit, which may not "
+                        "survive a crash of the host: %r", path, e)
+        else:
+            raise
     finally:
         os.close(fd)
 
@@ -113,6 +122,10 @@ class LocalBackend:
         private: directories are created 0700 and files 0600 (the snapshot tier's
             stores in shared memory, which other users of the host must not read).
     """
+
+    #: A step's files are written in a private directory renamed into place: a first
+    #: save's files keep their plain names.
+    in_place = False
 
     def __init__(self, root: str, *, url: str, writer_id: str, private: bool = False) -> None:
         self.root = root
@@ -194,7 +207,7 @@ class LocalBackend:
                 trash = join(self.root, self._tmp_name("old-" + basename(directory)))
                 os.rename(directory, trash)
             os.rename(tmp, directory)
-            fsync_dir(self.root)
+            fsync_dir(self.root, committed=True)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -222,7 +235,7 @@ class LocalBackend:
             self._restrict(payload, tmp_manifest)
             fsync_dir(directory)
             os.replace(tmp_manifest, join(directory, MANIFEST_NAME))
-            fsync_dir(directory)
+            fsync_dir(directory, committed=True)
         except BaseException:
             for p in (payload, tmp_manifest):
                 try:
@@ -280,7 +293,7 @@ class LocalBackend:
                 self._restrict(tmp_manifest)
                 fsync_dir(directory)
                 os.replace(tmp_manifest, join(directory, MANIFEST_NAME))
-                fsync_dir(directory)
+                fsync_dir(directory, committed=True)
             except BaseException:
                 try:
                     os.remove(tmp_manifest)
@@ -296,7 +309,7 @@ class LocalBackend:
             trash = join(self.root, self._tmp_name("old-" + basename(directory)))
             os.rename(directory, trash)
         os.rename(staging, directory)
-        fsync_dir(self.root)
+        fsync_dir(self.root, committed=True)
         with _LIVE_LOCK:
             _LIVE_TMP.discard(basename(staging))
         if trash is not None:
@@ -327,7 +340,7 @@ class LocalBackend:
             os.close(fd)
         try:
             os.link(tmp, path)  # never replaces
-            fsync_dir(self.root)
+            fsync_dir(self.root, committed=True)
         except FileExistsError:
             pass
         finally:

@@ -64,6 +64,12 @@ class ObjectBackend:
         read: runs a read with the store's retry policy.
     """
 
+    #: A step's files are written where they stay (no private directory renamed into
+    #: place), so each save names its files afresh: two writers of one step (a stale
+    #: process and its successor) never overwrite each other's bytes, and whichever
+    #: manifest lands last names its own intact files.
+    in_place = True
+
     def __init__(self, fs: fsspec.AbstractFileSystem, root: str, *, url: str,
                  read: Reader) -> None:
         self.fs = fs

@@ -366,8 +366,10 @@ class Layout:
         d = self.dir_of(step)
         old = self._committed_manifest(d)
         # A re-save's payload gets a fresh name: the old one stays intact (and named by
-        # the manifest in place) until the backend switches the manifest.
-        name = PAYLOAD_NAME if old is None else f"state.{uuid.uuid4().hex[:12]}.pt"
+        # the manifest in place) until the backend switches the manifest. So does every
+        # save where files are written in place (an object store): see its backend.
+        fresh = old is not None or getattr(self.backend, "in_place", False)
+        name = f"state.{uuid.uuid4().hex[:12]}.pt" if fresh else PAYLOAD_NAME
         if old is not None and name in old.files:  # pragma: no cover - 48 random bits
             raise AssertionError(name)
 

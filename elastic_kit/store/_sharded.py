@@ -201,8 +201,9 @@ def save_sharded(layout: Layout, state: Any, *, step: int, checksum: str,
             layout.check_root()
             old = layout.committed_manifest(d)
             staging = backend.begin_parts(d.path, replacing=old is not None)
+            fresh = old is not None or getattr(backend, "in_place", False)
             header = {"ok": True, "staging": staging, "replacing": old is not None,
-                      "suffix": "" if old is None else "." + uuid.uuid4().hex[:12]}
+                      "suffix": "." + uuid.uuid4().hex[:12] if fresh else ""}
         except Exception as e:
             header = {"ok": False, "error": f"{type(e).__name__}: {e}"}
             header_error: BaseException | None = e
@@ -212,6 +213,8 @@ def save_sharded(layout: Layout, state: Any, *, step: int, checksum: str,
         header = broadcast(header)
     except BaseException:
         digested.result()
+        if rank == 0 and header.get("ok"):  # its staging directory, made for nothing
+            backend.abort_parts(header["staging"], [], replacing=header["replacing"])
         raise
     if not header["ok"]:
         digested.result()
@@ -235,7 +238,13 @@ def save_sharded(layout: Layout, state: Any, *, step: int, checksum: str,
     except Exception as e:
         error = e
         mine = {"ok": False, "error": f"{type(e).__name__}: {e}", "file": None}
-    everyone = gather(mine)
+    try:
+        everyone = gather(mine)
+    except BaseException:
+        if rank == 0:  # a peer died: the staging directory (and the shards) go, now
+            backend.abort_parts(staging, [mine["file"]] if mine.get("file") else [],
+                                replacing=replacing)
+        raise
     result: dict[str, Any] = {"ok": True}
     manifest: Manifest | None = None
     if rank == 0:
@@ -245,7 +254,7 @@ def save_sharded(layout: Layout, state: Any, *, step: int, checksum: str,
             if failed:
                 raise CheckpointError(f"sharded checkpoint step {step}: rank {failed[0][0]} "
                                       f"could not write its shards: {failed[0][1]}")
-            payload = PAYLOAD_NAME if not replacing else f"state{suffix}.pt"
+            payload = f"state{suffix}.pt" if suffix else PAYLOAD_NAME
             written.append(payload)
             manifest = _commit(layout, staging, d, replicated, dts, everyone, payload=payload,
                                checksum=checksum, metadata=metadata, world_size=world_size,

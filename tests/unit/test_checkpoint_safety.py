@@ -101,7 +101,7 @@ def test_unknown_protocol_and_missing_extra_are_clear(tmp_path):
 
 def test_background_failure_surfaces_on_wait_then_saving_works_again(tmp_path):
     ffs = FaultFileSystem(fsspec.filesystem("file"))
-    disk_full = ffs.add("open", mode="wb", match=PAYLOAD_NAME,
+    disk_full = ffs.add("open", mode="wb", match="/state.",  # the payload, fresh-named
                         error=OSError(28, "No space left on device"))  # the first save only
     store = CheckpointStore(str(tmp_path / "ck"), filesystem=ffs)
     store.save({"w": torch.ones(3)}, step=1, blocking=False)  # returns: the error comes later
@@ -148,7 +148,7 @@ def test_second_nonblocking_save_waits_for_the_first(tmp_path):
             writing.discard(posixpath.dirname(path))
 
     ffs = FaultFileSystem(fsspec.filesystem("file"))
-    ffs.add("open", match=PAYLOAD_NAME, mode="wb", before=payload_opened, times=None)
+    ffs.add("open", match="/state.", mode="wb", before=payload_opened, times=None)
     ffs.add("pipe", match=MANIFEST_NAME, before=committed, times=None)
     store = CheckpointStore(str(tmp_path / "ck"), keep_last=None, filesystem=ffs)
     for step in range(3):

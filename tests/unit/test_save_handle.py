@@ -48,7 +48,7 @@ def test_committed_resolves_after_the_commit_and_staged_after_the_deferred_copy(
 
 def test_a_failed_write_is_raised_by_its_handle_and_by_the_next_store_call(tmp_path) -> None:
     ffs = FaultFileSystem(fsspec.filesystem("file"))
-    ffs.add("open", match="state.pt", mode="wb", error=OSError(28, "No space left on device"))
+    ffs.add("open", match="/state.", mode="wb", error=OSError(28, "No space left on device"))
     store = ek.CheckpointStore(str(tmp_path / "ck"), filesystem=ffs)
     handle = store.save(_state(3.0), step=5, blocking=False)
     with pytest.raises(OSError, match="No space left"):
