@@ -190,6 +190,17 @@ def test_a_replaced_snapshots_late_copies_land_before_the_newer_ones() -> None:
     assert torch.equal(written[3], torch.full_like(written[3], 2.0))
 
 
+def _doubled_late(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``tensors`` doubled by kernels that run ~0.5 s from now (behind a sleep on device
+    1), with device 0 current, as in a script that never called set_device."""
+    torch.cuda.set_device(0)
+    with torch.cuda.device(1):
+        torch.cuda._sleep(int(1e9))
+    for t in tensors:
+        t.mul_(2.0)
+    return tensors
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_a_state_off_the_current_device_is_staged_whole() -> None:
     """A script that never called torch.cuda.set_device keeps device 0 current while
@@ -198,13 +209,8 @@ def test_a_state_off_the_current_device_is_staged_whole() -> None:
     at once."""
     from elastic_kit.snapshot._staging import storage_keys
 
-    torch.cuda.set_device(0)
-    on1 = torch.ones(1 << 24, device="cuda:1")
-    on0 = torch.ones(1 << 20, device="cuda:0")
-    with torch.cuda.device(1):
-        torch.cuda._sleep(int(1e9))            # the update below runs ~0.5 s from now
-    on1.mul_(2.0)
-    on0.mul_(2.0)
+    on1, on0 = _doubled_late(torch.ones(1 << 24, device="cuda:1"),
+                             torch.ones(1 << 20, device="cuda:0"))
     staged = StagingBuffers().stage({"a": on1, "b": on0, "c": on1 * 1})
     assert staged.device == torch.device("cuda", 1)
     staged.copy_deferred()                     # the writer's wait
@@ -222,13 +228,8 @@ def test_a_non_blocking_save_of_a_state_off_the_current_device_is_whole(
         tmp_path: Path) -> None:
     """The durable non-blocking save's pinned copies and its deferred copies wait for
     the work queued on the state's device, not on the current one."""
-    torch.cuda.set_device(0)
-    w = torch.ones(1 << 24, device="cuda:1")
-    p = torch.ones(1 << 22, device="cuda:1")
-    with torch.cuda.device(1):
-        torch.cuda._sleep(int(1e9))            # the updates below run ~0.5 s from now
-    w.mul_(2.0)
-    p.mul_(2.0)
+    w, p = _doubled_late(torch.ones(1 << 24, device="cuda:1"),
+                         torch.ones(1 << 22, device="cuda:1"))
     with ek.CheckpointStore(str(tmp_path / "ck"), info=ek.DistInfo()) as store:
         handle = store.save({"w": w, "p": p}, step=1, blocking=False, copy_later=[p])
         handle.staged.result(60)
