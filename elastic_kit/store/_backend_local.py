@@ -30,7 +30,7 @@ from elastic_kit.store._backend import Fill, PayloadWrite, Seal, basename, check
 from elastic_kit.store._direct import ALIGN, BUFFER_SIZE, DirectFile, open_direct
 from elastic_kit.store._fs import join, write_error
 from elastic_kit.store._manifest import MANIFEST_NAME, Manifest
-from elastic_kit.errors import CheckpointCorruptError
+from elastic_kit.errors import CheckpointConflictError, CheckpointCorruptError
 
 __all__ = ["TMP_PREFIX", "LocalBackend", "fsync_dir", "open_regular_local"]
 
@@ -202,10 +202,7 @@ class LocalBackend:
             _write_manifest(join(tmp, MANIFEST_NAME), manifest)
             self._restrict(payload, join(tmp, MANIFEST_NAME))
             fsync_dir(tmp)
-            trash = None
-            if os.path.lexists(directory):  # an uncommitted leftover of the same step
-                trash = join(self.root, self._tmp_name("old-" + basename(directory)))
-                os.rename(directory, trash)
+            trash = self._move_leftover(directory)
             os.rename(tmp, directory)
             fsync_dir(self.root, committed=True)
         except BaseException:
@@ -217,6 +214,26 @@ class LocalBackend:
         if trash is not None:
             shutil.rmtree(trash, ignore_errors=True)
         return manifest
+
+    def _move_leftover(self, directory: str) -> str | None:
+        """Move an uncommitted leftover of the step out of ``directory``'s way (its
+        new path, for removal once the step is in place; None: there is none).
+
+        Raises:
+            CheckpointConflictError: the step was committed meanwhile, by another
+                writer of the same store (a stale process of an earlier restart):
+                its checkpoint stays, this save is dropped.
+        """
+        if not os.path.lexists(directory):
+            return None
+        if os.path.lexists(join(directory, MANIFEST_NAME)):
+            raise CheckpointConflictError(
+                f"{directory} was committed by another writer while this process saved "
+                f"the same step: its checkpoint is kept, this save is dropped (two jobs, "
+                f"or a stale process of an earlier restart, save to {self.url})")
+        trash = join(self.root, self._tmp_name("old-" + basename(directory)))
+        os.rename(directory, trash)
+        return trash
 
     def _switch_manifest(self, directory: str, name: str, write: PayloadWrite,
                          seal: Seal) -> Manifest:
@@ -304,10 +321,7 @@ class LocalBackend:
         _write_manifest(join(staging, MANIFEST_NAME), manifest)
         self._restrict(join(staging, MANIFEST_NAME))
         fsync_dir(staging)
-        trash = None
-        if os.path.lexists(directory):  # an uncommitted leftover of the same step
-            trash = join(self.root, self._tmp_name("old-" + basename(directory)))
-            os.rename(directory, trash)
+        trash = self._move_leftover(directory)
         os.rename(staging, directory)
         fsync_dir(self.root, committed=True)
         with _LIVE_LOCK:

@@ -349,6 +349,18 @@ class Layout:
         """The manifest of ``d`` when it is committed, else None."""
         return self._committed_manifest(d)
 
+    def _manifest_missing(self, d: StepDir) -> bool:
+        """Whether ``d`` has no manifest at all: a save that did not finish. One that is
+        there but does not validate (a format of a newer release, damage) is not a
+        leftover: the step is skipped at load, never deleted as one."""
+        try:
+            self._manifest_text(d)
+        except CheckpointCorruptError as e:
+            return isinstance(e.__cause__, FileNotFoundError)
+        except Exception:
+            return False
+        return False
+
     def _committed_manifest(self, d: StepDir) -> Manifest | None:
         try:
             return self.read_manifest(d)
@@ -457,7 +469,8 @@ class Layout:
 
         Local disks: ``.tmp-*`` directories no store of this process is writing and
         nothing in which changed for ``stale_after_s``. Any storage: ``step-<n>``
-        directories without a manifest below ``newest_committed`` unchanged for as long.
+        directories without a manifest (not one with a manifest that does not validate)
+        below ``newest_committed`` unchanged for as long.
         """
         removed = 0
         for path in self.backend.leftovers():
@@ -471,7 +484,7 @@ class Layout:
                 self.backend.remove_tree(path)
                 removed += 1
         for d in self.scan():
-            if d.step >= newest_committed or self._committed_manifest(d) is not None:
+            if d.step >= newest_committed or not self._manifest_missing(d):
                 continue
             try:
                 age = self.backend.age(d.path)

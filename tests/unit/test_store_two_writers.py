@@ -36,3 +36,61 @@ def test_the_later_manifest_of_a_step_names_intact_bytes() -> None:
     assert loaded is not None and loaded.step == 5
     assert torch.equal(loaded.state["w"], _state(5.0)["w"])
     assert {step: problem for step, _, problem in CheckpointStore(root).verify()} == {5: None}
+
+
+def test_a_step_committed_by_another_writer_during_a_local_save_is_kept(
+        tmp_path: Any, monkeypatch: Any) -> None:
+    """On a local disk a first save builds the step aside and renames it into place,
+    moving an unfinished leftover of the step out of the way: a step another writer
+    committed meanwhile is no leftover. It is kept, and this save fails naming the
+    conflict."""
+    import pytest
+
+    from elastic_kit.errors import CheckpointConflictError
+    from elastic_kit.store import _backend_local
+
+    url = str(tmp_path / "ck")
+    stale, new = CheckpointStore(url, keep_last=None), CheckpointStore(url, keep_last=None)
+    real = _backend_local.LocalBackend._move_leftover
+    fired: list[str] = []
+
+    def other_commits_first(self: Any, directory: str) -> Any:
+        if not fired:
+            fired.append(directory)
+            stale.save(_state(-5.0), step=5)
+        return real(self, directory)
+
+    monkeypatch.setattr(_backend_local.LocalBackend, "_move_leftover", other_commits_first)
+    with pytest.raises(CheckpointConflictError, match="committed by another writer"):
+        new.save(_state(5.0), step=5)
+    monkeypatch.undo()
+    loaded = CheckpointStore(url).load()
+    assert fired and loaded is not None and loaded.step == 5
+    assert torch.equal(loaded.state["w"], _state(-5.0)["w"])
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()
+                  if p.name.startswith(".tmp")) == []
+
+
+def test_a_step_whose_manifest_does_not_validate_is_not_removed_as_a_leftover(
+        tmp_path: Any) -> None:
+    """A manifest of a newer release's format (or a damaged one) is skipped at load,
+    never deleted as the leftover of a save that did not finish; a step without any
+    manifest is."""
+    import os
+
+    url = str(tmp_path / "ck")
+    store = CheckpointStore(url, keep_last=None, stale_after_s=0)
+    for step in (1, 2):
+        store.save(_state(float(step)), step=step)
+    newer = tmp_path / "ck" / "step-000000000001" / "manifest.json"
+    newer.write_text('{"format": "elastic_kit.checkpoint/9", "step": 1}')
+    unfinished = tmp_path / "ck" / "step-000000000000"
+    unfinished.mkdir()
+    (unfinished / "state.pt").write_bytes(b"half")
+    for p in (newer, unfinished):
+        os.utime(p, (1, 1))
+    store.save(_state(3.0), step=3)            # retention and stale cleanup run here
+    store.wait()
+    names = sorted(p.name for p in (tmp_path / "ck").iterdir() if p.name.startswith("step-"))
+    assert names == ["step-000000000001", "step-000000000002", "step-000000000003"]
+    assert store.load().step == 3
