@@ -24,20 +24,28 @@ timeout where that happens. A watcher that was itself paused (its process stoppe
 resumed, its host frozen for a while) gives its peer one more timeout instead of
 judging it by a silence it could not have heard.
 
-Trust: a connection first proves that it knows the group's token (an HMAC of its
-source and destination ranks and the group's label; rank 0 draws the token when the
-group forms and the process group hands it out), within :data:`HELLO_TIMEOUT_S`;
-anything else is closed. Unauthenticated connections are bounded in number
-(:data:`MAX_PENDING`, the oldest is dropped) and served by one thread with
-non-blocking sockets, so another local user can neither forge a beat nor stall the
-reading of the real ones. A clean close sends a goodbye byte first, so a peer that
-finished is never mistaken for a silent one.
+Trust: the watcher greets each connection with a fresh nonce, and the connection
+first proves that it knows the group's token (an HMAC of its source and destination
+ranks, the group's label and that nonce; rank 0 draws the token when the group forms
+and the process group hands it out), within :data:`HELLO_TIMEOUT_S`; anything else is
+closed. A hello seen on the wire is therefore worth nothing on another connection.
+Unauthenticated connections are bounded in number (:data:`MAX_PENDING`, the oldest is
+dropped) and served by one thread with non-blocking sockets, so another local user can
+neither forge a beat nor stall the reading of the real ones. A clean close sends a
+goodbye byte first, so a peer that finished is never mistaken for a silent one; a
+peer that authenticates again is watched again, whatever its earlier connection said.
+
+The side channels' addresses must be reachable from the other nodes: where one node
+advertises a loopback address and another does not (a host name that ``/etc/hosts``
+maps to 127.0.1.1, as Debian does), or a node advertises a wildcard address, the
+heartbeats are off with a warning instead of taking the unreachable peer for silent.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import logging
 import secrets
 import selectors
@@ -55,7 +63,8 @@ from elastic_kit.distributed import (
 
 __all__ = [
     "DEFAULT_INTERVAL_S", "DEFAULT_TIMEOUT_S", "HELLO_TIMEOUT_S", "Heartbeat",
-    "MAX_PENDING", "SILENT_PEER_EXIT_CODE", "TIMEOUT_ENV", "start_heartbeat",
+    "MAX_PENDING", "NONCE_BYTES", "SILENT_PEER_EXIT_CODE", "TIMEOUT_ENV", "start_heartbeat",
+    "unreachable",
 ]
 
 log = logging.getLogger(__name__)
@@ -79,11 +88,17 @@ _WATCH_TICK_S = 0.25
 
 _BEAT, _BYE = b".", b"x"
 _HELLO = struct.Struct("!i32s")  # source rank, HMAC-SHA256
+#: Bytes of the nonce the watcher greets a connection with.
+NONCE_BYTES = 16
+#: Connections the listener's queue holds before the watcher accepts them.
+_BACKLOG = 128
 
 
-def hello_mac(token: bytes, label: str, src: int, dst: int) -> bytes:
-    """What a connection from rank ``src`` to rank ``dst`` proves it knows."""
-    return hmac.new(token, f"{label}|{src}->{dst}".encode(), hashlib.sha256).digest()
+def hello_mac(token: bytes, label: str, src: int, dst: int, nonce: bytes) -> bytes:
+    """What a connection from rank ``src`` to rank ``dst``, greeted with ``nonce``,
+    proves it knows."""
+    return hmac.new(token, f"{label}|{src}->{dst}|".encode() + nonce,
+                    hashlib.sha256).digest()
 
 
 class Heartbeat:
@@ -114,7 +129,8 @@ class Heartbeat:
         self.timeout_s = float(timeout_s)
         self.interval_s = float(interval_s or min(DEFAULT_INTERVAL_S, self.timeout_s / 10))
         self.on_silent = on_silent or exit_for_silence
-        self.listener = socket.create_server((host or side_channel_host(), 0))
+        self.listener = socket.create_server((host or side_channel_host(), 0),
+                                             backlog=_BACKLOG)
         self.listener.setblocking(False)
         self.address: tuple[str, int] = self.listener.getsockname()[:2]
         self._send_to = send_to
@@ -170,14 +186,17 @@ class Heartbeat:
     def _beat_loop(self) -> None:
         assert self._send_to is not None
         dst, addr = self._send_to
-        hello = _HELLO.pack(self.rank, hello_mac(self.token, self.label, self.rank, dst))
         sock: socket.socket | None = None
         while not self._closed.is_set():
             if sock is None:
                 try:
                     sock = socket.create_connection(addr, timeout=1.0)
-                    sock.sendall(hello)
+                    nonce = _recv_exactly(sock, NONCE_BYTES)
+                    sock.sendall(_HELLO.pack(self.rank, hello_mac(
+                        self.token, self.label, self.rank, dst, nonce)))
                 except OSError:
+                    if sock is not None:
+                        sock.close()
                     sock = None  # not listening yet, or gone: try again next beat
             else:
                 try:
@@ -201,7 +220,8 @@ class Heartbeat:
         sel = selectors.DefaultSelector()
         sel.register(self.listener, selectors.EVENT_READ, None)
         sel.register(self._wake_r, selectors.EVENT_READ, None)
-        pending: dict[socket.socket, tuple[float, bytearray]] = {}  # deadline, bytes so far
+        # deadline, bytes so far, the nonce it was greeted with
+        pending: dict[socket.socket, tuple[float, bytearray, bytes]] = {}
         watched: socket.socket | None = None
         tick = min(self.interval_s, _WATCH_TICK_S)
         last_tick = time.monotonic()
@@ -220,7 +240,8 @@ class Heartbeat:
                                 _drop(sel, watched)
                             watched = sock
                             self.last_beat = time.monotonic()
-                            self.lost_connection = False  # it is back
+                            # it is back: watched again, whatever the last one said
+                            self.lost_connection = self.said_bye = False
                     elif sock is watched:
                         if not self._read_beats(sel, sock):
                             watched = None
@@ -231,7 +252,7 @@ class Heartbeat:
                     # peer from its own pause, so the peer gets one more timeout.
                     self.last_beat = max(self.last_beat, now)
                 last_tick = now
-                for sock, (deadline, _) in list(pending.items()):
+                for sock, (deadline, _, _) in list(pending.items()):
                     if now > deadline:
                         self.refused += 1
                         del pending[sock]
@@ -251,24 +272,33 @@ class Heartbeat:
                 and not self.lost_connection and now - self.last_beat > self.timeout_s)
 
     def _accept(self, sel: selectors.BaseSelector,
-                pending: dict[socket.socket, tuple[float, bytearray]]) -> None:
-        try:
-            conn, _ = self.listener.accept()
-        except OSError:
-            return
-        conn.setblocking(False)
-        if len(pending) >= MAX_PENDING:  # a flood: the oldest waits no longer
-            oldest = min(pending, key=lambda s: pending[s][0])
-            del pending[oldest]
-            self.refused += 1
-            _drop(sel, oldest)
-        pending[conn] = (time.monotonic() + HELLO_TIMEOUT_S, bytearray())
-        sel.register(conn, selectors.EVENT_READ, None)
+                pending: dict[socket.socket, tuple[float, bytearray, bytes]]) -> None:
+        """Accept every connection waiting (a queue kept full by a flood would turn the
+        real peer's connection away), each greeted with its nonce."""
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            conn.setblocking(False)
+            nonce = secrets.token_bytes(NONCE_BYTES)
+            try:
+                conn.send(nonce)  # a few bytes: a fresh socket's buffer takes them
+            except OSError:
+                conn.close()
+                continue
+            if len(pending) >= MAX_PENDING:  # a flood: the oldest waits no longer
+                oldest = min(pending, key=lambda s: pending[s][0])
+                del pending[oldest]
+                self.refused += 1
+                _drop(sel, oldest)
+            pending[conn] = (time.monotonic() + HELLO_TIMEOUT_S, bytearray(), nonce)
+            sel.register(conn, selectors.EVENT_READ, None)
 
     def _read_hello(self, sel: selectors.BaseSelector,
-                    pending: dict[socket.socket, tuple[float, bytearray]],
+                    pending: dict[socket.socket, tuple[float, bytearray, bytes]],
                     sock: socket.socket) -> bool:
-        deadline, buf = pending[sock]
+        deadline, buf, nonce = pending[sock]
         try:
             chunk = sock.recv(_HELLO.size - len(buf))
         except (BlockingIOError, InterruptedError):
@@ -284,8 +314,8 @@ class Heartbeat:
             return False
         del pending[sock]
         src, mac = _HELLO.unpack(bytes(buf))
-        ok = (src == self.watch and
-              hmac.compare_digest(mac, hello_mac(self.token, self.label, src, self.rank)))
+        ok = (src == self.watch and hmac.compare_digest(
+            mac, hello_mac(self.token, self.label, src, self.rank, nonce)))
         if not ok:
             self.refused += 1
             _drop(sel, sock)
@@ -311,6 +341,41 @@ class Heartbeat:
             self.lost_connection = True
         _drop(sel, sock)
         return False
+
+
+def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+    """``n`` bytes from ``sock`` (its timeout applies to each read)."""
+    out = b""
+    while len(out) < n:
+        chunk = sock.recv(n - len(out))
+        if not chunk:
+            raise ConnectionError("the watcher closed the connection before its greeting")
+        out += chunk
+    return out
+
+
+def unreachable(addresses: list[str]) -> str | None:
+    """Why peers on other nodes could not reach one of ``addresses`` (the side
+    channels' advertised hosts, one per rank), or None: a wildcard address, or a
+    loopback address beside addresses that are not (every node on one host may use
+    loopback). Host names are not judged."""
+    ips = []
+    for host in addresses:
+        try:
+            ip = ipaddress.ip_address(host)
+        except ValueError:
+            continue
+        if ip.is_unspecified:
+            return f"{host} is a wildcard address, which no peer can connect to"
+        ips.append(ip)
+    loop = [ip for ip in ips if ip.is_loopback]
+    if loop and len(loop) < len(ips):
+        other = next(ip for ip in ips if not ip.is_loopback)
+        return (f"a node advertises the loopback address {loop[0]} while another advertises "
+                f"{other} (its host name resolves to loopback, as /etc/hosts does on "
+                f"Debian): set $ELASTIC_KIT_SNAPSHOT_ADDR to each node's address on the "
+                f"network the nodes share")
+    return None
 
 
 def _drop(sel: selectors.BaseSelector, sock: socket.socket) -> None:
@@ -372,6 +437,13 @@ def start_heartbeat(info: DistInfo, *, timeout_s: float | None = DEFAULT_TIMEOUT
         if info.is_main:
             log.warning("heartbeats are off: a rank could not listen for them (see its log); "
                         "a frozen host is noticed at the process group's timeout")
+        return None
+    why = unreachable([addr[0] for _, _, addr in everyone])
+    if why is not None:  # every rank sees the same list: all turn them off
+        hb.close()
+        if info.is_main:
+            log.warning("heartbeats are off: %s; a frozen host is noticed at the process "
+                        "group's timeout", why)
         return None
     where = {(node, local): (rank, addr) for rank, (node, local, addr) in enumerate(everyone)}
     nodes = sorted({node for node, _, _ in everyone})

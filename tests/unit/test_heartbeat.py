@@ -7,10 +7,12 @@ import socket
 import sys
 import threading
 import time
+from typing import Any
 
 import pytest
 
 from elastic_kit.health import MAX_PENDING, Heartbeat, hello_mac
+from elastic_kit.health._heartbeat import NONCE_BYTES
 
 TOKEN, LABEL = b"k" * 32, "run|0"
 
@@ -37,8 +39,27 @@ def _pair(timeout_s: float, interval_s: float) -> tuple[Heartbeat, Heartbeat, Si
     return watcher, beater, silences
 
 
-def _hello(src: int, dst: int, token: bytes = TOKEN) -> bytes:
-    return src.to_bytes(4, "big", signed=True) + hello_mac(token, LABEL, src, dst)
+def _hello(src: int, dst: int, nonce: bytes, token: bytes = TOKEN) -> bytes:
+    return src.to_bytes(4, "big", signed=True) + hello_mac(token, LABEL, src, dst, nonce)
+
+
+def _greeting(sock: socket.socket) -> bytes:
+    """The nonce a watcher greets a new connection with."""
+    out = b""
+    while len(out) < NONCE_BYTES:
+        chunk = sock.recv(NONCE_BYTES - len(out))
+        assert chunk, "the watcher closed the connection before its greeting"
+        out += chunk
+    return out
+
+
+def _authenticated(watcher: Heartbeat, then: bytes = b"", src: int = 0) -> socket.socket:
+    """A connection to ``watcher`` that said rank ``src``'s hello (for its greeting),
+    then ``then``."""
+    sock = socket.create_connection(watcher.address)
+    sock.settimeout(10.0)
+    sock.sendall(_hello(src, 1, _greeting(sock)) + then)
+    return sock
 
 
 def test_a_beating_peer_is_never_silent_and_its_goodbye_ends_the_watch() -> None:
@@ -62,8 +83,7 @@ def test_a_peer_that_authenticates_then_goes_silent_is_reported_once() -> None:
                         timeout_s=0.4, interval_s=0.02, on_silent=silences,
                         host="127.0.0.1").start()
     try:
-        with socket.create_connection(watcher.address) as frozen:
-            frozen.sendall(_hello(0, 1) + b"...")
+        with _authenticated(watcher, b"..."):
             assert silences.event.wait(10.0)
             time.sleep(0.3)
         assert [rank for rank, _ in silences.calls] == [0] and watcher.silent == 0
@@ -90,8 +110,7 @@ def test_a_connection_that_ends_without_goodbye_is_left_to_the_process_group() -
                         timeout_s=0.3, interval_s=0.02, on_silent=silences,
                         host="127.0.0.1").start()
     try:
-        with socket.create_connection(watcher.address) as dying:
-            dying.sendall(_hello(0, 1) + b".")
+        with _authenticated(watcher, b"."):
             time.sleep(0.1)
         time.sleep(0.6)
         assert watcher.lost_connection and silences.calls == []
@@ -99,18 +118,20 @@ def test_a_connection_that_ends_without_goodbye_is_left_to_the_process_group() -
         watcher.close()
 
 
-@pytest.mark.parametrize("hello", [_hello(0, 1, token=b"w" * 32),   # another group's token
-                                   _hello(2, 1),                     # not the watched rank
-                                   b"x" * 36],                       # noise
-                         ids=["wrong-token", "wrong-rank", "noise"])
-def test_a_forged_hello_is_refused_and_its_beats_do_not_count(hello: bytes) -> None:
+@pytest.mark.parametrize("hello", [
+    lambda nonce: _hello(0, 1, nonce, token=b"w" * 32),   # another group's token
+    lambda nonce: _hello(2, 1, nonce),                    # not the watched rank
+    lambda nonce: _hello(0, 1, b"\0" * NONCE_BYTES),      # another connection's greeting
+    lambda nonce: b"x" * 36,                              # noise
+], ids=["wrong-token", "wrong-rank", "replayed", "noise"])
+def test_a_forged_hello_is_refused_and_its_beats_do_not_count(hello: Any) -> None:
     silences = Silences()
     watcher = Heartbeat(rank=1, send_to=None, watch=0, token=TOKEN, label=LABEL,
                         timeout_s=0.5, interval_s=0.02, on_silent=silences,
                         host="127.0.0.1").start()
     try:
         with socket.create_connection(watcher.address) as forger:
-            forger.sendall(hello)
+            forger.sendall(hello(_greeting(forger)))
             deadline = time.monotonic() + 5.0
             while watcher.refused == 0 and time.monotonic() < deadline:
                 time.sleep(0.01)
@@ -178,13 +199,19 @@ def test_a_cut_connection_is_made_again_by_the_beater_and_watched_again() -> Non
                            host="127.0.0.1").start()
         try:
             server.settimeout(10.0)
-            hellos = []
-            for _ in range(2):
+            hellos, wanted = [], []
+            for i in range(2):
                 conn, _ = server.accept()
                 with conn:
                     conn.settimeout(10.0)
-                    hellos.append(conn.recv(36))
-            assert hellos == [_hello(0, 1)] * 2
+                    nonce = bytes([i]) * NONCE_BYTES
+                    conn.sendall(nonce)
+                    got = b""
+                    while len(got) < 36:
+                        got += conn.recv(36 - len(got))
+                    hellos.append(got)
+                    wanted.append(_hello(0, 1, nonce))
+            assert hellos == wanted
         finally:
             beater.close()
     # The watcher's side: a peer that came back is watched again (and its later
@@ -194,13 +221,11 @@ def test_a_cut_connection_is_made_again_by_the_beater_and_watched_again() -> Non
                         timeout_s=0.4, interval_s=0.02, on_silent=silences,
                         host="127.0.0.1").start()
     try:
-        with socket.create_connection(watcher.address) as first:
-            first.sendall(_hello(0, 1) + b"..")
+        with _authenticated(watcher, b".."):
             time.sleep(0.1)
         time.sleep(0.2)
         assert watcher.lost_connection
-        with socket.create_connection(watcher.address) as again:
-            again.sendall(_hello(0, 1) + b"..")
+        with _authenticated(watcher, b".."):
             assert silences.event.wait(10.0)
         assert silences.calls[0][0] == 0 and not watcher.lost_connection
     finally:
@@ -225,3 +250,33 @@ def test_closing_wakes_the_watcher_instead_of_waiting_for_its_next_look(
     finally:
         watcher.close()
         beater.close()
+
+
+def test_a_peer_that_said_goodbye_and_comes_back_is_watched_again() -> None:
+    """A goodbye ends the watch of that connection only: the peer's next authenticated
+    connection is watched, and its silence noticed."""
+    silences = Silences()
+    watcher = Heartbeat(rank=1, send_to=None, watch=0, token=TOKEN, label=LABEL,
+                        timeout_s=0.4, interval_s=0.02, on_silent=silences,
+                        host="127.0.0.1").start()
+    try:
+        with _authenticated(watcher, b"..x"):
+            time.sleep(0.2)
+        time.sleep(0.2)
+        assert watcher.said_bye
+        with _authenticated(watcher, b".."):
+            assert silences.event.wait(10.0)          # back, then silent: noticed
+        assert silences.calls[0][0] == 0 and not watcher.said_bye
+    finally:
+        watcher.close()
+
+
+def test_addresses_other_nodes_cannot_reach_are_named() -> None:
+    from elastic_kit.health._heartbeat import unreachable
+
+    assert unreachable(["127.0.0.1", "127.0.0.1"]) is None          # one host: fine
+    assert unreachable(["10.0.0.1", "10.0.0.2", "node-3"]) is None
+    why = unreachable(["127.0.1.1", "10.0.0.2"])
+    assert why is not None and "127.0.1.1" in why and "ELASTIC_KIT_SNAPSHOT_ADDR" in why
+    assert "wildcard" in (unreachable(["0.0.0.0", "10.0.0.2"]) or "")
+    assert "wildcard" in (unreachable(["::", "::"]) or "")
