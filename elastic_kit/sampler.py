@@ -570,7 +570,8 @@ class ElasticDistributedSampler(Sampler[int]):
         """
         start = self._position(position)
         positions = torch.arange(operator.index(first), operator.index(stop), dtype=torch.int64)
-        return positions.mul_(self.num_replicas).add_(self.rank) < self.dataset_length - start
+        real = positions * self.num_replicas + self.rank < self.dataset_length - start
+        return real & (positions < self._local_length(start))
 
     def local_indices(self, *, position: SupportsIndex | None = None) -> torch.Tensor:
         """This rank's share of the rest of the epoch, padding included, as int64.

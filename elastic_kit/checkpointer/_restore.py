@@ -33,11 +33,21 @@ TIER_NAMES = {"memory": "this node's memory", "peer": "a peer node's memory",
 
 
 def check_sampler(sampler: Any, info: DistInfo) -> None:
-    """A sampler built before the process group would deal another rank's share."""
+    """A sampler built before the process group would deal another rank's share; one
+    with ``drop_last=True`` leaves a tail whose accounting the checkpointer cannot
+    keep (its audit counts every sample, and which samples are dropped would change
+    with the world size a restart brings)."""
     if sampler is None:
         log.warning("TrainState has no sampler: a restart resumes at the start of the "
                     "saved epoch, not at the saved position inside it")
-    elif (sampler.num_replicas, sampler.rank) != (info.world_size, info.rank):
+        return
+    if getattr(sampler, "drop_last", False):
+        raise ValueError(
+            "the sampler has drop_last=True; the Checkpointer needs drop_last=False: the "
+            "sampler then pads the tail of an epoch and the step's loss weights give the "
+            "padding zero weight (ckpt.sample_weights), so every sample counts once "
+            "whatever the world size after a restart")
+    if (sampler.num_replicas, sampler.rank) != (info.world_size, info.rank):
         raise ValueError(
             f"sampler has num_replicas={sampler.num_replicas}, rank={sampler.rank}; "
             f"this worker is rank {info.rank} of {info.world_size} (build the sampler "

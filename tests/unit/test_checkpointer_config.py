@@ -84,3 +84,21 @@ def test_an_exchange_read_early_is_merged_into_the_next_one() -> None:
     cadence._flags = lambda: torch.tensor([0.0, 1.0, 0.0, 3.0, 0.0], dtype=torch.float64)
     assert cadence.resolve() == Flags(save_due=1.0, exchange_every=5.0, leave=1.0)
     assert cadence.resolve() == Flags()  # both read: nothing carried
+
+
+def test_a_drop_last_sampler_is_refused_naming_why(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The checkpointer's audit counts every sample of an epoch, and which tail a
+    drop_last epoch drops would change with the world size a restart brings."""
+    import pytest
+    import torch
+
+    import elastic_kit as ek
+
+    model = torch.nn.Linear(2, 2)
+    sampler = ek.ElasticDistributedSampler(range(11), num_replicas=1, rank=0, drop_last=True)
+    ck = ek.Checkpointer(ek.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                       sampler=sampler),
+                         str(tmp_path / "ck"), handle_signals=False, snapshot_every=0)
+    with pytest.raises(ValueError, match="drop_last=True.*needs drop_last=False"):
+        ck.restore()
+    ck.close()
