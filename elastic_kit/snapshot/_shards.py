@@ -404,9 +404,16 @@ def _assemble(plan: _Plan, chosen: dict[int, tuple[int, str, str, dict[str, Any]
     assert header is not None
     manifest = Manifest.from_json(header["manifest"], where=header["path"])
 
+    # part 0's holder has views of the part's mapping (the others got fresh tensors)
+    own = lister == info.rank or not distributed
+
     def leaf(p: str, v: Any) -> Any:
         if not (isinstance(v, str) and v == SHARD_MARK and p in fills):
-            return v.clone() if isinstance(v, torch.Tensor) and device is None else v
+            if not isinstance(v, torch.Tensor):
+                return v
+            if device is not None and v.device.type != device.type:
+                return v.to(device)  # the holder's own, as every other rank's
+            return v.clone() if device is None and own else v
         t = targets[p]
         return DTensor.from_local(fills[p].to(t.to_local().device), t.device_mesh,
                                   t.placements, run_check=False, shape=t.shape,
