@@ -43,6 +43,10 @@ LEAVE_TIMEOUT_S = 10.0
 
 _handlers: list[Any] = []
 _leaving = threading.Lock()
+#: the leave signal was handled (checked first in the handler: a second signal arriving
+#: while the first's handler starts its thread must not start another, nor take
+#: threading's internal lock that the interrupted start may hold on this very thread)
+_signalled = False
 
 
 def install() -> None:
@@ -63,6 +67,10 @@ def install() -> None:
 
 
 def _on_signal(signum: int, frame: Any) -> None:
+    global _signalled
+    if _signalled:
+        return
+    _signalled = True
     # From now on the agent must not start a new round: the others' restart makes them
     # wait for one, which its monitor would take for a node joining and rejoin (then
     # its new worker would see the notice and leave a second time).

@@ -191,7 +191,20 @@ class PreemptionWatcher:
         self._on_notice(what)
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        self._notice(f"signal {signal.Signals(signum).name}")
+        # Never wait for the lock in a signal handler: a second signal arriving while
+        # the first's handler holds it would wait forever on this very thread. Its
+        # holder (that handler, or the metadata poll) is recording a notice already,
+        # and the first notice is the one kept.
+        if not self._lock.acquire(blocking=False):
+            return
+        what = f"signal {signal.Signals(signum).name}"
+        try:
+            if self.notice is not None:
+                return
+            self.notice = what
+        finally:
+            self._lock.release()
+        self._on_notice(what)
 
     def _poll(self) -> None:
         assert self.cloud is not None

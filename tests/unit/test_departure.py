@@ -50,3 +50,25 @@ def test_torchrun_itself_and_every_launcher_module_are_agents(tmp_path: Path) ->
 
 def test_this_test_process_has_no_agent_above_it() -> None:
     assert torchrun_agent_pid() is None
+
+
+def test_the_agents_leave_signal_starts_one_leave_however_often_it_comes(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A second leave signal (even one arriving while the first's handler starts its
+    thread) starts nothing more."""
+    from elastic_kit.health import _agent_leave
+
+    started: list[str] = []
+
+    class Recorder:
+        def __init__(self, target, name, daemon):  # type: ignore[no-untyped-def]
+            self.name = name
+
+        def start(self) -> None:
+            started.append(self.name)
+
+    monkeypatch.setattr(_agent_leave, "_signalled", False)
+    monkeypatch.setattr(_agent_leave, "_handlers", [])
+    monkeypatch.setattr(_agent_leave.threading, "Thread", Recorder)
+    _agent_leave._on_signal(0, None)
+    _agent_leave._on_signal(0, None)
+    assert started == ["ek-agent-leave"]

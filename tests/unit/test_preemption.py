@@ -113,3 +113,28 @@ def test_the_notice_signals_come_from_the_environment(monkeypatch: pytest.Monkey
     monkeypatch.setenv("ELASTIC_KIT_PREEMPTION_SIGNALS", "TERM")
     with pytest.raises(ValueError, match="SIGTERM"):
         preemption_signals()
+
+
+def test_a_signal_handled_while_the_notice_is_being_recorded_never_waits() -> None:
+    """A second signal arriving while the first's handler records the notice (it holds
+    the watcher's lock on the same thread) must return, not wait for that lock: the
+    first notice is the one kept."""
+    import signal as _signal
+    import threading as _threading
+
+    from elastic_kit.health._preemption import PreemptionWatcher
+
+    seen: list[str] = []
+    w = PreemptionWatcher(seen.append, poll_metadata=False, cloud=None, signals=())
+    w._lock.acquire()                   # the first handler, mid-way
+    try:
+        second = _threading.Thread(target=w._on_signal, args=(_signal.SIGUSR1, None))
+        second.start()
+        second.join(timeout=10)
+        assert not second.is_alive(), "the handler waited for the lock"
+    finally:
+        w._lock.release()
+    assert seen == [] and w.notice is None
+    w._on_signal(_signal.SIGTERM, None)
+    w._on_signal(_signal.SIGUSR1, None)
+    assert seen == ["signal SIGTERM"] and w.notice == "signal SIGTERM"
