@@ -40,13 +40,15 @@ import torch
 from elastic_kit.distributed import (
     DistInfo, all_gather_object, broadcast_object, exchange_tensors, is_dist_ready,
 )
+from elastic_kit._env import non_negative_from_env
 from elastic_kit.errors import CheckpointError
 from elastic_kit.store import (
     FlatCheckpoint, Layout, LoadedCheckpoint, Manifest, broadcast_state, combine_digest,
     digest_partial, is_dtensor, leaves, local_box, map_tree, open_flat, parse_step_dir, resolve_url,
 )
 
-__all__ = ["PART_KEY", "SHARD_MARK", "Listing", "add_partials", "describe", "is_part",
+__all__ = ["PART_KEY", "ROUND_BYTES", "ROUND_BYTES_ENV", "SHARD_MARK", "Listing", "add_partials",
+           "describe", "exchange_rounds", "is_part",
            "listing", "load_parts", "local_tensors", "localize", "part_dir_name",
            "part_key", "part_source"]
 
@@ -58,6 +60,42 @@ PART_KEY = "elastic_kit_part"
 SHARD_MARK = "__elastic_kit_shard__"
 #: Snapshot steps tried, newest first, before a restore gives up on memory.
 MAX_TRIES = 3
+#: Bytes a resharding restore moves between ranks per round: each rank stages at most
+#: about this much for one round's transfers (on the device, with NCCL), whatever the
+#: state's size; ``$ELASTIC_KIT_RESHARD_ROUND_BYTES`` overrides it.
+ROUND_BYTES = 512 << 20
+ROUND_BYTES_ENV = "ELASTIC_KIT_RESHARD_ROUND_BYTES"
+
+
+def round_bytes() -> int:
+    """:data:`ROUND_BYTES`, or ``$ELASTIC_KIT_RESHARD_ROUND_BYTES`` when set (>= 1)."""
+    value = non_negative_from_env(ROUND_BYTES_ENV, int, "a whole number of bytes",
+                                  "not allowed: at least 1")
+    if value == 0:
+        raise ValueError(f"${ROUND_BYTES_ENV}=0: expected at least 1 byte per round")
+    return ROUND_BYTES if value is None else value
+
+
+def exchange_rounds(asked: list[list[Any]], cap: int) -> list[list[tuple[int, int]]]:
+    """The ranges every rank asked for (``asked[rank]``: its requests, each ending with
+    its byte count), as ``(requester, index)`` in the one order every rank lists them,
+    cut into rounds of at most ``cap`` bytes (a range larger than ``cap`` is a round of
+    its own). Every rank computes the same rounds from the same gathered requests, so
+    the two ends of each transfer take part in the same round, in the same order."""
+    rounds: list[list[tuple[int, int]]] = []
+    current: list[tuple[int, int]] = []
+    used = 0
+    for requester, reqs in enumerate(asked):
+        for i, req in enumerate(reqs):
+            nbytes = int(req[-1])
+            if current and used + nbytes > cap:
+                rounds.append(current)
+                current, used = [], 0
+            current.append((requester, i))
+            used += nbytes
+    if current:
+        rounds.append(current)
+    return rounds
 
 
 def part_dir_name(local_rank: int) -> str:
@@ -321,8 +359,8 @@ def _restore(plan: _Plan, chosen: dict[int, tuple[int, str, str, dict[str, Any]]
                     part_t = _part_tensors(part_path, opened, tensors)[path]
                     _box(local, list(offsets), *ov).copy_(_box(part_t, d["offsets"], *ov))
                 else:
-                    requests.append((lister, r, path, ov[0], ov[1]))
                     buf = torch.empty([y - x for x, y in zip(*ov)], dtype=target.dtype)
+                    requests.append((lister, r, path, ov[0], ov[1], buf.nbytes))
                     pending.append((_box(local, list(offsets), *ov), buf))
     except Exception as e:
         problem = f"{type(e).__name__}: {e}"
@@ -333,16 +371,20 @@ def _restore(plan: _Plan, chosen: dict[int, tuple[int, str, str, dict[str, Any]]
                     "the durable store is used", plan.step, *problems[0])
         return None, False
     all_local = all(not reqs for _, reqs in asked)
-    sends: list[tuple[int, torch.Tensor]] = []
-    for requester, (_, reqs) in enumerate(asked):
-        for lister, r, path, lo, hi in reqs:
-            if lister != info.rank:
-                continue
-            d = next(d for saver, d in by_path[path] if saver == r)
-            part_t = _part_tensors(chosen[r][2], opened, tensors)[path]
-            sends.append((requester, _box(part_t, d["offsets"], lo, hi).contiguous()))
-    recvs = [(lister, buf) for (lister, *_), (_, buf) in zip(requests, pending)]
-    exchange_tensors(sends, recvs)
+    # in rounds of bounded bytes: a node's lister serves every remote range of the
+    # node's parts, which in one batch would stage all of them on its device at once
+    for round_ in exchange_rounds([reqs for _, reqs in asked], round_bytes()):
+        sends: list[tuple[int, torch.Tensor]] = []
+        recvs: list[tuple[int, torch.Tensor]] = []
+        for requester, i in round_:
+            lister, r, path, lo, hi, _ = asked[requester][1][i]
+            if lister == info.rank:
+                d = next(d for saver, d in by_path[path] if saver == r)
+                part_t = _part_tensors(chosen[r][2], opened, tensors)[path]
+                sends.append((requester, _box(part_t, d["offsets"], lo, hi).contiguous()))
+            if requester == info.rank:
+                recvs.append((lister, pending[i][1]))
+        exchange_tensors(sends, recvs)
     for dst, buf in pending:
         dst.copy_(buf)
     # the digest of every tensor's global content, from the new boxes

@@ -28,12 +28,15 @@ _GLOBAL_BATCH = 6
 _SIZE = 30
 
 
-def _job(url: str, shm: str, stop_at: int | None, snapshots: bool = True) -> dict[str, Any]:
+def _job(url: str, shm: str, stop_at: int | None, snapshots: bool = True,
+         round_bytes: int | None = None) -> dict[str, Any]:
     """An own loop over a sharded model with ``ek.Checkpointer``: a snapshot every step,
     a durable checkpoint only at step 10 (the end); 'killed' (nothing closed, the
     snapshots and their streams to the next node landed) once ``state.step ==
-    stop_at``."""
+    stop_at``. ``round_bytes``: the resharding restore's bytes per round."""
     os.environ["ELASTIC_KIT_SNAPSHOT_DIR"] = shm
+    if round_bytes is not None:
+        os.environ["ELASTIC_KIT_RESHARD_ROUND_BYTES"] = str(round_bytes)
     os.environ["ELASTIC_KIT_SNAPSHOT_NODE"] = f"node{os.environ.get('GROUP_RANK', '0')}"
     torch.set_num_threads(1)
     import elastic_kit as ek
@@ -130,11 +133,13 @@ def test_same_world_size_resumes_from_memory_bitwise(tmp_path: Path, shm: str,
         (0, _SIZE, True), (1, _SIZE, True)]
 
 
-def test_node_losses_restore_from_memory_at_new_world_sizes(tmp_path: Path, shm: str,
-                                                            plain: dict[str, Any]) -> None:
+def test_node_losses_restore_from_memory_at_new_world_sizes(
+        tmp_path: Path, shm: str, plain: dict[str, Any]) -> None:
     """2 nodes -> node 0 lost -> 3 nodes -> node 2 lost -> 2 nodes, one rank each; every
     restore comes from memory (the durable store holds nothing before the end), with
-    the ranges of a lost node's shards taken from its replica on the survivor."""
+    the ranges of a lost node's shards taken from its replica on the survivor, moved
+    between the ranks in rounds of at most 256 bytes (many rounds: a wrong pairing of
+    the two ends would fail the restored content's digest)."""
     url = str(tmp_path / "run")
     run = Path(snapshot_dir(shm, "test", url))
     assert spawn_multi_process(2, _job, url, shm, 3, local_world_size=1)[0]["stopped"] == 3
@@ -143,12 +148,12 @@ def test_node_losses_restore_from_memory_at_new_world_sizes(tmp_path: Path, shm:
                                     "replicas/node0.p0": ["step-000000000002",
                                                           "step-000000000003"]}
     shutil.rmtree(run / "node0")  # node 0 is lost: its part lives on as node 1's replica
-    got = spawn_multi_process(3, _job, url, shm, 7, local_world_size=1)
+    got = spawn_multi_process(3, _job, url, shm, 7, True, 256, local_world_size=1)
     # ranks 0 and 2 run on nodes with nothing in memory: their ranges came from node 1
     assert got[0] == {"stopped": 7, "restored": 3, "from": "peer"}
     shutil.rmtree(run / "node2")  # node 2 is lost: node 0 holds its replica
     assert _parts(run, "node0")["replicas/node2.p0"][-1] == "step-000000000007"
-    last = spawn_multi_process(2, _job, url, shm, None, local_world_size=1)[0]
+    last = spawn_multi_process(2, _job, url, shm, None, True, 256, local_world_size=1)[0]
     assert (last["restored"], last["from"]) == (7, "peer")
     assert last["step"] == 10
     assert _close(last["full"], plain["full"])  # reduction order differs: not bitwise
