@@ -14,6 +14,7 @@ from __future__ import annotations
 import atexit
 import gc
 import io
+import ipaddress
 import logging
 import os
 import socket
@@ -51,6 +52,7 @@ __all__ = [
     "all_gather_object",
     "broadcast_object",
     "side_channel_host",
+    "unreachable",
     "SIDE_CHANNEL_ADDR_ENV",
     "broadcast_tensors",
     "exchange_tensors",
@@ -516,3 +518,27 @@ def side_channel_host() -> str:
         return socket.gethostbyname(socket.gethostname())
     except OSError:
         return "127.0.0.1"
+
+
+def unreachable(addresses: list[str]) -> str | None:
+    """Why peers on other nodes could not reach one of ``addresses`` (the side
+    channels' advertised hosts, one per rank), or None: a wildcard address, or a
+    loopback address beside addresses that are not (every node on one host may use
+    loopback). Host names are not judged."""
+    ips = []
+    for host in addresses:
+        try:
+            ip = ipaddress.ip_address(host)
+        except ValueError:
+            continue
+        if ip.is_unspecified:
+            return f"{host} is a wildcard address, which no peer can connect to"
+        ips.append(ip)
+    loop = [ip for ip in ips if ip.is_loopback]
+    if loop and len(loop) < len(ips):
+        other = next(ip for ip in ips if not ip.is_loopback)
+        return (f"a node advertises the loopback address {loop[0]} while another advertises "
+                f"{other} (its host name resolves to loopback, as /etc/hosts does on "
+                f"Debian): set $ELASTIC_KIT_SNAPSHOT_ADDR to each node's address on the "
+                f"network the nodes share")
+    return None

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import ipaddress
 import logging
 import secrets
 import selectors
@@ -59,12 +58,12 @@ from elastic_kit._console import exit_now
 from elastic_kit._env import non_negative_from_env
 from elastic_kit.distributed import (
     DistInfo, all_gather_object, broadcast_object, is_dist_ready, side_channel_host,
+    unreachable,
 )
 
 __all__ = [
     "DEFAULT_INTERVAL_S", "DEFAULT_TIMEOUT_S", "HELLO_TIMEOUT_S", "Heartbeat",
     "MAX_PENDING", "NONCE_BYTES", "SILENT_PEER_EXIT_CODE", "TIMEOUT_ENV", "start_heartbeat",
-    "unreachable",
 ]
 
 log = logging.getLogger(__name__)
@@ -352,30 +351,6 @@ def _recv_exactly(sock: socket.socket, n: int) -> bytes:
             raise ConnectionError("the watcher closed the connection before its greeting")
         out += chunk
     return out
-
-
-def unreachable(addresses: list[str]) -> str | None:
-    """Why peers on other nodes could not reach one of ``addresses`` (the side
-    channels' advertised hosts, one per rank), or None: a wildcard address, or a
-    loopback address beside addresses that are not (every node on one host may use
-    loopback). Host names are not judged."""
-    ips = []
-    for host in addresses:
-        try:
-            ip = ipaddress.ip_address(host)
-        except ValueError:
-            continue
-        if ip.is_unspecified:
-            return f"{host} is a wildcard address, which no peer can connect to"
-        ips.append(ip)
-    loop = [ip for ip in ips if ip.is_loopback]
-    if loop and len(loop) < len(ips):
-        other = next(ip for ip in ips if not ip.is_loopback)
-        return (f"a node advertises the loopback address {loop[0]} while another advertises "
-                f"{other} (its host name resolves to loopback, as /etc/hosts does on "
-                f"Debian): set $ELASTIC_KIT_SNAPSHOT_ADDR to each node's address on the "
-                f"network the nodes share")
-    return None
 
 
 def _drop(sel: selectors.BaseSelector, sock: socket.socket) -> None:

@@ -272,7 +272,7 @@ def test_a_peer_that_said_goodbye_and_comes_back_is_watched_again() -> None:
 
 
 def test_addresses_other_nodes_cannot_reach_are_named() -> None:
-    from elastic_kit.health._heartbeat import unreachable
+    from elastic_kit.distributed import unreachable
 
     assert unreachable(["127.0.0.1", "127.0.0.1"]) is None          # one host: fine
     assert unreachable(["10.0.0.1", "10.0.0.2", "node-3"]) is None
