@@ -24,7 +24,9 @@ from elastic_kit.store import (
     hash_flat, is_flat, map_tree, open_flat, plan_flat, release_flat, resolve_url,
     split_state, state_nbytes, target_device,
 )
-from elastic_kit.distributed import DistInfo, all_gather_object, broadcast_object, is_dist_ready
+from elastic_kit.distributed import (
+    DistInfo, all_gather_object, broadcast_object, is_dist_ready, unreachable,
+)
 from elastic_kit.errors import CheckpointError
 from elastic_kit.snapshot._private import (
     UnsafeTreeError, check_root, is_private_entry, private_dir, user_dir_name,
@@ -791,6 +793,11 @@ class SnapshotTier:
         names = [e[1] for e in writers]
         if len(writers) < 2 or len(set(names)) < len(names):
             return  # one node (or nodes that share a directory): no one to replicate to
+        why = unreachable([e[2][0] for e in writers])
+        if why is not None:  # every rank sees the same list: none replicates
+            if self.info.is_main:
+                log.warning("snapshots are not replicated to peer nodes: %s", why)
+            return
         if mine[1] not in names:
             return  # this node's local rank 0 has no receiver: it is not in the ring
         me = names.index(mine[1])
