@@ -486,12 +486,25 @@ def wrap_ddp(
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
-    """The plain module inside a DDP (or torch.compile) wrapper."""
+    """The plain module inside DDP, DataParallel and ``torch.compile`` wrappers (nested
+    in any order). Any other module is the model itself, whatever its attributes are
+    called: a user's own submodule named ``module`` is part of the model, and saving
+    only it would drop the rest."""
     while True:
-        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
-        if not isinstance(inner, nn.Module):
+        if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+            model = model.module
+        elif _is_compiled(model):
+            model = model._orig_mod
+        else:
             return model
-        model = inner
+
+
+def _is_compiled(model: nn.Module) -> bool:
+    """Whether ``model`` is ``torch.compile``'s wrapper (its class is looked at, so that
+    asking never imports ``torch._dynamo``)."""
+    cls = type(model)
+    return (cls.__name__ == "OptimizedModule" and cls.__module__.startswith("torch._dynamo")
+            and isinstance(getattr(model, "_orig_mod", None), nn.Module))
 
 
 #: Environment variable naming the address this node's side channels (the snapshot

@@ -31,6 +31,16 @@ A node that leaves on purpose (a preemption notice) has its agent leave the
 rendezvous at once, so the nodes that stay restart without waiting for its
 keep-alives to lapse (see :mod:`elastic_kit.health._agent_leave`).
 
+A forked worker starts as a copy of the agent, so it is made to start as a new process
+would (:func:`_worker_start`): torchrun's ``OMP_NUM_THREADS`` (set after the agent's
+torch had sized its thread pool) is applied, the agent's signal handlers (torch's
+SIGTERM handler, the planned leave's SIGUSR2) give way to a new process's, numpy's
+global generator is reseeded (Python's ``random`` reseeds itself), and the agent's exit
+handlers are dropped while the worker's own run when it ends (``multiprocessing`` ends
+a forked child with ``os._exit``, which skips them: the process group's teardown and
+the checkpointer's last snapshot of a failing script among them). Only the agent's own
+children are touched: a worker's DataLoader workers, forked from it, are left alone.
+
 Forked workers can use CUDA only if the agent never asked the CUDA runtime anything
 before forking them: torchrun's launch config probes ``torch.cuda.is_available()``
 (to decide on its default NUMA binding; through ``torch.accelerator`` on torch 2.14),
@@ -46,16 +56,19 @@ unavailable.
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import math
+import multiprocessing.util
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from elastic_kit.health import (
-    RDZV_TORCH_POLL_S as TORCH_POLL_S, install_agent_leave, install_rendezvous_close,
-    install_rendezvous_poll,
+    LEAVE_SIGNAL, RDZV_TORCH_POLL_S as TORCH_POLL_S, install_agent_leave,
+    install_rendezvous_close, install_rendezvous_poll, uninstall_agent_leave,
     rendezvous_max_nodes as max_nodes, rendezvous_poll_seconds as poll_seconds,
 )
 
@@ -129,6 +142,56 @@ def parse_options(argv: Sequence[str]) -> LauncherOptions:
     return LauncherOptions(modules, poll, argv)
 
 
+#: The signals whose handlers a forked worker resets to a new process's.
+_RESET_SIGNALS = ("SIGTERM", "SIGHUP", "SIGQUIT", "SIGINT")
+
+
+class _WorkerStart:
+    """What :func:`_worker_start` installs (a module-level object: ``multiprocessing``'s
+    after-fork registry holds it weakly)."""
+
+    agent_pid = -1
+
+
+_WORKER_START = _WorkerStart()
+
+
+def _worker_start() -> None:
+    """Make the agent's forked workers start as new processes would (see the module):
+    at the fork (``os.register_at_fork``) the thread count, signal handlers, numpy's
+    generator and exit handlers; at ``multiprocessing``'s start of the child, the
+    worker's own exit handlers to run when it ends. Children of other processes (a
+    worker's DataLoader workers inherit both hooks) are left alone."""
+    _WORKER_START.agent_pid = os.getpid()
+
+    def at_fork() -> None:
+        if os.getppid() != _WORKER_START.agent_pid:
+            return
+        for name in _RESET_SIGNALS:
+            sig = getattr(signal, name, None)
+            if sig is not None:
+                signal.signal(sig, signal.default_int_handler if name == "SIGINT"
+                              else signal.SIG_DFL)
+        uninstall_agent_leave()
+        threads = os.environ.get("OMP_NUM_THREADS", "")
+        torch = sys.modules.get("torch")
+        if threads.isdigit() and int(threads) > 0 and torch is not None:
+            torch.set_num_threads(int(threads))
+        numpy = sys.modules.get("numpy")
+        if numpy is not None:
+            numpy.random.seed()
+        atexit._clear()  # the agent's: a spawned worker would not have them
+
+    def at_start(_: object) -> None:
+        if os.getppid() != _WORKER_START.agent_pid:
+            return
+        # run by multiprocessing's exit in the child, before its os._exit
+        multiprocessing.util.Finalize(None, atexit._run_exitfuncs, exitpriority=0)
+
+    os.register_at_fork(after_in_child=at_fork)
+    multiprocessing.util.register_after_fork(_WORKER_START, at_start)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Import the preloads, shorten the rendezvous poll, then run torchrun's ``main``
     with the remaining arguments."""
@@ -148,6 +211,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             raise SystemExit(2) from None
     from torch.distributed.run import main as torchrun_main
 
+    _worker_start()  # forked workers start as new processes would
     install_agent_leave()  # a planned leave takes this node out of the rendezvous at once
     install_rendezvous_poll(poll)  # a restart's rendezvous ends within a poll of its state
     install_rendezvous_close()  # ... once every node of the last round is back

@@ -30,7 +30,7 @@ import threading
 import time
 from typing import Any
 
-__all__ = ["LEAVE_ENV", "LEAVE_SIGNAL", "install", "leave_rendezvous"]
+__all__ = ["LEAVE_ENV", "LEAVE_SIGNAL", "install", "leave_rendezvous", "uninstall"]
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +64,18 @@ def install() -> None:
     registry.get_rendezvous_handler = capture
     signal.signal(LEAVE_SIGNAL, _on_signal)
     os.environ[LEAVE_ENV] = LEAVE_SIGNAL.name
+
+
+def uninstall() -> None:
+    """In a worker forked from the agent: forget the agent's rendezvous handlers (their
+    store connection is the agent's; the leave is the agent's to make) and give
+    :data:`LEAVE_SIGNAL` its default action. ``$`` :data:`LEAVE_ENV` stays: it tells
+    the worker which signal makes its agent leave."""
+    global _signalled
+    _handlers.clear()
+    _signalled = False
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(LEAVE_SIGNAL, signal.SIG_DFL)
 
 
 def _on_signal(signum: int, frame: Any) -> None:

@@ -190,3 +190,30 @@ def test_a_round_that_lost_a_node_closes_once_its_keep_alives_lapse(tmp_path: Pa
         assert cluster.wait(120)[0] == 0, cluster.logs()[-6000:]
     assert [(s["node"], s["world"]) for s in started()][2:] == [(0, 1)], started()
     assert started()[2]["t"] - killed_at < LAST_CALL_S - 5, (killed_at, started())
+
+
+def test_forked_workers_start_as_new_processes_would(tmp_path) -> None:
+    """Workers forked from the agent: torchrun's thread count applies (the agent's torch
+    sized its pool before torchrun set OMP_NUM_THREADS), the agent's signal handlers are
+    gone, numpy's generator differs per worker, and the worker's exit handlers run at
+    its end (multiprocessing ends a forked child with os._exit)."""
+    script = tmp_path / "probe.py"
+    script.write_text(
+        "import atexit, json, os, signal, numpy, torch\n"
+        "rank = os.environ['RANK']\n"
+        f"out = {str(tmp_path)!r}\n"
+        "facts = {'threads': torch.get_num_threads(), 'omp': os.environ.get('OMP_NUM_THREADS'),\n"
+        "         'sigterm': signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,\n"
+        "         'sigusr2': signal.getsignal(signal.SIGUSR2) == signal.SIG_DFL,\n"
+        "         'draw': float(numpy.random.random_sample())}\n"
+        "open(os.path.join(out, f'facts{rank}.json'), 'w').write(json.dumps(facts))\n"
+        "atexit.register(lambda: open(os.path.join(out, f'exited{rank}'), 'w').close())\n")
+    out = _launch("--standalone", "--nproc-per-node=2", "--start-method=fork",
+                  "--run-path", str(script))
+    assert out.returncode == 0, out.stderr[-3000:]
+    facts = [json.loads((tmp_path / f"facts{r}.json").read_text()) for r in (0, 1)]
+    for f in facts:
+        assert f["omp"] == "1" and f["threads"] == 1, f
+        assert f["sigterm"] and f["sigusr2"], f
+    assert facts[0]["draw"] != facts[1]["draw"]
+    assert (tmp_path / "exited0").exists() and (tmp_path / "exited1").exists()

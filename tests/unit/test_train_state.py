@@ -262,3 +262,32 @@ def test_state_dict_of_an_unsharded_model_does_not_walk_its_parameters(
     assert set(sd["model"]) == {"0.weight", "0.bias", "2.weight", "2.bias"}
     assert torch.equal(sd["model"]["0.weight"], state.model[0].weight)
     assert sd["optimizer"]["state"][0]["exp_avg"].shape == (3, 4)
+
+
+class _WithModuleAttr(torch.nn.Module):
+    """A user's model whose own submodule is called ``module``, like DDP's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.module = torch.nn.Linear(3, 3)
+        self.head = torch.nn.Linear(3, 1)
+
+
+def test_a_submodule_named_module_is_part_of_the_model_not_a_wrapper() -> None:
+    from elastic_kit.distributed import unwrap_model
+
+    model = _WithModuleAttr()
+    assert unwrap_model(model) is model
+    saved = TrainState(model).state_dict()["model"]
+    assert sorted(saved) == sorted(model.state_dict())
+    assert "head.weight" in saved
+
+
+def test_wrappers_are_unwrapped_nested() -> None:
+    from elastic_kit.distributed import unwrap_model
+
+    inner = _WithModuleAttr()
+    wrapped = torch.nn.DataParallel(torch.nn.DataParallel(inner))
+    assert unwrap_model(wrapped) is inner
+    compiled = torch.compile(inner)
+    assert unwrap_model(compiled) is inner and unwrap_model(torch.nn.DataParallel(compiled)) is inner
