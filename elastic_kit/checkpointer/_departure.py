@@ -98,11 +98,15 @@ class Departure:
         close()
         step_kept = "a durable checkpoint" if everyone else "memory on the nodes that stay"
         if info.node_rank in leaving:
+            stopped = True
             if info.is_local_main:
                 say(log, "this node leaves at step %d (%s): the state is in %s", step, what,
                     step_kept)
-                _stop_agent(info)
-            raise SystemExit(exit_code if everyone else 0)
+                stopped = _stop_agent(info)
+            # a worker that ends with 0 under an agent that goes on tells it the job is
+            # done, and the agent closes the rendezvous for every node: without a stopped
+            # agent, fail, and the group restarts (with this node, until it is gone)
+            raise SystemExit(exit_code if everyone or not stopped else 0)
         if info.is_main:
             say(log, "node(s) %s leave at step %d (%s): the state is in %s; restarting "
                 "without them (status %d)", leaving, step, what, step_kept, exit_code)
@@ -112,13 +116,34 @@ class Departure:
 _AGENT_MODULES = (b"torch.distributed.run", b"torch.distributed.launch", b"elastic_kit.run")
 
 
+#: The interpreter's options that take the next argument as their value.
+_PYTHON_VALUE_OPTIONS = (b"-X", b"-W", b"--check-hash-based-pycs")
+
+
+def _python_module(argv: list[bytes]) -> bytes | None:
+    """The module of ``python [options] -m MODULE ...`` (the interpreter's options read
+    as Python reads them: up to the first argument that is not one), else None."""
+    i = 1
+    while i < len(argv):
+        a = argv[i]
+        if a == b"-m":
+            return argv[i + 1] if i + 1 < len(argv) else None
+        if a in _PYTHON_VALUE_OPTIONS:
+            i += 2
+            continue
+        if not a.startswith(b"-") or a == b"-" or a == b"-c":
+            return None  # a script, stdin or a command: no module
+        i += 1
+    return None
+
+
 def _is_agent(argv: list[bytes]) -> bool:
-    """``torchrun ...``, ``python /path/torchrun ...`` or ``python -m <launcher> ...``
-    (exactly: a test file under ``tests/torchrun/`` on a command line is no agent)."""
+    """``torchrun ...``, ``python /path/torchrun ...`` or ``python [options] -m
+    <launcher> ...`` (exactly: a test file under ``tests/torchrun/`` on a command line
+    is no agent)."""
     if any(os.path.basename(a) == b"torchrun" for a in argv[:2]):
         return True
-    return any(a == b"-m" and i + 1 < len(argv) and argv[i + 1] in _AGENT_MODULES
-               for i, a in enumerate(argv[:4]))
+    return _python_module(argv) in _AGENT_MODULES
 
 
 def torchrun_agent_pid(pid: int | None = None, *, proc: str = "/proc",
@@ -148,8 +173,9 @@ def torchrun_agent_pid(pid: int | None = None, *, proc: str = "/proc",
     return None
 
 
-def _stop_agent(info: DistInfo) -> None:
-    """Stop this worker's torchrun agent without closing the rendezvous.
+def _stop_agent(info: DistInfo) -> bool:
+    """Stop this worker's torchrun agent without closing the rendezvous; whether it
+    was told to (False: none found, or the signal failed).
 
     An agent started by ``python -m elastic_kit.run`` is sent the launcher's leave
     signal: it leaves the rendezvous at once, then stops (see
@@ -159,9 +185,10 @@ def _stop_agent(info: DistInfo) -> None:
     rendezvous drops the node once its keep-alives lapse."""
     agent = torchrun_agent_pid() if info.under_torchrun else None
     if agent is None:
-        log.warning("no torchrun agent found above this worker: the node leaves when its "
-                    "workers exit")
-        return
+        log.warning("no torchrun agent found above this worker: it cannot take the node "
+                    "out of the job; the workers fail, so that the group restarts rather "
+                    "than ends")
+        return False
     leave = _leave_signal(agent)
     say(log, "stopping its torchrun agent (pid %d): the node leaves the rendezvous%s", agent,
         " at once" if leave is not None else "")
@@ -169,11 +196,12 @@ def _stop_agent(info: DistInfo) -> None:
         os.kill(agent, signal.SIGTERM if leave is None else leave)
     except OSError as e:
         log.warning("could not stop the torchrun agent (pid %d): %r", agent, e)
-        return
+        return False
     if leave is not None:
         deadline = time.monotonic() + AGENT_STOP_WAIT_S
         while time.monotonic() < deadline and os.path.exists(f"/proc/{agent}"):
             time.sleep(0.02)  # the agent SIGTERMs this worker once it left
+    return True
 
 
 #: Seconds a leaving worker waits for its agent (started by ``elastic_kit.run``) to
@@ -192,6 +220,4 @@ def _leave_signal(agent: int) -> int | None:
             argv = f.read().split(b"\0")
     except OSError:
         return None
-    launcher = any(a == b"-m" and i + 1 < len(argv) and argv[i + 1] == b"elastic_kit.run"
-                   for i, a in enumerate(argv[:4]))
-    return LEAVE_SIGNAL if launcher else None
+    return LEAVE_SIGNAL if _python_module(argv) == b"elastic_kit.run" else None

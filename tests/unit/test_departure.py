@@ -72,3 +72,45 @@ def test_the_agents_leave_signal_starts_one_leave_however_often_it_comes(monkeyp
     _agent_leave._on_signal(0, None)
     _agent_leave._on_signal(0, None)
     assert started == ["ek-agent-leave"]
+
+
+def test_an_agent_started_with_interpreter_options_is_found(tmp_path: Path) -> None:
+    for pid, argv in enumerate([
+            ["python", "-X", "dev", "-W", "error", "-m", "elastic_kit.run", "t.py"],
+            ["python", "-u", "-Xfrozen_modules=off", "-B", "-m", "torch.distributed.run", "t.py"]],
+            start=40):
+        _proc(tmp_path, pid, 1, argv)
+        _proc(tmp_path, pid + 100, pid, ["python", "t.py"])
+        assert torchrun_agent_pid(pid + 100, proc=str(tmp_path)) == pid, argv
+    # a module named after the script, or in a command, runs no launcher
+    for pid, argv in enumerate([["python", "t.py", "-m", "elastic_kit.run"],
+                                ["python", "-c", "x", "-m", "elastic_kit.run"]], start=60):
+        _proc(tmp_path, pid, 1, argv)
+        _proc(tmp_path, pid + 100, pid, ["python", "t.py"])
+        assert torchrun_agent_pid(pid + 100, proc=str(tmp_path)) is None, argv
+
+
+def test_a_leave_without_an_agent_to_stop_fails_the_workers(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A worker that ends with 0 under an agent that goes on tells it the job is done
+    (the agent then closes the rendezvous for every node): a leaving worker whose agent
+    could not be found fails instead, and the group restarts."""
+    from elastic_kit.checkpointer import _departure
+    from elastic_kit.distributed import DistInfo
+
+    import pytest
+
+    monkeypatch.setattr(_departure, "torchrun_agent_pid", lambda: None)
+    monkeypatch.setattr(DistInfo, "under_torchrun", property(lambda self: True))
+    # two nodes: this one (0) was told it will go, node 1 stays
+    monkeypatch.setattr(_departure, "is_dist_ready", lambda: True)
+    monkeypatch.setattr(_departure, "all_gather_object",
+                        lambda mine: [mine, (1, None)])
+    info = DistInfo(rank=0, world_size=2, num_nodes=2, run_id="job")
+    watch = _departure.Departure.__new__(_departure.Departure)
+    watch.notice = "signal SIGTERM"
+    done: list[str] = []
+    with pytest.raises(SystemExit) as leaving:
+        watch.leave(info, 7, snapshot=lambda: done.append("snapshot") or True,
+                    save=lambda: done.append("save"), close=lambda: done.append("close"),
+                    exit_code=143)
+    assert leaving.value.code == 143 and done == ["snapshot", "close"]
