@@ -122,6 +122,9 @@ class Checkpointer(Lifecycle):
         self.loaded: LoadedCheckpoint | None = None
         self.restored_step: int | None = None
         self._last_saved_step: int | None = None
+        #: the step of the newest checkpoint known committed in the durable store (a
+        #: blocking save, or the store's restore), for the last step written at exit
+        self._committed_step: int | None = None
         self._hooks = Hooks()  # the SIGTERM flag and the optimizer's pre-hook
         # the flag exchange, the one step-time estimate, the save and snapshot intervals
         self._departure = Departure(enabled=config.handle_preemption)  # a planned leave
@@ -168,7 +171,8 @@ class Checkpointer(Lifecycle):
                 _restore.own_cpu_optimizer_state(state, loaded.state)
             state.load_state_dict(loaded.state)
             self.restored_step = int(loaded.step)
-            self._last_saved_step = self.restored_step
+            if self.restored_from == "store":  # from memory: saved nowhere durable yet
+                self._last_saved_step = self._committed_step = self.restored_step
         _restore.resume(state, info, loaded, self.restored_step, self.restored_from,
                         self.snapshots, self.finish_audit)
         if loaded is not None:
@@ -332,6 +336,8 @@ class Checkpointer(Lifecycle):
         _saving.save_durable(self.store, self.state, self.info, blocking=blocking,
                              overlap_staging=self.overlap_staging)
         self._last_saved_step = self.state.step
+        if blocking:  # the ranks agreed it committed (a non-blocking one: not yet)
+            self._committed_step = self.state.step
         self._cadence.saved()
 
     def snapshot(self) -> None:

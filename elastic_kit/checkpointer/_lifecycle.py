@@ -17,7 +17,7 @@ from elastic_kit._console import exit_now, say
 
 import elastic_kit.health as health
 from elastic_kit.checkpointer import _saving
-from elastic_kit.distributed import is_dist_ready
+from elastic_kit.distributed import all_reduce_max, is_dist_ready
 from elastic_kit.state import plain_rng_state
 
 if TYPE_CHECKING:
@@ -57,6 +57,7 @@ class Lifecycle:
     info: DistInfo
     _owns_store: bool
     _last_saved_step: int | None
+    _committed_step: int | None
     _hooks: Hooks
     _cadence: Cadence
     _heartbeat: Heartbeat | None
@@ -85,7 +86,10 @@ class Lifecycle:
 
     @property
     def last_saved_step(self) -> int | None:
-        """The step of the newest checkpoint committed or restored here, or None."""
+        """The step of the newest durable checkpoint saved (a non-blocking one: handed
+        to the store, committed by the next save or ``close``) or restored from the
+        durable store here, or None. A restore from memory does not count: that state
+        is in no durable checkpoint yet."""
         return self._last_saved_step
 
     def close(self) -> None:
@@ -93,13 +97,26 @@ class Lifecycle:
 
         Collective. Closes the store when the checkpointer made it from a URL, and
         removes this run's in-memory snapshots (training is over: the durable store
-        holds the result). Safe to call twice.
+        holds the result), except where the run ends at the step a restore from memory
+        put it at and nothing saved it since (it was killed in its final save): that
+        state is nowhere else, and its snapshots stay (with a warning). Safe to call
+        twice.
         """
         self._close(remove_snapshots=True)
 
     def _close(self, *, remove_snapshots: bool) -> None:
         if not self._hooks.close():
             return
+        if (remove_snapshots and self.restored_from in ("memory", "peer")
+                and self.restored_step == self.state.step
+                and self._last_saved_step != self.state.step):
+            # the run ended where a restore from memory put it (killed in its final
+            # save, restarted with nothing left to train): that state is nowhere else
+            remove_snapshots = False
+            if self.info.is_main:
+                log.warning("step %d was restored from memory and not saved since: its "
+                            "snapshots are kept (ckpt.save() before close() writes it to "
+                            "the durable store)", self.state.step)
         self._stop_heartbeat()
         if is_dist_ready():
             self._cadence.resolve()
@@ -222,7 +239,9 @@ class Lifecycle:
             else None
         # A snapshot of the step taken but not written yet is replaced (queued) or
         # followed (being written) by this one: its audit sum may never arrive.
-        if tier is None or mark is None or mark.step == self._last_saved_step or \
+        # (a non-blocking save of the step counts only once it is known committed: the
+        # writer may be the peer that died with it in flight)
+        if tier is None or mark is None or mark.step == self._committed_step or \
                 mark.step in tier.written:
             return
         try:
@@ -251,6 +270,12 @@ class Lifecycle:
             log.warning("no snapshot of step %d at exit: %r", mark.step, e)
 
     def _exit_after_save(self) -> None:
+        store = self.store
+        earlier = getattr(store, "take_pending_error", None)
+        failed = earlier() if callable(earlier) else None
+        if failed is not None:  # said here; the save below is this exit's own attempt
+            log.warning("an earlier background checkpoint failed: %r; saving step %d now",
+                        failed, self.state.step)
         self.save(blocking=True)
         if self.info.is_main:
             say(log, "SIGTERM: checkpoint step %d saved; exiting with status %d so "
@@ -261,7 +286,10 @@ class Lifecycle:
     def _leave(self) -> None:
         def snapshot() -> bool:
             self.snapshot()
-            return self.snapshots is not None and self.snapshots.enabled
+            # only the writing ranks learn that snapshots failed: every rank must take
+            # the same branch (a durable save is collective)
+            off = int(self.snapshots is None or not self.snapshots.enabled)
+            return not (all_reduce_max(off) if is_dist_ready() else off)
 
         self._departure.leave(self.info, self.state.step, snapshot=snapshot, save=self.save,
                               close=lambda: self._close(remove_snapshots=False),

@@ -261,6 +261,15 @@ class CheckpointStore:
                       self.url, err)
         return err
 
+    def take_pending_error(self) -> BaseException | None:
+        """Join the in-flight non-blocking write and return (and forget) its error, or
+        an earlier background failure, without raising: for a caller about to save
+        again that reports it itself (a SIGTERM's last save, which a failure of the
+        save before must not prevent). A conflict with another job stays."""
+        err = self._take_pending() or self._error
+        self._error = None
+        return err
+
     def _raise_pending(self) -> None:
         err = self._take_pending() or self._error
         self._error = None
