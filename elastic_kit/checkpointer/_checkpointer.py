@@ -250,6 +250,7 @@ class Checkpointer(Lifecycle):
         if n < 0:
             raise ValueError(f"step(n={n}): n must be >= 0 (this rank's samples in the step)")
         self.state.step += 1
+        self._hooks.follow(self.state.optimizer)  # a new optimizer since the restore
         self._progress.advance(n, audited=self.audit != "off")
         self._step_end.record()
         # an unheard SIGTERM waits two steps' time (5-15 s): one long backward pass is
@@ -333,6 +334,7 @@ class Checkpointer(Lifecycle):
         self._progress.sync_audit(self.audit)
         if self.store is None:
             return
+        self._hooks.follow(self.state.optimizer)  # its step must wait for the copies
         _saving.save_durable(self.store, self.state, self.info, blocking=blocking,
                              overlap_staging=self.overlap_staging)
         self._last_saved_step = self.state.step
@@ -350,6 +352,7 @@ class Checkpointer(Lifecycle):
         if self.snapshots is None:
             return
         t0 = time.perf_counter()
+        self._hooks.follow(self.state.optimizer)  # its step must wait for the copies
         writes = self.snapshots.writes
         # The state is taken before the audit's sum is started (taking it folds the
         # previous sum in); the writer thread adds this one, which training never waits for.

@@ -33,6 +33,9 @@ class Hooks:
         #: set by SIGTERM (when installed) or by a request to stop
         self.stop = TerminationFlag()
         self._step_hook: Any = None
+        #: the optimizer the pre-hook is on (compared by identity), and the hook
+        self._optimizer: Any = None
+        self._wait_staged: Callable[..., None] | None = None
         self._at_exit: Callable[[], None] | None = None
         self.closed = False
         # the training thread and the heartbeat's (a silent peer) may close at once
@@ -54,9 +57,25 @@ class Hooks:
             self.stop.install()
         if optimizer is not None and self._step_hook is None:
             self._step_hook = optimizer.register_step_pre_hook(wait_staged)
+            self._optimizer, self._wait_staged = optimizer, wait_staged
         if at_exit is not None and self._at_exit is None:
             self._at_exit = _weakly(at_exit)
             atexit.register(self._at_exit)
+
+    def follow(self, optimizer: torch.optim.Optimizer | None) -> None:
+        """Move the pre-hook to ``optimizer`` when it is not the one hooked (the train
+        state was given another optimizer after the restore: a new phase of training),
+        so that a background copy is still waited for before its steps. A cheap
+        identity check otherwise (called at every step)."""
+        if (optimizer is self._optimizer or optimizer is None or self._step_hook is None
+                or self._wait_staged is None):
+            return
+        with self._lock:
+            if self.closed or self._step_hook is None:
+                return
+            self._step_hook.remove()
+            self._step_hook = optimizer.register_step_pre_hook(self._wait_staged)
+            self._optimizer = optimizer
 
     def close(self, *, keep_signals: bool = False, keep_step_hook: bool = False) -> bool:
         """Remove the hooks; False when they were already removed (nothing to do).
@@ -79,6 +98,7 @@ class Hooks:
         if self._step_hook is not None and not keep_step_hook:
             self._step_hook.remove()
             self._step_hook = None
+            self._optimizer = None
         if not keep_signals:
             self.stop.uninstall()
         return True

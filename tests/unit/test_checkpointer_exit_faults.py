@@ -128,3 +128,38 @@ def test_a_planned_leave_chooses_like_every_other_rank(
     assert chosen == [False, True]
     monkeypatch.undo()
     ck.close()
+
+
+def test_an_optimizer_given_after_the_restore_waits_for_a_background_copy(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pre-hook that holds the optimizer's step until a non-blocking save copied
+    the parameters moves to an optimizer the state is given later (a new phase)."""
+    import threading
+
+    torch.manual_seed(0)
+    m = torch.nn.Linear(256, 256)
+    state = ek.TrainState(m, torch.optim.SGD(m.parameters(), lr=0.1))
+    ck = ek.Checkpointer(state, str(tmp_path / "s"), handle_signals=False,
+                         heartbeat_timeout=0, handle_preemption=False)
+    ck.restore()
+    state.optimizer = later = torch.optim.SGD(m.parameters(), lr=1.0)
+    assert ck.store is not None
+    gate = threading.Event()
+    stage = ck.store._stage_write_retain
+
+    def held(*a: Any, **k: Any) -> Any:  # the copy waits on the writer thread a while
+        gate.wait(30)
+        return stage(*a, **k)
+
+    monkeypatch.setattr(ck.store, "_stage_write_retain", held)
+    threading.Timer(0.5, gate.set).start()
+    before = m.weight.detach().clone()
+    state.step = 1
+    ck.save(blocking=False)
+    m(torch.randn(4, 256)).sum().backward()
+    later.step()                              # waits for the copy, then changes the weight
+    ck.store.wait()
+    saved = ek.CheckpointStore(str(tmp_path / "s")).load()
+    assert saved is not None and torch.equal(saved.state["model"]["weight"], before)
+    assert not torch.equal(m.weight.detach(), before)
+    ck.close()
