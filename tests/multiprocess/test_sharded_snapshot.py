@@ -66,11 +66,7 @@ def _job(url: str, shm: str, stop_at: int | None, snapshots: bool = True,
             opt.step()
             opt.zero_grad()
             ckpt.step(len(x))
-            tier = ckpt.snapshots
-            if first_direct is None and tier is not None and tier.cost_s is not None:
-                # the snapshots taken so far (one, or two at an epoch's end) went straight
-                # into a file
-                first_direct = tier.direct == len(tier._costs)
+            first_direct = _first_direct(ckpt, first_direct)
             if state.step == stop_at:
                 tier = ckpt.snapshots
                 assert tier is not None and tier.sharded
@@ -79,10 +75,22 @@ def _job(url: str, shm: str, stop_at: int | None, snapshots: bool = True,
                 return {"stopped": state.step, "restored": ckpt.restored_step,
                         "from": ckpt.restored_from}
         ckpt.end_epoch()
+        # the epoch's snapshot may be the first after the restore: judged now, before
+        # the next step's, which may come while this one is still written
+        first_direct = _first_direct(ckpt, first_direct)
     full = _full(model, opt)
     ckpt.close()
     return {"full": full, "report": state.run_report(), "restored": ckpt.restored_step,
             "from": ckpt.restored_from, "step": state.step, "first_direct": first_direct}
+
+
+def _first_direct(ckpt: Any, seen: bool | None) -> bool | None:
+    """Whether the first snapshot after the restore went straight into a file (None
+    until it was taken; judged once)."""
+    tier = ckpt.snapshots
+    if seen is not None or tier is None or tier.cost_s is None:
+        return seen
+    return tier.direct == len(tier._costs)
 
 
 @pytest.fixture(scope="module")
