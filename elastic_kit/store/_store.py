@@ -271,8 +271,7 @@ class CheckpointStore:
         return err
 
     def _raise_pending(self) -> None:
-        err = self._take_pending() or self._error
-        self._error = None
+        err = self.take_pending_error()
         if err is not None:
             raise err
         if self._conflict is not None:

@@ -39,6 +39,15 @@ def _pair(timeout_s: float, interval_s: float) -> tuple[Heartbeat, Heartbeat, Si
     return watcher, beater, silences
 
 
+def _watcher(timeout_s: float, interval_s: float = 0.02) -> tuple[Heartbeat, Silences]:
+    """Rank 1 watching rank 0 on loopback, and what it reports silent."""
+    silences = Silences()
+    watcher = Heartbeat(rank=1, send_to=None, watch=0, token=TOKEN, label=LABEL,
+                        timeout_s=timeout_s, interval_s=interval_s, on_silent=silences,
+                        host="127.0.0.1").start()
+    return watcher, silences
+
+
 def _hello(src: int, dst: int, nonce: bytes, token: bytes = TOKEN) -> bytes:
     return src.to_bytes(4, "big", signed=True) + hello_mac(token, LABEL, src, dst, nonce)
 
@@ -78,10 +87,7 @@ def test_a_beating_peer_is_never_silent_and_its_goodbye_ends_the_watch() -> None
 
 
 def test_a_peer_that_authenticates_then_goes_silent_is_reported_once() -> None:
-    silences = Silences()
-    watcher = Heartbeat(rank=1, send_to=None, watch=0, token=TOKEN, label=LABEL,
-                        timeout_s=0.4, interval_s=0.02, on_silent=silences,
-                        host="127.0.0.1").start()
+    watcher, silences = _watcher(timeout_s=0.4)
     try:
         with _authenticated(watcher, b"..."):
             assert silences.event.wait(10.0)
@@ -216,10 +222,7 @@ def test_a_cut_connection_is_made_again_by_the_beater_and_watched_again() -> Non
             beater.close()
     # The watcher's side: a peer that came back is watched again (and its later
     # silence noticed), not forgotten as gone.
-    silences = Silences()
-    watcher = Heartbeat(rank=1, send_to=None, watch=0, token=TOKEN, label=LABEL,
-                        timeout_s=0.4, interval_s=0.02, on_silent=silences,
-                        host="127.0.0.1").start()
+    watcher, silences = _watcher(timeout_s=0.4)
     try:
         with _authenticated(watcher, b".."):
             time.sleep(0.1)
@@ -255,10 +258,7 @@ def test_closing_wakes_the_watcher_instead_of_waiting_for_its_next_look(
 def test_a_peer_that_said_goodbye_and_comes_back_is_watched_again() -> None:
     """A goodbye ends the watch of that connection only: the peer's next authenticated
     connection is watched, and its silence noticed."""
-    silences = Silences()
-    watcher = Heartbeat(rank=1, send_to=None, watch=0, token=TOKEN, label=LABEL,
-                        timeout_s=0.4, interval_s=0.02, on_silent=silences,
-                        host="127.0.0.1").start()
+    watcher, silences = _watcher(timeout_s=0.4)
     try:
         with _authenticated(watcher, b"..x"):
             time.sleep(0.2)
