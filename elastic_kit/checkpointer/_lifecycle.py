@@ -117,12 +117,23 @@ class Lifecycle:
                 log.warning("step %d was restored from memory and not saved since: its "
                             "snapshots are kept (ckpt.save() before close() writes it to "
                             "the durable store)", self.state.step)
-        self._stop_heartbeat()
-        if is_dist_ready():
-            self._cadence.resolve()
-        if self.store is not None:
-            _saving.close_store(self.store, self.snapshots, self.info,
-                                remove_snapshots=remove_snapshots, owns_store=self._owns_store)
+        try:
+            self._stop_heartbeat()
+            if is_dist_ready():
+                self._cadence.resolve()
+            if self.store is not None:
+                _saving.close_store(self.store, self.snapshots, self.info,
+                                    remove_snapshots=remove_snapshots,
+                                    owns_store=self._owns_store)
+        except BaseException:
+            # a collective failed (a peer died as training ended) or the last save
+            # did: the hooks are gone, so no abandon follows (the ``with`` block's
+            # nor the one at exit); this rank's own writes still finish here, as
+            # when abandoning, before the error reaches the script (the writers are
+            # daemon threads: the process's exit would cut a write off)
+            self._cadence.abandon(settle=False)
+            _saving.abandon(self.store, self.snapshots)
+            raise
 
     def abandon(self) -> None:
         """Close on this rank alone, while an exception propagates (possibly on this
@@ -135,14 +146,17 @@ class Lifecycle:
         # SIGTERM (torchrun stopping the group, likely now: a peer failed) is only
         # noted until what this rank took, and its last step, are written; then the
         # exchange in flight is let go.
-        if not self._hooks.close(keep_signals=True):
+        with self._leave_lock:  # closed and abandoning at once, for a leave's write
+            closed = self._hooks.close(keep_signals=True)
+            if closed:
+                self._abandoning.set()
+        if not closed:
             if self._leaving.is_set():
                 # another thread writes the last step (the heartbeat's, the SIGTERM
                 # watcher's) and then ends the process: this one, on its way out
                 # (an exception, the interpreter's exit), must not end it first
                 self._left.wait(SILENT_EXIT_WRITE_S)
             return
-        self._abandoning.set()
         try:
             self._stop_heartbeat()
             # the audit sum of a snapshot in flight: a dead peer never joins it
@@ -200,7 +214,9 @@ class Lifecycle:
 
         def write() -> None:
             try:
-                if self._hooks.close(keep_signals=True, keep_step_hook=True):
+                with self._leave_lock:  # abandon closes the hooks and says so at once
+                    mine = self._hooks.close(keep_signals=True, keep_step_hook=True)
+                if mine:
                     self._progress.give_up_audit_sum(grace=AUDIT_GRACE_S)
                     self._snapshot_at_exit()
                     if self.snapshots is not None:

@@ -163,3 +163,29 @@ def test_an_optimizer_given_after_the_restore_waits_for_a_background_copy(
     assert saved is not None and torch.equal(saved.state["model"]["weight"], before)
     assert not torch.equal(m.weight.detach(), before)
     ck.close()
+
+
+def test_a_close_that_fails_in_its_collective_still_lets_this_ranks_writes_finish(
+        shm: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``close()`` whose first collective fails (a peer died at the end of training)
+    raises, and its ``with`` block does not abandon: the snapshot being written
+    still commits and the writer threads stop, as when abandoning (they are daemon
+    threads: the process's exit would otherwise cut the write off)."""
+    m, o = _model()
+    ck = ek.Checkpointer(ek.TrainState(m, o), str(tmp_path / "store"),
+                         handle_signals=False, snapshot_every=1)
+    ck.restore()
+    _train(m, o, ck, 3)
+    monkeypatch.setattr(lifecycle, "is_dist_ready", lambda: True)
+
+    def peer_gone() -> Any:
+        raise RuntimeError("connection closed by peer")
+
+    monkeypatch.setattr(ck._cadence, "resolve", peer_gone)
+    with pytest.raises(RuntimeError, match="closed by peer"):
+        ck.close()
+    assert ck.snapshots is not None and ck.snapshots.written[-1] == 3
+    assert not [t.name for t in __import__("threading").enumerate()
+                if t.name.startswith("ek-ckpt-snapshot")]
+    ck.abandon()                             # the at-exit handler's call: nothing left
+    ck.close()

@@ -70,3 +70,30 @@ def test_a_leave_waits_for_the_last_step_the_training_threads_abandon_writes(
     assert events == ["written", "left"]            # the process ends after the write
     abandoning.join(30)
     assert not abandoning.is_alive()
+
+
+def test_a_leave_right_after_abandon_closed_the_hooks_still_waits_for_its_write(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The leave starts in the instant between abandon closing the hooks and saying
+    it abandons: it must still wait for abandon's write, not end the process."""
+    ck = _checkpointer(tmp_path)
+    events: list[str] = []
+    gate = _held_write(ck, monkeypatch, events)
+    close = ck._hooks.close
+    leaving: list[threading.Thread] = []
+
+    def close_then_leave(**kw: bool) -> bool:
+        closed = close(**kw)
+        if closed and threading.current_thread() is threading.main_thread():
+            t = threading.Thread(target=ck._leave_alone,
+                                 args=("test", lambda: events.append("left")))
+            t.start()
+            leaving.append(t)
+            t.join(1.0)                             # a leave here must not finish
+        return closed
+
+    monkeypatch.setattr(ck._hooks, "close", close_then_leave)
+    threading.Timer(0.3, gate.set).start()
+    ck.abandon()
+    leaving[0].join(30)
+    assert events == ["written", "left"]
