@@ -40,7 +40,10 @@ class Flags(NamedTuple):
     ``stop``: a rank received SIGTERM; ``save_due``: rank 0's clock says a timed save
     is due; ``snapshot_every`` and ``exchange_every``: rank 0's proposed intervals
     (the other ranks send zeros, so the sum is rank 0's proposal; 0: no proposal);
-    ``leave``: ranks told their node will go (a preemption notice: a planned leave).
+    ``leave``: ranks told their node will go (a preemption notice: a planned leave);
+    ``held_older`` and ``held_newer``: ranks holding their part of the second newest
+    and the newest snapshot step taken (a sharded state, see
+    :meth:`~elastic_kit.snapshot.SnapshotTier.part_report`).
     """
 
     stop: float = 0.0
@@ -48,6 +51,8 @@ class Flags(NamedTuple):
     snapshot_every: float = 0.0
     exchange_every: float = 0.0
     leave: float = 0.0
+    held_older: float = 0.0
+    held_newer: float = 0.0
 
 
 #: No flags: what the steps between two exchanges see.
@@ -157,6 +162,8 @@ class Cadence:
         tier = self._tier()
         if tier is not None and flags.snapshot_every >= 1:
             tier.interval = int(flags.snapshot_every)
+        if tier is not None:
+            tier.parts_agreed((flags.held_older, flags.held_newer), self.info.world_size)
 
     def local_flags(self) -> Flags:
         """This rank's flags; only rank 0 proposes intervals (the others send zeros).
@@ -180,8 +187,10 @@ class Cadence:
             self._hooks_s = 0.0
             exchange_every = max(1, min(MAX_EXCHANGE_EVERY, int(
                 EXCHANGE_PERIOD_S / self.step_s))) if self.step_s else 1
+        tier = self._tier()
+        held = tier.part_report() if tier is not None else (0.0, 0.0)
         return Flags(float(self._stop.is_set()), float(time_due), float(snap_every),
-                     float(exchange_every), float(self._leaving()))
+                     float(exchange_every), float(self._leaving()), *held)
 
     def exclude_time(self, seconds: float) -> None:
         """Keep ``seconds`` (spent in a user hook: validation, logging) out of the

@@ -51,7 +51,7 @@ import socket
 import threading
 import time
 import uuid
-from typing import Any
+from typing import Any, Callable
 
 from elastic_kit.distributed import SIDE_CHANNEL_ADDR_ENV, side_channel_host
 from elastic_kit.snapshot._private import is_private_entry, private_dir
@@ -253,10 +253,15 @@ class ReplicaReceiver:
             another run are refused.
         token: the group's token; streams carrying another token are refused.
         host: the address to listen on (port: any free one, see :attr:`port`).
+        keep_parts: the steps of a node's parts to keep besides the newest
+            :data:`PART_REPLICAS` (the newest step every rank holds its part of, and
+            those that may become it: see ``SnapshotTier.parts_kept``).
     """
 
-    def __init__(self, node_dir: str, *, run: str, token: str, host: str) -> None:
+    def __init__(self, node_dir: str, *, run: str, token: str, host: str,
+                 keep_parts: Callable[[], set[int]] = set) -> None:
         self.node_dir = node_dir
+        self._keep_parts = keep_parts
         self.dir = os.path.join(node_dir, REPLICAS)
         self.run, self.token = run, token
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -521,11 +526,13 @@ class ReplicaReceiver:
             names = os.listdir(root) if is_private_entry(root) else []
             steps[src] = sorted(n for n in map(parse_step_dir, names) if n is not None)
         own_parts = [s for s in steps if dot and s.partition(".")[0] == node]
+        also = self._keep_parts() if own_parts else set()
         for src in os.listdir(self.dir):
             root = os.path.join(self.dir, src)
             keep: set[str] = set()
             if src in own_parts:
-                keep = {step_dir_name(n) for n in steps[src][-PART_REPLICAS:]}
+                keep = {step_dir_name(n) for n in steps[src]
+                        if n in steps[src][-PART_REPLICAS:] or n in also}
             elif src == source:
                 keep = {step_dir_name(step)}
             for name in os.listdir(root) if is_private_entry(root) else ():

@@ -12,6 +12,7 @@ import secrets
 import shutil
 import socket
 import statistics
+import threading
 import time
 from typing import Any, Callable, Iterable
 
@@ -94,6 +95,10 @@ IDENTITY_KEY = "elastic_kit_run_identity"
 #: :meth:`SnapshotTier._skip_for_pinned_buffers`).
 PINNED_STAGING_MAX_BYTES = 256 << 20
 #: A rank's part directory in a node's snapshot directory (sharded state).
+#: How many of the newest snapshot steps a sharded state's part reports at each flag
+#: exchange (whether this rank holds its part of them; see
+#: :meth:`SnapshotTier.part_report`).
+PART_REPORT = 2
 _PART_DIR = re.compile(r"p[0-9]{1,5}")
 
 
@@ -250,6 +255,18 @@ class SnapshotTier:
         #: since a complete snapshot needs every rank's part of one step, and the
         #: other nodes' parts (or their replicas) may not have reached the newest yet
         self._kept = 2 if sharded else 1
+        #: a part's steps beyond those: the newest step every rank is known to hold
+        #: its part of (``_common``, learnt at the flag exchanges: see
+        #: :meth:`part_report`), and those reported held to the exchange in flight
+        #: (``_pinned``), which may become it; ``_present``: steps this process
+        #: committed and still holds. Under ``_parts_lock`` (the writer thread
+        #: deletes, the training thread reports).
+        self._parts_lock = threading.Lock()
+        self._asked: collections.deque[int] = collections.deque(maxlen=PART_REPORT)
+        self._present: set[int] = set()
+        self._pinned: frozenset[int] = frozenset()
+        self._reported: tuple[int, ...] | None = None
+        self._common: int | None = None
         #: why snapshots found on this node were not used (for the restore line)
         self.ignored: list[str] = []
         self._trusted = False  # the tree passed the check: this user's alone
@@ -421,6 +438,8 @@ class SnapshotTier:
         if not self.writes:
             return
         t0 = time.perf_counter() if started is None else started
+        if self.sharded and (not self._asked or self._asked[-1] != step):
+            self._asked.append(step)  # taken or not: every rank's list is the same
         err = self._writer.take_error()
         if err is not None and last:
             log.warning("writing a snapshot to %s failed: %r", self.node_dir, err)
@@ -618,6 +637,8 @@ class SnapshotTier:
         # took): commit_flat removed the file it replaced, whose slot is dropped
         before = self._slots.holder(step)
         self._slots.done(slot, step)
+        with self._parts_lock:
+            self._present.add(step)
         if before is not None and before is not slot:
             self._slots.released(before, moved=False)
         if job is not None:
@@ -631,16 +652,22 @@ class SnapshotTier:
 
     def _release_older(self, step: int) -> None:
         """Delete this node's snapshots older than ``step`` (a part: older than the
-        step before it); a file of this writer's moves back out of its step directory
-        for reuse once no stream reads it."""
+        step before it, and except the newest step every rank holds and those
+        reported held to the exchange in flight: see :meth:`part_report`); a file of
+        this writer's moves back out of its step directory for reuse once no stream
+        reads it."""
         assert self._slots is not None and self._flat_layout is not None
         layout = self._flat_layout
         committed = list(layout.committed())
         steps = sorted({d.step for d, _ in committed if d.step <= step})
         oldest_kept = steps[-self._kept] if len(steps) >= self._kept else step
+        with self._parts_lock:  # decided at once: a report sees a step held or gone
+            also = set(self._pinned) | ({self._common} if self._common is not None else set())
+            committed = [(d, m) for d, m in committed
+                         if d.step < oldest_kept and d.step not in also
+                         and is_private_entry(d.path)]
+            self._present -= {d.step for d, _ in committed}
         for d, manifest in committed:
-            if d.step >= oldest_kept or not is_private_entry(d.path):
-                continue
             slot = self._slots.holder(d.step)
             try:
                 if slot is None:
@@ -660,6 +687,60 @@ class SnapshotTier:
             layout.clean_stale(newest_committed=step)
         except OSError as e:
             log.debug("cannot clean %s: %r", self.node_dir, e)
+
+    def part_report(self) -> tuple[float, ...]:
+        """For the flag exchange (every rank, at the same step): for each of the
+        :data:`PART_REPORT` newest snapshot steps taken, 1.0 where this rank holds its
+        part of it (committed, not deleted since), else 0.0; all zeros for a state
+        that is not sharded.
+
+        Why. A sharded snapshot is complete only with every rank's part of one step,
+        and each rank's writer commits at its own pace: one whose queued snapshot a
+        newer one replaced, or whose write failed, lacks a step the others hold. Had
+        each kept only its newest parts, a failure could find no step every rank
+        holds, and the restart would go back to the durable store. The exchange's sum
+        says which steps every rank holds (:meth:`parts_agreed`); the steps reported
+        held stay until then, and the newest held by all stays until a newer one is."""
+        if not self.sharded or not self.writes:
+            return (0.0,) * PART_REPORT
+        with self._parts_lock:
+            asked = [-1] * (PART_REPORT - len(self._asked)) + list(self._asked)
+            held = tuple(float(s >= 0 and s in self._present) for s in asked)
+            self._reported = tuple(asked)
+            self._pinned = frozenset(s for s, h in zip(asked, held) if h)
+        return held
+
+    def parts_agreed(self, held: Iterable[float], world_size: int) -> None:
+        """The exchange's sum over the ranks of :meth:`part_report`: the newest
+        step reported held by all ``world_size`` ranks is kept from now on, instead
+        of the one kept before; the other reported steps may go."""
+        with self._parts_lock:
+            reported, self._reported = self._reported, None
+            if reported is None:
+                return
+            for s, n in reversed(list(zip(reported, held))):
+                if s >= 0 and n >= world_size:
+                    if self._common is None or s > self._common:
+                        self._common = s
+                    break
+            self._pinned = frozenset()
+
+    def parts_kept(self) -> set[int]:
+        """The parts' steps kept beyond the newest ones, alike on every rank (the
+        replicas of a node's parts keep them too): the newest step every rank holds
+        and those reported to the exchange in flight, which may become it."""
+        with self._parts_lock:
+            kept = set(self._reported or ())
+            if self._common is not None:
+                kept.add(self._common)
+        return kept
+
+    @property
+    def common_step(self) -> int | None:
+        """The newest snapshot step every rank is known to hold its part of (a
+        sharded state), or None."""
+        with self._parts_lock:
+            return self._common
 
     def _take_over(self, layout: Layout, d: StepDir, manifest: Manifest) -> bool:
         """Delete step ``d``, a snapshot file this writer did not make (the one a
@@ -773,7 +854,8 @@ class SnapshotTier:
         if self._receiver is None and self.writes and self.info.local_rank == 0:
             try:
                 self._receiver = ReplicaReceiver(self.node_dir, run=self._run_label(),
-                                                 token="", host=advertised_host())
+                                                 token="", host=advertised_host(),
+                                                 keep_parts=self.parts_kept)
             except OSError as e:
                 log.warning("snapshots are not replicated to this node (%s): cannot listen "
                             "on %s: %r", self.node_dir, advertised_host(), e)
