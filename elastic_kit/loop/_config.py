@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+import sys
 import warnings
 from dataclasses import InitVar, dataclass, field, replace
 from typing import Any
@@ -50,13 +51,15 @@ class LoopConfig:
             ``"error"`` (log and raise :class:`~elastic_kit.SampleAuditError` when an
             epoch missed or repeated a sample).
         checkpoint_at_exit: checkpoint when ``max_steps`` ends the run.
-        scheduler_interval: ``"epoch"`` (``scheduler.step()`` after every epoch) or
-            ``"step"`` (after every optimizer step).
+        scheduler_interval: ``"epoch"`` (``scheduler.step()`` once an epoch, after the
+            optimizer step of its last step, before ``on_epoch_end``: a save of that
+            step holds it) or ``"step"`` (after every optimizer step).
         clip_grad_norm: clip the gradient norm to this value before each step.
         log_every: rank 0 logs step, epoch, loss, samples/s and ETA every this many
             steps (0: never).
         progress_bar: tqdm bar on rank 0; ``None``: when stderr is a terminal.
-        shuffle: / seed: passed to the sampler the loop creates.
+        shuffle: / seed: passed to the sampler the loop creates; ``seed`` also seeds,
+            per epoch, the generator the loader's workers take their seeds from.
         num_workers, pin_memory, persistent_workers, prefetch_factor: DataLoader options.
         collate_fn: collates a list of samples (default: torch's ``default_collate``).
 
@@ -114,13 +117,31 @@ class LoopConfig:
                 f"checkpoint=ek.CheckpointerConfig({', '.join(given)}=...)",
                 DeprecationWarning, stacklevel=3)
             self.checkpoint = replace(self.checkpoint, **given)
-        _check("epochs", isinstance(self.epochs, int) and self.epochs >= 0, "an int >= 0")
-        _check("micro_batch_size", isinstance(self.micro_batch_size, int)
+        def _int(v: Any) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        _check("epochs", _int(self.epochs) and self.epochs >= 0, "an int >= 0")
+        _check("micro_batch_size", _int(self.micro_batch_size)
                and self.micro_batch_size >= 1, "an int >= 1")
-        _check("max_steps", self.max_steps is None or self.max_steps >= 0, "None or >= 0")
+        _check("max_steps", self.max_steps is None or (_int(self.max_steps)
+                                                       and self.max_steps >= 0),
+               "None or an int >= 0")
         _check("scheduler_interval", self.scheduler_interval in ("epoch", "step"),
                "'epoch' or 'step'")
-        _check("log_every", isinstance(self.log_every, int) and self.log_every >= 0, "an int >= 0")
+        # a negative norm would flip the gradients' sign, zero would zero them
+        _check("clip_grad_norm", self.clip_grad_norm is None or (
+            isinstance(self.clip_grad_norm, (int, float))
+            and not isinstance(self.clip_grad_norm, bool) and self.clip_grad_norm > 0),
+            "None or a number > 0")
+        _check("log_every", _int(self.log_every) and self.log_every >= 0, "an int >= 0")
+        _check("progress_bar", self.progress_bar is None or isinstance(self.progress_bar, bool),
+               "None, True or False")
+        for name in ("checkpoint_at_exit", "shuffle", "pin_memory", "persistent_workers"):
+            _check(name, isinstance(getattr(self, name), bool), "True or False")
+        _check("seed", _int(self.seed), "an int")
+        _check("num_workers", _int(self.num_workers) and self.num_workers >= 0, "an int >= 0")
+        _check("prefetch_factor", self.prefetch_factor is None or (
+            _int(self.prefetch_factor) and self.prefetch_factor >= 1), "None or an int >= 1")
         if not isinstance(self.batch_policy, BatchPolicy):
             # Fails early with a BatchPolicyError naming the missing/invalid value.
             make_policy(self.batch_policy, global_batch_size=self.global_batch_size,
@@ -148,8 +169,20 @@ class LoopConfig:
         return options
 
 
+def _read_by_replace() -> bool:
+    """Whether the property read two frames up is ``dataclasses.replace`` passing the
+    fields back (``_replace`` on Python 3.13+)."""
+    frame = sys._getframe(2)
+    return (frame.f_globals.get("__name__") == "dataclasses"
+            and frame.f_code.co_name in ("replace", "_replace"))
+
+
 def _deprecated_alias(old: str, new: str) -> property:
     def read(self: LoopConfig) -> Any:
+        if _read_by_replace():
+            # not a value the caller gave: replace(config, checkpoint=...) must take
+            # the new nested config as it is, not the old one's values through here
+            return _UNSET
         if new == "audit":
             return self.checkpoint.audit_mode("error")
         return getattr(self.checkpoint, new)
@@ -163,8 +196,8 @@ def _deprecated_alias(old: str, new: str) -> property:
     return property(read, write, doc=f"Deprecated: ``checkpoint.{new}``.")
 
 
-# The flat names stay readable, as the nested values (no warning: dataclasses.replace
-# reads them too), and settable (with a warning); the dataclass's __init__ already
+# The flat names stay readable, as the nested values (no warning), and settable (with
+# a warning); dataclasses.replace reads them as unset; the dataclass's __init__ already
 # holds their defaults, so the class attributes can become properties.
 for _old, _new in _DEPRECATED.items():
     setattr(LoopConfig, _old, _deprecated_alias(_old, _new))

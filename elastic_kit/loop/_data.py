@@ -1,8 +1,8 @@
 """How the loop feeds data: the scheduled indices in, collated micro-batches out.
 
 The loop schedules the micro-batches of the rest of an epoch in the main process
-(:class:`ScheduleBatchSampler`). A :class:`~elastic_kit.SeededDataset` gets
-``(epoch, index)`` keys, so data-loader workers, persistent or not, never hold a
+(:class:`ScheduleBatchSampler`). A :class:`~elastic_kit.SeededDataset` (any dataset
+whose ``takes_epoch_keys`` is true, as the sampler reads it) gets ``(epoch, index)`` keys, so data-loader workers, persistent or not, never hold a
 stale epoch; any other dataset gets plain indices, exactly as under a ``DataLoader``
 with a batch sampler. The audit counts samples from the schedule itself, so nothing
 per sample travels with the batch.
@@ -22,8 +22,9 @@ __all__ = ["EpochKeyed", "ScheduleBatchSampler", "loader_dataset", "to_device"]
 
 
 class EpochKeyed(Dataset):
-    """``ds[(epoch, i)] -> dataset.get(epoch, i)`` for a :class:`SeededDataset`: the
-    epoch travels with the index to loader workers."""
+    """``ds[(epoch, i)] -> dataset[(epoch, i)]`` for a :class:`SeededDataset`: the
+    epoch travels with the index to loader workers (and the sample is what the
+    dataset returns for it: ``(index, sample)`` with ``return_index``)."""
 
     def __init__(self, dataset: SeededDataset) -> None:
         self.dataset = dataset
@@ -32,12 +33,12 @@ class EpochKeyed(Dataset):
         return len(self.dataset)
 
     def __getitem__(self, key: tuple[int, int]) -> Any:
-        return self.dataset.get(*key)
+        return self.dataset[key]
 
 
 def loader_dataset(dataset: Any) -> tuple[Any, bool]:
     """The dataset the loop's ``DataLoader`` reads, and whether it takes epoch keys."""
-    if isinstance(dataset, SeededDataset):
+    if getattr(dataset, "takes_epoch_keys", False):
         return EpochKeyed(dataset), True
     return dataset, False
 

@@ -113,7 +113,8 @@ class ElasticLoop:
     Raises (from :meth:`run`):
         BatchPolicyError: the global batch does not divide by the world size.
         SampleAuditError: an epoch missed or repeated a sample (``audit="error"``).
-        SystemExit: with ``sigterm_exit_code`` after a SIGTERM checkpoint.
+        SystemExit: with ``checkpoint.exit_code`` (:class:`~elastic_kit.CheckpointerConfig`) after a
+            SIGTERM checkpoint.
     """
 
     def __init__(self, state: TrainState, dataset: Any, *, loss_fn: LossFn,
@@ -139,6 +140,7 @@ class ElasticLoop:
         self.summaries: list[EpochSummary] = []
         self.samples_per_second = 0.0
         self._loader: DataLoader | None = None
+        self._loader_generator: torch.Generator | None = None
         self._batches = ScheduleBatchSampler()
         self._device: torch.device | None = None  # the model's, looked up once an epoch
         self._weights: tuple[tuple[Any, ...], torch.Tensor] | None = None
@@ -179,7 +181,11 @@ class ElasticLoop:
             state, self.store, **cfg.checkpointer_options(), info=info)
         if self._stop_requested:
             ckpt.request_stop()
-        ckpt.restore(map_location="cpu")
+        try:
+            ckpt.restore(map_location="cpu")
+        except BaseException:
+            ckpt.abandon()  # what the restore set up (hooks, threads) goes with it
+            raise
         self.restored_step = ckpt.restored_step
         self.plan = self.policy.plan(info.world_size, state.initial_world_size or info.world_size)
         state.apply_lr_scale(self.plan.lr_scale)
@@ -198,8 +204,15 @@ class ElasticLoop:
             if cfg.prefetch_factor is not None:
                 kwargs["prefetch_factor"] = cfg.prefetch_factor
         dataset, self._batches.keyed = loader_dataset(self.dataset)
+        # Each iterator draws its workers' base seed from the loader's generator, or
+        # from torch's global one without it: an iterator made where a restart
+        # resumed (mid-epoch) would then shift every later draw of the global
+        # generator (dropout) from the uninterrupted run's. Seeded per epoch in
+        # train_epoch.
+        self._loader_generator = torch.Generator()
         return DataLoader(dataset, batch_sampler=self._batches, num_workers=cfg.num_workers,
-                          pin_memory=cfg.pin_memory, collate_fn=cfg.collate_fn, **kwargs)
+                          pin_memory=cfg.pin_memory, collate_fn=cfg.collate_fn,
+                          generator=self._loader_generator, **kwargs)
 
     def _remaining_samples(self) -> int:
         s, n = self.state.sampler, self.state.sampler.dataset_length
@@ -215,14 +228,15 @@ class ElasticLoop:
         cfg, state, info = self.config, self.state, self.info
         assert info is not None
         total_steps = None if cfg.max_steps is None else max(cfg.max_steps - state.step, 0)
-        self._progress = ProgressReporter(
-            enabled=info.is_main, log_every=cfg.log_every,
-            total_samples=self._remaining_samples(), total_steps=total_steps,
-            progress_bar=cfg.progress_bar)
-        # A group restarted after the end trains nothing: no loader, no workers.
-        self._loader = None if self._done() else self._make_loader()
         finished = False
+        self._progress = None
         try:
+            self._progress = ProgressReporter(
+                enabled=info.is_main, log_every=cfg.log_every,
+                total_samples=self._remaining_samples(), total_steps=total_steps,
+                progress_bar=cfg.progress_bar)
+            # A group restarted after the end trains nothing: no loader, no workers.
+            self._loader = None if self._done() else self._make_loader()
             while not self._done():
                 epoch = state.epoch
                 state.sampler.set_epoch(epoch)
@@ -299,6 +313,9 @@ class ElasticLoop:
         loss_total: torch.Tensor | None = None  # this rank's, summed over the steps (fp64)
         samples = 0
         if steps:
+            if self._loader_generator is not None:
+                self._loader_generator.manual_seed(
+                    (self.config.seed * 1_000_003 + epoch) % (1 << 63))
             batches = iter(self._loader)
             try:
                 for step in steps:
@@ -337,6 +354,13 @@ class ElasticLoop:
         assert ckpt is not None and info is not None and self.plan is not None
         loss_sum, outputs = self.forward_backward(step, batches, mask)
         grad_norm = self.optimizer_step()
+        state = self.state
+        if (state.scheduler is not None and self.config.scheduler_interval == "epoch"
+                and state.sampler.remaining <= step.n_real):
+            # the epoch's last step: its scheduler step is part of the step, so that
+            # any save of it (a SIGTERM's, at once; a snapshot as the process fails)
+            # holds it; a restart at an exhausted epoch moves straight on
+            state.scheduler.step()
         ckpt.record_step(self.plan.per_rank)
         loss = loss_sum.detach()
         self._report(epoch, step.n_real, loss, grad_norm, outputs)
@@ -454,8 +478,6 @@ class ElasticLoop:
         cfg, state, info, ckpt = self.config, self.state, self.info, self.checkpointer
         assert info is not None and ckpt is not None
         ckpt.finish_audit()
-        if state.scheduler is not None and cfg.scheduler_interval == "epoch":
-            state.scheduler.step()
         if self.on_epoch_end is not None:
             with ckpt.paused():
                 self.on_epoch_end(state, summary)

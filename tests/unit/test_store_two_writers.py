@@ -31,6 +31,8 @@ def test_the_later_manifest_of_a_step_names_intact_bytes() -> None:
 
     ffs.add("pipe", match="step-000000000005/manifest.json", before=stale_commits_first)
     new.save(_state(5.0), step=5)          # its manifest lands last
+    new.wait()                             # and the retention after it (step 4 goes)
+    stale.wait()
     assert ffs.fired("pipe") == 1
     loaded = CheckpointStore(root).load()
     assert loaded is not None and loaded.step == 5

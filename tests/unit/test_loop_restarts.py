@@ -1,0 +1,155 @@
+"""The loop after a restart trains as if never stopped: the CPU generator is not
+shifted by the loader, an epoch's scheduler step is part of the epoch's last step,
+and a failing set-up leaves no hooks behind."""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import elastic_kit as ek
+from elastic_kit import CheckpointerConfig
+from elastic_kit.loop import ElasticLoop, LoopConfig, TrainState
+
+
+def _data() -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(96, 8, generator=g)
+    return TensorDataset(x, (x.sum(1) > 0).long())
+
+
+_crit = nn.CrossEntropyLoss(reduction="none")
+
+
+def _loss(m: nn.Module, b: Any) -> torch.Tensor:
+    return _crit(m(b[0]), b[1])
+
+
+def _run(store: str | None, *, max_steps: int | None = None, epochs: int = 2,
+         scheduler: bool = False, on_epoch_end: Any = None,
+         stop_at: int | None = None) -> TrainState:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.5), nn.Linear(32, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5) if scheduler else None
+    state = TrainState(model, opt, scheduler=sched)
+    cfg = LoopConfig(epochs=epochs, global_batch_size=12, micro_batch_size=12,
+                     max_steps=max_steps, log_every=0, progress_bar=False,
+                     checkpoint=CheckpointerConfig(blocking=True, snapshot_every=0,
+                                                   handle_signals=False))
+
+    def on_step_end(state: TrainState, info: Any) -> None:
+        if state.step == stop_at:             # as SIGTERM would
+            loop.request_stop()
+
+    loop = ElasticLoop(state, _data(), loss_fn=_loss,
+                       store=None if store is None else ek.CheckpointStore(store),
+                       config=cfg, on_epoch_end=on_epoch_end, on_step_end=on_step_end)
+    loop.run()
+    return state
+
+
+def _params(state: TrainState) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in state.model.parameters()])
+
+
+def test_a_mid_epoch_resume_draws_dropout_like_the_uninterrupted_run(tmp_path: Path) -> None:
+    """The loader's iterator draws its base seed from a generator of the loop's own:
+    from the global one, the resumed run's draw (made where it resumed) shifted
+    every later dropout mask."""
+    plain = _params(_run(None))
+    store = str(tmp_path / "store")
+    _run(store, max_steps=3)                  # stops inside epoch 0 (8 steps an epoch)
+    resumed = _params(_run(store))
+    assert torch.equal(resumed, plain)
+
+
+def test_an_epochs_scheduler_step_is_in_the_save_of_its_last_step(tmp_path: Path) -> None:
+    """A SIGTERM acted on at an epoch's last step saves that step at once; killed
+    during ``on_epoch_end`` (a validation longer than torchrun's grace period), the
+    restart finds the epoch exhausted and moves on: the scheduler's step for that
+    epoch must be in that save."""
+    plain = _run(None, epochs=3, scheduler=True)
+    store = str(tmp_path / "store")
+
+    def killed(state: TrainState, summary: Any) -> None:
+        raise KeyboardInterrupt("killed during validation")
+
+    with pytest.raises(KeyboardInterrupt):
+        _run(store, epochs=3, scheduler=True, stop_at=8, on_epoch_end=killed)
+    assert [i.step for i in ek.CheckpointStore(store).list()] == [8]
+    resumed = _run(store, epochs=3, scheduler=True)
+    assert resumed.scheduler is not None and plain.scheduler is not None
+    assert resumed.scheduler.last_epoch == plain.scheduler.last_epoch == 3
+    assert resumed.optimizer.param_groups[0]["lr"] == plain.optimizer.param_groups[0]["lr"]
+    assert torch.equal(_params(resumed), _params(plain))
+
+
+def test_replace_with_a_new_checkpoint_config_takes_it_as_given() -> None:
+    cfg = LoopConfig(global_batch_size=12, checkpoint=CheckpointerConfig(every_steps=10))
+    with __import__("warnings").catch_warnings():
+        __import__("warnings").simplefilter("error")   # no deprecation warning either
+        new = dataclasses.replace(
+            cfg, checkpoint=CheckpointerConfig(every_steps=50, blocking=True))
+    assert (new.checkpoint.every_steps, new.checkpoint.blocking) == (50, True)
+    assert dataclasses.replace(cfg, epochs=3).checkpoint.every_steps == 10
+
+
+@pytest.mark.parametrize("kw", [
+    {"clip_grad_norm": -1.0}, {"clip_grad_norm": 0.0}, {"num_workers": -2},
+    {"prefetch_factor": 0}, {"epochs": True}, {"max_steps": 2.5}, {"max_steps": "5"},
+    {"progress_bar": "no"}, {"shuffle": "yes"}, {"seed": 1.5},
+])
+def test_loop_config_refuses_values_that_would_train_wrongly_or_fail_later(
+        kw: dict[str, Any]) -> None:
+    (name, value), = kw.items()
+    with pytest.raises(ValueError, match=f"LoopConfig.{name}={value!r}: expected"):
+        LoopConfig(global_batch_size=12, **kw)
+
+
+def test_the_loop_gives_loss_fn_what_a_seeded_dataset_returns() -> None:
+    """``SeededDataset(return_index=True)`` yields ``(index, sample)`` under the loop
+    as under a ``DataLoader``."""
+    seen: list[torch.Tensor] = []
+
+    def loss(m: nn.Module, batch: Any) -> torch.Tensor:
+        index, (x, y) = batch
+        seen.append(index)
+        return _crit(m(x), y)
+
+    torch.manual_seed(0)
+    model = nn.Linear(8, 2)
+    state = TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    cfg = LoopConfig(epochs=1, global_batch_size=12, micro_batch_size=12, log_every=0,
+                     progress_bar=False, checkpoint=CheckpointerConfig(handle_signals=False))
+    ElasticLoop(state, ek.SeededDataset(_data(), return_index=True), loss_fn=loss,
+                config=cfg).run()
+    assert sorted(torch.cat(seen).tolist()) == list(range(96))
+
+
+def test_a_run_that_fails_making_its_loader_leaves_no_hooks_behind(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    before = signal.getsignal(signal.SIGTERM)
+    torch.manual_seed(0)
+    model = nn.Linear(8, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = TrainState(model, opt)
+    cfg = LoopConfig(epochs=1, global_batch_size=12, micro_batch_size=12, log_every=0,
+                     progress_bar=False)             # handles SIGTERM (the default)
+    loop = ElasticLoop(state, _data(), loss_fn=_loss, config=cfg)
+
+    def broken() -> Any:
+        raise OSError("no such dataset file")
+
+    monkeypatch.setattr(loop, "_make_loader", broken)
+    with pytest.raises(OSError, match="no such dataset"):
+        loop.run()
+    assert signal.getsignal(signal.SIGTERM) is before
+    assert not opt._optimizer_step_pre_hooks
