@@ -14,14 +14,35 @@ snapshots --remove``).
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import socket
 import time
 from dataclasses import dataclass, field
 
 from elastic_kit.snapshot._private import check_root, is_private_entry, private_dir, user_dir_name
-from elastic_kit.snapshot._slots import _pid_alive, slot_pid
+from elastic_kit.snapshot._slots import pid_alive, slot_pid
 
-__all__ = ["SnapshotRun", "snapshot_runs", "remove_idle_runs"]
+__all__ = ["SnapshotRun", "host_node_name", "host_node_pid", "snapshot_runs",
+           "remove_idle_runs"]
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_-]", "_", name)
+
+
+def host_node_name(agent_pid: int) -> str:
+    """A node directory's name where ``$ELASTIC_KIT_SNAPSHOT_NODE`` does not set one:
+    this host's name and the pid of the node's agent (the workers' parent, which
+    outlives the restarts it drives)."""
+    return _safe(f"{socket.gethostname()[:120]}-{agent_pid}")
+
+
+def host_node_pid(name: str) -> int | None:
+    """The agent's pid in a node directory's name made on this host by
+    :func:`host_node_name`, else None."""
+    m = re.fullmatch(re.escape(_safe(socket.gethostname()[:120])) + r"-([0-9]+)", name)
+    return int(m.group(1)) if m else None
 
 
 @dataclass
@@ -33,12 +54,15 @@ class SnapshotRun:
         size_bytes: the bytes of its files.
         newest: the newest modification time in it (seconds since the epoch).
         writers: the live processes whose snapshot files are in it (pids).
+        agents: the live agents of its node directories on this host (pids): while
+            an agent waits for its next round, no worker of the node lives.
     """
 
     path: str
     size_bytes: int = 0
     newest: float = 0.0
     writers: list[int] = field(default_factory=list)
+    agents: list[int] = field(default_factory=list)
 
     def idle_s(self, now: float | None = None) -> float:
         """Seconds since anything in it was written."""
@@ -55,6 +79,10 @@ def _user_dir(root: str) -> str | None:
 
 def _survey(path: str) -> SnapshotRun:
     run = SnapshotRun(path=path, newest=os.lstat(path).st_mtime)
+    for name in sorted(os.listdir(path)):
+        agent = host_node_pid(name)
+        if agent is not None and pid_alive(agent):
+            run.agents.append(agent)
     for dirpath, dirnames, filenames in os.walk(path, followlinks=False):
         for name in dirnames + filenames:
             try:
@@ -65,7 +93,7 @@ def _survey(path: str) -> SnapshotRun:
             if name in filenames:
                 run.size_bytes += st.st_size
             pid = slot_pid(name)
-            if pid is not None and pid not in run.writers and _pid_alive(pid):
+            if pid is not None and pid not in run.writers and pid_alive(pid):
                 run.writers.append(pid)
     return run
 
@@ -88,15 +116,16 @@ def snapshot_runs(root: str) -> list[SnapshotRun]:
 def remove_idle_runs(root: str, *, idle_s: float, dry_run: bool = False,
                      now: float | None = None) -> list[SnapshotRun]:
     """Remove (unless ``dry_run``) this user's snapshot runs under ``root`` that no live
-    snapshot writer uses and where nothing was written for ``idle_s`` seconds; the
-    runs removed (or that would be).
+    snapshot writer uses, whose nodes on this host have no live agent, and where
+    nothing was written for ``idle_s`` seconds; the runs removed (or that would be).
 
     Raises:
         ValueError: ``idle_s`` is negative.
     """
     if idle_s < 0:
         raise ValueError(f"idle_s={idle_s!r} must be >= 0 seconds")
-    doomed = [r for r in snapshot_runs(root) if not r.writers and r.idle_s(now) >= idle_s]
+    doomed = [r for r in snapshot_runs(root)
+              if not r.writers and not r.agents and r.idle_s(now) >= idle_s]
     if not dry_run:
         for r in doomed:
             shutil.rmtree(r.path)  # fd-based on Linux: a symlink inside is not followed

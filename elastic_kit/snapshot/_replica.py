@@ -256,11 +256,18 @@ class ReplicaReceiver:
         keep_parts: the steps of a node's parts to keep besides the newest
             :data:`PART_REPLICAS` (the newest step every rank holds its part of, and
             those that may become it: see ``SnapshotTier.parts_kept``).
+        tree: ``(root, parts)`` with ``root/parts...`` = ``node_dir``: every stream
+            walks down to its directory from the trusted root, each level opened
+            without following symlinks and checked to be this user's alone (the
+            tree may have been removed and planted again by another user since it
+            was made). Default: ``node_dir``'s parent is the trusted root.
     """
 
     def __init__(self, node_dir: str, *, run: str, token: str, host: str,
-                 keep_parts: Callable[[], set[int]] = set) -> None:
+                 keep_parts: Callable[[], set[int]] = set,
+                 tree: tuple[str, list[str]] | None = None) -> None:
         self.node_dir = node_dir
+        self._tree = tree or (os.path.dirname(node_dir), [os.path.basename(node_dir)])
         self._keep_parts = keep_parts
         self.dir = os.path.join(node_dir, REPLICAS)
         self.run, self.token = run, token
@@ -398,8 +405,8 @@ class ReplicaReceiver:
         if free < sum(st.sizes):
             raise _Refused(f"{where} has {max(free, 0) / 1e6:.0f} MB free beside the "
                            f"replicas arriving, this one needs {sum(st.sizes) / 1e6:.0f} MB")
-        os.makedirs(self.node_dir, mode=0o700, exist_ok=True)
-        root = private_dir(self.node_dir, [REPLICAS, st.source], check_base=True)
+        base, parts = self._tree
+        root = private_dir(base, [*parts, REPLICAS, st.source])
         st.tmp = os.path.join(root, f"{TMP_PREFIX}{step_dir_name(st.step)}-"
                                     f"{uuid.uuid4().hex[:8]}")
         os.mkdir(st.tmp, 0o700)

@@ -38,7 +38,8 @@ from elastic_kit.snapshot._cuda_host import register as host_register
 from elastic_kit.snapshot._cuda_host import unregister as host_unregister
 from elastic_kit.store import FlatPlan, map_file, plan_flat, tensor_views, zero_bytes
 
-__all__ = ["PARKED", "SLOT_PREFIX", "Slot", "Slots", "mapped_files", "remove_dead_slots", "reusable"]
+__all__ = ["PARKED", "SLOT_PREFIX", "Slot", "Slots", "mapped_files", "pid_alive", "remove_dead_slots",
+           "reusable"]
 
 _OPEN_FLAGS = os.O_RDWR | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 
@@ -49,7 +50,8 @@ log = logging.getLogger(__name__)
 SLOT_PREFIX = ".slot-"
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists (one of another user's counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -79,7 +81,7 @@ def _dead_slots(node_dir: str) -> list[str]:
         if not name.startswith(SLOT_PREFIX):
             continue
         pid = slot_pid(name)
-        if pid is None or not _pid_alive(pid):
+        if pid is None or not pid_alive(pid):
             out.append(name)
     return out
 

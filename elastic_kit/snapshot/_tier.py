@@ -39,7 +39,10 @@ from elastic_kit.snapshot._shards import (
     Listing, add_partials, describe, is_part, listing, load_parts, local_tensors, localize,
     part_dir_name, part_source,
 )
-from elastic_kit.snapshot._slots import Slot, Slots, mapped_files, remove_dead_slots, reusable
+from elastic_kit.snapshot._slots import (
+    Slot, Slots, mapped_files, pid_alive, remove_dead_slots, reusable,
+)
+from elastic_kit.snapshot._leftovers import host_node_name, host_node_pid
 from elastic_kit.snapshot._mirror import DeviceMirror, MirrorCopy
 from elastic_kit.snapshot._relay import DeviceRelay, max_bytes_from_env
 from elastic_kit.snapshot._staging import DeviceStall, FileTarget, storage_keys
@@ -139,12 +142,15 @@ def snapshot_dir(root: str, run_id: str, key: str) -> str:
     ``<root>/elastic_kit-<uid>/<run>-<hash>``.
 
     Per user (see :mod:`elastic_kit.snapshot._private`). ``key`` (the durable store's
-    URL) is hashed in, so two jobs that share a run id (``local`` for every run
-    outside torchrun) but not a store never see each other's snapshots; two runs that
-    share both are told apart by the store's run identity in every snapshot.
+    URL, as one string per store: a relative local path made absolute) is hashed in,
+    so two jobs that share a run id (``local`` for every run outside torchrun, or
+    torchrun's default ``none``) but not a store never see each other's snapshots;
+    two runs that share both are told apart by the store's run identity in every
+    snapshot.
     """
     safe = re.sub(r"[^A-Za-z0-9_-]", "_", run_id)[:64] or "run"
-    digest = hashlib.blake2b(f"{run_id}\0{key}".encode(), digest_size=8).hexdigest()
+    digest = hashlib.blake2b(f"{run_id}\0{_store_key(key)}".encode(),
+                             digest_size=8).hexdigest()
     return os.path.join(root, user_dir_name(), f"{safe}-{digest}")
 
 
@@ -239,8 +245,14 @@ class SnapshotTier:
         self.run_dir = snapshot_dir(self.root, info.run_id, key)
         self.identity = identity
         # The agent is the workers' parent and outlives the group restarts it drives.
-        node = os.environ.get(NODE_ENV) or f"{socket.gethostname()}-{os.getppid()}"
-        node = re.sub(r"[^A-Za-z0-9_-]", "_", node[:128]) or "node"
+        named = os.environ.get(NODE_ENV)
+        node = re.sub(r"[^A-Za-z0-9_-]", "_", named[:128]) if named \
+            else host_node_name(os.getppid())
+        node = node or "node"
+        #: another launch's node directories on this host are named like this one,
+        #: with their agents' pids (none where $ELASTIC_KIT_SNAPSHOT_NODE names nodes)
+        self._host_named = not named
+        self._stale_removed = False
         self.node_dir = os.path.join(self.run_dir, node)
         #: sharded state: every rank writes its part (see :mod:`._shards`) into a
         #: directory of its own in the node's
@@ -687,6 +699,7 @@ class SnapshotTier:
             layout.clean_stale(newest_committed=step)
         except OSError as e:
             log.debug("cannot clean %s: %r", self.node_dir, e)
+        self._remove_stale_nodes()
 
     def part_report(self) -> tuple[float, ...]:
         """For the flag exchange (every rank, at the same step): for each of the
@@ -853,9 +866,11 @@ class SnapshotTier:
             return
         if self._receiver is None and self.writes and self.info.local_rank == 0:
             try:
+                tree = (self.root, [user_dir_name(), os.path.basename(self.run_dir),
+                                    os.path.basename(self.node_dir)])
                 self._receiver = ReplicaReceiver(self.node_dir, run=self._run_label(),
                                                  token="", host=advertised_host(),
-                                                 keep_parts=self.parts_kept)
+                                                 keep_parts=self.parts_kept, tree=tree)
             except OSError as e:
                 log.warning("snapshots are not replicated to this node (%s): cannot listen "
                             "on %s: %r", self.node_dir, advertised_host(), e)
@@ -921,12 +936,49 @@ class SnapshotTier:
                       if is_private_entry(os.path.join(replicas, n))]
         return roots
 
+    def _stale_nodes(self) -> list[str]:
+        """Node directories of this run on this host whose agent is gone (the job was
+        launched again here: the new agent has another pid). Their snapshots of this
+        run's identity are restore sources like this node's own, and they are removed
+        once this node holds a snapshot of its own (else each launch would leave a
+        state's worth of shared memory behind until the run ends)."""
+        if not self._host_named:
+            return []
+        own = os.path.basename(self.node_dir)
+        out = []
+        for name in sorted(os.listdir(self.run_dir)):
+            agent = host_node_pid(name)
+            path = os.path.join(self.run_dir, name)
+            if agent is not None and name != own and not pid_alive(agent) \
+                    and is_private_entry(path):
+                out.append(path)
+        return out
+
+    def _remove_stale_nodes(self) -> None:
+        """Remove the gone agents' node directories (local rank 0, once; a sharded
+        state: once every rank holds a part of a newer step, see :meth:`part_report`)."""
+        if self._stale_removed or self.info.local_rank != 0:
+            return
+        if self.sharded and self.common_step is None:
+            return
+        self._stale_removed = True
+        try:
+            for path in self._stale_nodes():
+                log.info("removing the snapshots of an earlier launch on this host: %s", path)
+                shutil.rmtree(path, ignore_errors=True)
+        except OSError as e:
+            log.debug("cannot clean %s: %r", self.run_dir, e)
+
     def _candidates(self) -> list[tuple[int, str, bool]]:
         """``(step, root, own)`` of every committed snapshot on this node that carries
-        this run's identity, newest first (own before a replica of the same step);
-        manifests read, payloads not."""
+        this run's identity (also in an earlier launch's node directory on this
+        host), newest first (own before a replica of the same step); manifests read,
+        payloads not."""
         out = []
-        for root, own in self._roots(self.node_dir):
+        roots = self._roots(self.node_dir)
+        for stale in self._stale_nodes():
+            roots += self._roots(stale)
+        for root, own in roots:
             for d, m in _layout(root).committed():
                 why = self._why_unusable(m.metadata)
                 if is_part(m.metadata) != self.sharded:
@@ -1183,11 +1235,10 @@ class SnapshotTier:
             self._receiver = None
         if remove and self.info.local_rank == 0 and self._trusted:
             # never a tree that failed the check: it may be another user's
+            # (not this user's directory above it, even when empty: gone, another
+            # user could make one of that name, which switches this user's snapshots
+            # off, until the host reboots)
             shutil.rmtree(self.run_dir, ignore_errors=True)
-            try:  # the parent too, when this was the last run on the host
-                os.rmdir(os.path.dirname(self.run_dir))
-            except OSError:
-                pass
 
 
 def _pinned_staging(t: torch.Tensor) -> bool:
@@ -1212,6 +1263,17 @@ class _TierStore(CheckpointStore):
         if self.writer is not None:
             self.writer.close()
         super().close()
+
+
+def _store_key(url: str) -> str:
+    """The durable store's URL as one string per store: an absolute path for a local
+    store (a relative one names another directory from another working directory),
+    the protocol's canonical form otherwise."""
+    try:
+        fs, path = resolve_url(url)
+        return str(fs.unstrip_protocol(path))
+    except Exception:  # a URL the tier cannot resolve: taken as it is
+        return url
 
 
 def _bindable(host: str | None) -> str | None:

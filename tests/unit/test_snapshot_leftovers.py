@@ -88,3 +88,21 @@ def test_the_cli_lists_and_removes(root: Path, capsys: pytest.CaptureFixture[str
     assert [Path(r.path).name for r in snapshot_runs(str(root))] == ["job-b-2222"]
     assert cli.main(["snapshots", "--root", str(root), "--idle-minutes", "-1"]) == 2
     assert cli.main(["snapshots", "--root", str(root / "missing")]) == 2
+
+
+def test_a_run_whose_agent_waits_for_its_next_round_is_not_idle(root: Path) -> None:
+    """Between two rounds a node has no worker (no live writer), but its agent, whose
+    pid names the node directory, lives: the restart needs those snapshots."""
+    from elastic_kit.snapshot._leftovers import host_node_name
+
+    run = _run(root, "job-a-1111", age_s=7200, writer=DEAD_PID, size=100)
+    (run / "node0").rename(run / host_node_name(os.getpid()))
+    gone = _run(root, "job-b-2222", age_s=7200, writer=DEAD_PID, size=100)
+    (gone / "node0").rename(gone / host_node_name(DEAD_PID))
+    then = time.time() - 7200
+    for p in [*run.rglob("*"), run, *gone.rglob("*"), gone]:
+        os.utime(p, (then, then), follow_symlinks=False)
+    runs = {Path(r.path).name: r for r in snapshot_runs(str(root))}
+    assert runs["job-a-1111"].agents == [os.getpid()] and runs["job-b-2222"].agents == []
+    removed = remove_idle_runs(str(root), idle_s=3600)
+    assert [Path(r.path).name for r in removed] == ["job-b-2222"] and run.exists()

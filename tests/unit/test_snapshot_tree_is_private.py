@@ -133,4 +133,7 @@ def test_own_snapshots_are_0600_files_in_0700_directories_of_this_user(shm: str)
     assert stat.S_IMODE(user_dir.stat().st_mode) == 0o700
     assert tier.newest_local() == 3
     tier.close(remove=True)
-    assert os.listdir(shm) == []                       # a finished run leaves nothing
+    # a finished run leaves nothing but this user's (empty) directory: were it
+    # removed, another user could make one of its name and switch snapshots off
+    assert os.listdir(shm) == [user_dir.name] and os.listdir(user_dir) == []
+    assert stat.S_IMODE(user_dir.stat().st_mode) == 0o700
