@@ -123,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-dir", default=None, metavar="URL",
                    help="checkpoint store: any fsspec URL (local, NFS, s3://, gs://, az://); "
                         "wins over --checkpoint-file; default "
-                        "/tmp/elastic_kit_imagenet/<TORCHELASTIC_RUN_ID>")
+                        "~/.cache/elastic_kit/imagenet/<TORCHELASTIC_RUN_ID>")
     p.add_argument("--checkpoint-every", default=100, type=int, metavar="STEPS",
                    help="checkpoint every STEPS optimizer steps (and at every epoch end)")
     p.add_argument("--snapshot-every", default="auto", type=_snapshot_every, metavar="STEPS",
@@ -249,12 +249,15 @@ def param_sha256(model: nn.Module) -> str:
 
 def checkpoint_url(args: argparse.Namespace, run_id: str) -> str:
     """Where the store lives: --checkpoint-dir, else --checkpoint-file's directory, else
-    a directory per torchelastic run id (stable across restarts of one job)."""
+    a directory per torchelastic run id (stable across restarts of one job) in this
+    user's cache: not in /tmp, where another user could make the directory first and
+    plant a checkpoint that the next run resumes from."""
     if args.checkpoint_dir:
         return args.checkpoint_dir
     if args.checkpoint_file:
         return os.path.dirname(os.path.abspath(args.checkpoint_file))
-    return f"/tmp/elastic_kit_imagenet/{run_id}"
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    return os.path.join(cache, "elastic_kit", "imagenet", run_id)
 
 
 def write_json_atomically(path: str, payload: dict[str, Any]) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+from typing import Any
 from pathlib import Path
 from types import ModuleType
 
@@ -57,6 +58,20 @@ def test_checkpoint_file_maps_to_a_store_in_its_directory() -> None:
     url = m.checkpoint_url(p.parse_args(["d", "--checkpoint-dir", "memory://x"]), "r")
     assert url == "memory://x"
     assert m.checkpoint_url(p.parse_args(["d"]), "run7").endswith("/run7")
+
+
+def test_the_default_store_is_in_this_users_cache_not_in_tmp(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    """/tmp is shared: another user could make the run's directory first and plant a
+    checkpoint the next run resumes from."""
+    m = load_main()
+    p = m.build_parser()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert m.checkpoint_url(p.parse_args(["d"]), "run7") == str(
+        tmp_path / "cache" / "elastic_kit" / "imagenet" / "run7")
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert m.checkpoint_url(p.parse_args(["d"]), "r").startswith(str(tmp_path / "home"))
 
 
 def test_tinycnn_and_torchvision_models_build_for_small_images() -> None:
