@@ -10,6 +10,7 @@ from typing import Any
 
 from elastic_kit.checkpointer import AUDIT_MODES, CheckpointerConfig
 from elastic_kit.state import EpochAudit
+from elastic_kit.errors import BatchPolicyError
 from elastic_kit.loop._policy import BatchPolicy, make_policy
 
 __all__ = ["LoopConfig", "StepInfo", "EpochSummary"]
@@ -142,6 +143,14 @@ class LoopConfig:
         _check("num_workers", _int(self.num_workers) and self.num_workers >= 0, "an int >= 0")
         _check("prefetch_factor", self.prefetch_factor is None or (
             _int(self.prefetch_factor) and self.prefetch_factor >= 1), "None or an int >= 1")
+        if self.batch_policy == "linear_lr" and self.global_batch_size is not None:
+            # the global batch then grows with the world size: a fixed one asked for
+            # as well is a contradiction, not an option to ignore
+            raise BatchPolicyError(
+                f"LoopConfig.global_batch_size={self.global_batch_size!r} with "
+                "batch_policy='linear_lr': that policy keeps micro_batch_size per rank "
+                "and the global batch grows with the world size; drop global_batch_size "
+                "or use batch_policy='fixed_global'")
         if not isinstance(self.batch_policy, BatchPolicy):
             # Fails early with a BatchPolicyError naming the missing/invalid value.
             make_policy(self.batch_policy, global_batch_size=self.global_batch_size,

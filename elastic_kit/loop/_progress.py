@@ -32,6 +32,8 @@ def format_eta(seconds: float | None) -> str:
 
 #: Seconds between two reads of the loss for the progress bar's postfix.
 POSTFIX_EVERY_S = 0.5
+#: Seconds of the window the throughput is measured over when no log line ends one.
+WINDOW_S = 10.0
 
 
 class ProgressReporter:
@@ -67,7 +69,7 @@ class ProgressReporter:
                 self._bar = None
 
     def eta(self) -> float | None:
-        if self.samples_per_second <= 0:
+        if self.samples_per_second <= 0:  # (recent: over the last window)
             return None
         return (self.total_samples - self.done_samples) / self.samples_per_second
 
@@ -83,8 +85,18 @@ class ProgressReporter:
         now = time.monotonic()
         if now > self.window_start and self.window_samples:
             self.samples_per_second = self.window_samples / (now - self.window_start)
-        if not self.enabled:
-            return
+        logs = bool(self.log_every) and step % self.log_every == 0
+        # every rank's window ends alike (``StepInfo.samples_per_second`` is recent
+        # throughput on every rank, not only on the one that logs)
+        window_ends = logs or (not self.log_every and now - self.window_start >= WINDOW_S)
+        if self.enabled:
+            self._show(step, epoch, loss, lr, world_size, now, logs)
+        if window_ends:
+            self.window_samples = 0
+            self.window_start = now
+
+    def _show(self, step: int, epoch: int, loss: Any, lr: float | None, world_size: int,
+              now: float, logs: bool) -> None:
         if self._bar is not None:
             self._bar.update(1)
             # Reading the loss waits for the device (a CUDA sync): at most every
@@ -93,13 +105,11 @@ class ProgressReporter:
                 self._postfix_at = now
                 self._bar.set_postfix(epoch=epoch, loss=f"{float(loss):.4f}",
                                       sps=f"{self.samples_per_second:.1f}", refresh=False)
-        if self.log_every and step % self.log_every == 0:
+        if logs:
             lr_txt = f" lr {lr:.4g}" if lr is not None else ""
             say(log, "step %d epoch %d loss %.4f%s %.1f samples/s (W=%d) eta %s",
                      step, epoch, float(loss), lr_txt, self.samples_per_second, world_size,
                      format_eta(self.eta()))
-            self.window_samples = 0
-            self.window_start = now
 
     def close(self) -> None:
         if self._bar is not None:

@@ -338,7 +338,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     loop = ek.ElasticLoop(
         state, ek.SeededDataset(train_set, seed=args.seed), loss_fn=loss_fn, store=store,
         config=ek.LoopConfig(
-            epochs=args.epochs, global_batch_size=args.global_batch_size,
+            epochs=args.epochs,
+            global_batch_size=(args.global_batch_size if args.batch_policy == "fixed_global"
+                               else None),
             micro_batch_size=args.batch_size, batch_policy=args.batch_policy,
             max_steps=args.max_steps,
             checkpoint=ek.CheckpointerConfig(every_steps=args.checkpoint_every,

@@ -153,3 +153,28 @@ def test_a_run_that_fails_making_its_loader_leaves_no_hooks_behind(
         loop.run()
     assert signal.getsignal(signal.SIGTERM) is before
     assert not opt._optimizer_step_pre_hooks
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_throughput_is_recent_on_every_rank(enabled: bool,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """``samples_per_second`` is measured over the window since the last log line on
+    every rank (not since the start on the ranks that do not log)."""
+    from elastic_kit.loop import _progress
+
+    now = [100.0]
+    monkeypatch.setattr(_progress.time, "monotonic", lambda: now[0])
+    rep = _progress.ProgressReporter(enabled=enabled, log_every=2, total_samples=10_000,
+                                     progress_bar=False)
+    for step, dt in enumerate([1.0, 1.0, 0.1, 0.1], start=1):   # 10 samples a step
+        now[0] += dt
+        rep.update(step=step, epoch=0, samples=10, loss=0.5, lr=None, world_size=2)
+    assert rep.samples_per_second == pytest.approx(100.0)     # 20 samples in 0.2 s
+
+
+def test_linear_lr_refuses_a_fixed_global_batch_too() -> None:
+    from elastic_kit.errors import BatchPolicyError
+
+    with pytest.raises(BatchPolicyError, match="global_batch_size=64 with batch_policy='linear_lr'"):
+        LoopConfig(batch_policy="linear_lr", global_batch_size=64, micro_batch_size=8)
+    assert LoopConfig(batch_policy="linear_lr", micro_batch_size=8).policy().plan(2, 2).global_batch == 16
