@@ -223,7 +223,8 @@ class StepInfo:
             logs per step; :class:`EpochSummary` has the mean over all ranks).
         samples: real samples in the step, all ranks.
         samples_per_second: recent throughput, all ranks.
-        lr: the first parameter group's learning rate.
+        lr: the first parameter group's learning rate in the step (before a per-step
+            scheduler moves it on).
         world_size: ranks in the current worker group.
         outputs: the second element of each micro-batch's ``loss_fn`` result when it
             returned ``(losses, outputs)`` (this rank's), else empty.

@@ -353,6 +353,8 @@ class ElasticLoop:
         ckpt, info = self.checkpointer, self.info
         assert ckpt is not None and info is not None and self.plan is not None
         loss_sum, outputs = self.forward_backward(step, batches, mask)
+        lr = self.state.optimizer.param_groups[0].get("lr")  # the step's (a per-step
+        lr = float(lr) if lr is not None else None          # scheduler changes it next)
         grad_norm = self.optimizer_step()
         state = self.state
         if (state.scheduler is not None and self.config.scheduler_interval == "epoch"
@@ -363,7 +365,7 @@ class ElasticLoop:
             state.scheduler.step()
         ckpt.record_step(self.plan.per_rank)
         loss = loss_sum.detach()
-        self._report(epoch, step.n_real, loss, grad_norm, outputs)
+        self._report(epoch, step.n_real, loss, grad_norm, outputs, lr)
         ckpt.after_step()
         return loss
 
@@ -454,11 +456,9 @@ class ElasticLoop:
         return grad_norm
 
     def _report(self, epoch: int, n_real: int, loss: torch.Tensor, grad_norm: float | None,
-                outputs: list[Any]) -> None:
+                outputs: list[Any], lr: float | None) -> None:
         ckpt = self.checkpointer
         assert self._progress is not None and self.info is not None and ckpt is not None
-        lr = self.state.optimizer.param_groups[0].get("lr")
-        lr = float(lr) if lr is not None else None
         self._progress.update(step=self.state.step, epoch=epoch, samples=n_real, loss=loss,
                               lr=lr, world_size=self.info.world_size)
         self.samples_per_second = self._progress.samples_per_second

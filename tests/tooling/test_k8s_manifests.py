@@ -108,9 +108,20 @@ def test_pytorchjob_is_elastic_and_its_command_matches_the_script(
     assert rdzv_conf(tr) == FAST_RDZV, "the fast-restart --rdzv-conf is missing"
     assert args.checkpoint_dir.startswith("s3://"), "pods need shared object storage"
     nproc = int(policy.get("nProcPerNode", tr.nproc_per_node))
+    _check_batch_divides(args, lo, hi, nproc)
+
+
+def _check_batch_divides(args: Any, lo: int, hi: int, nproc: int) -> None:
+    """A fixed global batch divides by every world size the job can run at."""
     if args.batch_policy == "fixed_global":
-        bad = [w for w in range(lo * nproc, hi * nproc + 1) if args.global_batch_size % w]
+        bad = [w for w in range(lo * nproc, hi * nproc + 1, nproc)
+               if args.global_batch_size % w]
         assert not bad, f"--global-batch-size={args.global_batch_size} fails at world sizes {bad}"
+
+
+def _node_range(nnodes: str) -> tuple[int, int]:
+    lo, _, hi = nnodes.partition(":")
+    return int(lo), int(hi or lo)
 
 
 def _dockerfile_instruction(text: str, name: str) -> list[str]:
@@ -156,9 +167,10 @@ def test_documented_torchrun_commands_parse(doc: str) -> None:
     if doc == "README.md":
         assert forked, "the fast-restart command (--start-method=fork --run-path) is missing"
     for cmd in cmds:  # every multi-node command restarts fast
-        tr, _ = split_launch(cmd)
+        tr, args = split_launch(cmd)
         if not tr.standalone:
             assert rdzv_conf(tr) == FAST_RDZV, f"--rdzv-conf={tr.rdzv_conf} in {cmd}"
+        _check_batch_divides(args, *_node_range(tr.nnodes), int(tr.nproc_per_node))
 
 
 def test_top_level_readme_commands_parse_and_restart_fast() -> None:
@@ -166,10 +178,11 @@ def test_top_level_readme_commands_parse_and_restart_fast() -> None:
     assert len(cmds) >= 2, "expected the fixed-size and the elastic command"
     nnodes = set()
     for cmd in cmds:
-        tr, _ = split_launch(cmd)
+        tr, args = split_launch(cmd)
         nnodes.add(tr.nnodes)
         if not tr.standalone:  # a single-node run has no rendezvous to tune
             assert rdzv_conf(tr) == FAST_RDZV, f"--rdzv-conf={tr.rdzv_conf} in {cmd}"
+        _check_batch_divides(args, *_node_range(tr.nnodes), int(tr.nproc_per_node))
     assert "1:4" in nnodes, "the elastic command is missing"
 
 

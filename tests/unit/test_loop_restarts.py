@@ -178,3 +178,18 @@ def test_linear_lr_refuses_a_fixed_global_batch_too() -> None:
     with pytest.raises(BatchPolicyError, match="global_batch_size=64 with batch_policy='linear_lr'"):
         LoopConfig(batch_policy="linear_lr", global_batch_size=64, micro_batch_size=8)
     assert LoopConfig(batch_policy="linear_lr", micro_batch_size=8).policy().plan(2, 2).global_batch == 16
+
+
+def test_step_info_has_the_learning_rate_the_step_used() -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(8, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0 / (k + 1))
+    state = TrainState(model, opt, scheduler=sched)
+    seen: list[float] = []
+    cfg = LoopConfig(epochs=1, global_batch_size=12, micro_batch_size=12, log_every=0,
+                     progress_bar=False, scheduler_interval="step",
+                     checkpoint=CheckpointerConfig(handle_signals=False))
+    ElasticLoop(state, _data(), loss_fn=_loss, config=cfg,
+                on_step_end=lambda s, info: seen.append(info.lr)).run()
+    assert seen == pytest.approx([0.1 / (k + 1) for k in range(8)])
