@@ -164,7 +164,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise SystemExit(f"--global-batch {args.global_batch} is not a multiple of the "
                          f"world size {world}")
     if not dist.is_initialized():  # FSDP2 needs a process group, even of one
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        # (on a GPU its collectives run on CUDA tensors: nccl, which gloo cannot take)
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     model = shard(LM(args.vocab, args.dim, args.layers, args.heads, args.seq_len).to(device))
