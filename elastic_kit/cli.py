@@ -4,7 +4,7 @@ Subcommands::
 
     elastic-kit ls URL                 committed checkpoints: step, size, time, status
     elastic-kit verify URL [--step N]  recompute every checksum
-    elastic-kit prune URL --keep K     delete all but the newest K checkpoints
+    elastic-kit prune URL --keep K     delete checkpoints older than the newest K that verify
     elastic-kit snapshots [--remove]   this user's in-memory snapshot runs on this host
 
 Nothing here needs a process group: the tools run on a laptop against the same URL
@@ -66,10 +66,17 @@ def build_parser() -> argparse.ArgumentParser:
                         epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     common(ve)
     ve.add_argument("--step", type=int, default=None, help="verify only this step")
-    pr = sub.add_parser("prune", help="delete all but the newest K checkpoints",
-                        epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    pr = sub.add_parser(
+        "prune", help="delete checkpoints older than the newest K that verify",
+        epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Reads and checksums the newest checkpoints, walking back until K verify,\n"
+                    "and deletes the checkpoints older than those K. A corrupt checkpoint is\n"
+                    "not counted: one newer than the oldest kept stays (load skips it; verify\n"
+                    "lists it), and with fewer than K that verify none is deleted. Also\n"
+                    "removes stale leftovers of interrupted saves.")
     common(pr)
-    pr.add_argument("--keep", type=int, required=True, metavar="K", help="checkpoints to keep (>= 1)")
+    pr.add_argument("--keep", type=int, required=True, metavar="K",
+                    help="checkpoints that verify to keep (>= 1)")
     pr.add_argument("--dry-run", action="store_true", help="print what would be deleted")
     sn = sub.add_parser(
         "snapshots", help="this user's in-memory snapshot runs on this host; --remove "
@@ -176,12 +183,14 @@ def _cmd_prune(store: Any, args: argparse.Namespace) -> int:
     if args.keep < 1:
         print(f"error: --keep={args.keep} must be >= 1", file=sys.stderr)
         return EXIT_USAGE
+    listed = len(store.list()) if args.dry_run else 0
     doomed = store.prune(args.keep, dry_run=args.dry_run)
     for i in doomed:
         print(("would delete" if args.dry_run else "deleting") + f" step {i.step}  {i.path}")
-    kept = len(store.list()) if not args.dry_run else None
-    print(f"kept {kept} checkpoint(s)" if kept is not None
-          else f"would keep {args.keep} checkpoint(s)")
+    if args.dry_run:
+        print(f"would keep {listed - len(doomed)} checkpoint(s)")
+    else:
+        print(f"kept {len(store.list())} checkpoint(s)")
     return EXIT_OK
 
 
@@ -230,6 +239,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_snapshots(args)
         except (OSError, ValueError) as e:  # PermissionError: an untrusted tree
             print(f"error: snapshots: {e}", file=sys.stderr)
+            return EXIT_USAGE
+        except Exception as e:  # a tool reports, it does not dump a traceback
+            log.debug("unexpected failure", exc_info=True)
+            print(f"error: snapshots failed: {type(e).__name__}: {e}", file=sys.stderr)
             return EXIT_USAGE
     try:
         store = _open_store(args)

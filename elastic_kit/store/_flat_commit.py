@@ -133,8 +133,10 @@ def _align(n: int) -> int:
 
 def storable(x: Any) -> bool:
     """Whether ``x`` is a tensor a flat file holds (dense, of a dtype files hold): the
-    tensors :func:`split_state` takes out of the payload."""
-    if not isinstance(x, torch.Tensor) or x.layout != torch.strided or x.is_quantized:
+    tensors :func:`split_state` takes out of the payload. A nested tensor is strided
+    but has no single shape: it stays in the payload."""
+    if (not isinstance(x, torch.Tensor) or x.layout != torch.strided or x.is_quantized
+            or x.is_nested):
         return False
     known = _STORABLE_DTYPES.get(x.dtype)
     if known is None:
@@ -153,7 +155,7 @@ _STORABLE_DTYPES: dict[torch.dtype, bool] = {}
 def split_state(state: Any) -> tuple[Any, list[tuple[str, torch.Tensor]]]:
     """The state with each dense tensor replaced by a placeholder (the payload), and
     those tensors with their key paths, in tree order. Tensors a tensor file cannot
-    hold (sparse, quantized, other dtypes) stay in the payload."""
+    hold (sparse, quantized, nested, other dtypes) stay in the payload."""
     found: list[tuple[str, torch.Tensor]] = []
 
     def leaf(path: str, value: Any) -> Any:
@@ -456,6 +458,35 @@ def _check_chunk(mapped: torch.Tensor, c: Chunk, checksum: str, where: str) -> N
             f"(corrupt snapshot)")
 
 
+def _check_listing(m: Manifest, name: str | None, *, where: str) -> None:
+    """What :func:`~._chunk_listing.verify_flat_file` checks before reading a byte:
+    every chunk lies in the tensor file ``name``, the chunk listing matches the
+    file's checksum in the manifest, and no chunk overlaps another or the file's end.
+    A chunk listed twice in place of another would otherwise pass every chunk's own
+    check while the other's bytes are never verified.
+
+    Raises:
+        CheckpointCorruptError: naming the file and what does not match.
+    """
+    index = m.sharded
+    assert index is not None
+    if any(c.file != name for c in index.chunks):
+        raise CheckpointCorruptError(f"{where}: a chunk lies outside the tensor file {name}")
+    if name is None:
+        return
+    entry = m.files[name]
+    listed = sorted((c.entry.offset, c.entry.nbytes, c.entry.checksum) for c in index.chunks)
+    if listing_digest(entry.size, listed, m.checksum) != entry.checksum:
+        raise CheckpointCorruptError(f"{where}: the chunks of {name} do not match its "
+                                     f"{m.checksum} {entry.checksum} in the manifest")
+    pos = 0
+    for offset, nbytes, _ in listed:
+        if offset < pos or offset + nbytes > entry.size:
+            raise CheckpointCorruptError(f"{where}: chunk [{offset}, {offset + nbytes}) of "
+                                         f"{name} overlaps another or the file's end")
+        pos = offset + nbytes
+
+
 def _map_private(path: str, size: int, *, where: str) -> mmap.mmap:
     """A private (copy-on-write) mapping of the regular file ``path`` of ``size``
     bytes: writes to it never reach the file."""
@@ -484,8 +515,9 @@ def open_flat(layout: Layout, d: StepDir, *, map_location: Any = None,
     the file. With a ``map_location`` the tensors are copied there instead.
 
     Raises:
-        CheckpointCorruptError: not a flat checkpoint, the payload or a chunk does not
-            match the manifest, or the file is shorter.
+        CheckpointCorruptError: not a flat checkpoint, the payload, the chunk listing
+            or a chunk does not match the manifest, chunks overlap, or the file is
+            shorter.
     """
     found = layout.verify(d, deep=True, keep=True)
     assert not isinstance(found, Manifest)
@@ -497,6 +529,7 @@ def open_flat(layout: Layout, d: StepDir, *, map_location: Any = None,
     if not is_flat(m):
         raise CheckpointCorruptError(f"{d.path}: not a flat checkpoint (format {m.format})")
     name = flat_file(m)
+    _check_listing(m, name, where=d.path)
     size = m.files[name].size if name is not None else 0
     mapped = torch.empty(0, dtype=torch.uint8)
     mm: mmap.mmap | None = None

@@ -43,6 +43,7 @@ removed on the same age rule, and only below the newest committed step.
 
 from __future__ import annotations
 
+import errno
 import logging
 import re
 import uuid
@@ -185,9 +186,15 @@ class Layout:
         path = join(d.path, MANIFEST_NAME)
 
         def read() -> bytes:
-            f, _ = self.backend.open_regular(path, MAX_MANIFEST_BYTES)
+            f, size = self.backend.open_regular(path, MAX_MANIFEST_BYTES)
             with f:
-                return f.read(MAX_MANIFEST_BYTES + 1)
+                text = f.read(MAX_MANIFEST_BYTES + 1)
+            if len(text) != size:
+                # not the bytes of the file just measured (a read cut short, or the
+                # manifest replaced in between): read again, never parse a fragment
+                raise OSError(errno.EIO, f"{path}: reading it gave {len(text)} bytes, "
+                                         f"but its size is {size} (a read cut short)")
+            return text
 
         try:
             return self._read(read, path)
@@ -231,10 +238,14 @@ class Layout:
                 buf = self.backend.kept_copy() if keep else None
                 n, digest = hash_stream(f, m.checksum, chunk=_CHUNK,
                                         sink=buf.write if buf is not None else None)
-                if n != entry.size:  # changed size while being read
-                    raise CheckpointCorruptError(
-                        f"{d.path}: {name} gave {n} bytes but the manifest says {entry.size} "
-                        f"(truncated or partially written)")
+                if n != entry.size:
+                    # The size just matched: a stream that ends early is a read cut
+                    # short (a dropped connection), which proves nothing. It is retried,
+                    # and the retry's fresh size check above is what proves a file
+                    # really shorter (or longer) than the manifest says.
+                    raise OSError(errno.EIO,
+                                  f"{path}: reading it gave {n} bytes, but its size is "
+                                  f"{entry.size} as the manifest says (a read cut short)")
                 if digest != entry.checksum:
                     raise CheckpointCorruptError(
                         f"{d.path}: {name} has {m.checksum} {digest} but the manifest says "
@@ -451,10 +462,23 @@ class Layout:
         return deleted
 
     def prune(self, keep: int, *, dry_run: bool = False) -> list[StepDir]:
-        """Delete all but the newest ``keep`` committed checkpoints, then stale
-        leftovers; returns the deleted (or, dry, the doomed) directories."""
-        committed = [d for d, _ in self.committed()]
-        doomed = committed[:-keep] if len(committed) > keep else []
+        """Delete the committed checkpoints older than the newest ``keep`` that fully
+        verify, then stale leftovers; returns the deleted (or, dry, the doomed)
+        directories.
+
+        Walks back from the newest step, reading and checksumming each, until ``keep``
+        pass. A manifest alone does not count: a corrupt step newer than the oldest
+        kept one is not counted and stays (load skips it, ``verify`` lists it), and
+        with fewer than ``keep`` steps that verify nothing is deleted, so prune never
+        deletes the loadable state and keeps a damaged newest step for inspection.
+
+        Raises:
+            CheckpointError: a read failed after retries (one of a checkpoint: before
+                anything is deleted).
+        """
+        committed, oldest_kept = self._prune_walk(keep)
+        doomed = ([d for d in committed if d.step < oldest_kept]
+                  if oldest_kept is not None else [])
         if dry_run:
             return doomed
         for d in doomed:
@@ -463,6 +487,35 @@ class Layout:
         if committed:
             self.clean_stale(newest_committed=committed[-1].step)
         return doomed
+
+    def _prune_walk(self, keep: int) -> tuple[list[StepDir], int | None]:
+        """The committed directories (oldest first) and the oldest of the newest ``keep``
+        that fully verify (None when fewer do). Corrupt ones on the way are logged.
+        Rescans when a concurrent save or retention changed what it read."""
+        for _attempt in range(20):
+            committed = [d for d, _ in self.committed()]
+            verified = 0
+            rescan = False
+            for d in reversed(committed):
+                try:
+                    self.verify(d, deep=True)
+                except _Vanished:
+                    rescan = True
+                    break
+                except CheckpointCorruptError as e:
+                    if not self._exists_dir(d):
+                        rescan = True  # deleted meanwhile, not damaged
+                        break
+                    log.warning("prune: checkpoint step %d does not verify, so it is not "
+                                "counted and stays (load skips it): %s", d.step, e)
+                    continue
+                verified += 1
+                if verified == keep:
+                    return committed, d.step
+            if not rescan:
+                return committed, None
+        raise CheckpointError(f"checkpoints in {self.url} kept changing while being read "
+                              f"(20 attempts): is another job writing this URL?")
 
     def clean_stale(self, *, newest_committed: int) -> int:
         """Remove leftovers of crashed saves; returns how many were removed.

@@ -84,15 +84,40 @@ def prepare_state(state: Any, *, copy: bool, path: str = "",
             ``torch.load(weights_only=True)`` would refuse (a numpy scalar, a custom
             class, a namedtuple, ...).
     """
+    # A tensor that appears twice (tied weights: two keys of a state dict, each a
+    # detached view of the same parameter) is staged once, so it is copied and
+    # written once, as torch.save does for the originals.
+    staged: dict[tuple[Any, ...], torch.Tensor] = {}
+
     def leaf(p: str, value: Any) -> Any:
         if type(value) in TENSOR_TYPES:
-            return stage_tensor(value, p, copy=copy, pool=pool, used=used, later=later,
-                                deferred=deferred)
+            same = _view_key(value)
+            if same is not None and same in staged:
+                return staged[same]
+            out = stage_tensor(value, p, copy=copy, pool=pool, used=used, later=later,
+                               deferred=deferred)
+            if same is not None:
+                staged[same] = out
+            return out
         if type(value) in PRIMITIVES:
             return value
         raise refuse(value, p)
 
     return map_tree(state, leaf, path=path)
+
+
+def _is_dense(x: torch.Tensor) -> bool:
+    """A plain strided tensor: one storage, of a shape and dtype ``torch.empty`` makes
+    (not quantized, not nested)."""
+    return x.layout == torch.strided and not x.is_quantized and not x.is_nested
+
+
+def _view_key(x: torch.Tensor) -> tuple[Any, ...] | None:
+    """What makes two tensors the same bytes (device, address of the first element,
+    shape, strides, dtype), for a dense non-empty one; None for any other."""
+    if not _is_dense(x) or not x.numel():
+        return None
+    return (x.data_ptr(), x.device, x.shape, x.stride(), x.dtype)
 
 
 def stage_tensor(x: torch.Tensor, path: str, *, copy: bool,
@@ -101,9 +126,12 @@ def stage_tensor(x: torch.Tensor, path: str, *, copy: bool,
                  deferred: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> torch.Tensor:
     """One tensor of :func:`prepare_state` (its arguments, for the tensor at ``path``)."""
     x = x.detach()
-    defer = (copy and deferred is not None and x.layout == torch.strided
+    # quantized and nested tensors are strided too, but torch.empty cannot make their
+    # like (a quantizer, per-component sizes): they are copied whole below
+    dense = _is_dense(x)
+    defer = (copy and deferred is not None and dense
              and x.untyped_storage().data_ptr() in later)
-    if copy and (pool is not None or defer) and x.layout == torch.strided:
+    if copy and (pool is not None or defer) and dense:
         buf = pool.get(path) if pool is not None else None
         if buf is None or buf.shape != x.shape or buf.dtype != x.dtype:
             buf = torch.empty(x.shape, dtype=x.dtype, device="cpu",
@@ -118,11 +146,12 @@ def stage_tensor(x: torch.Tensor, path: str, *, copy: bool,
         if used is not None:
             used[path] = buf
         return buf
-    if x.device.type == "cuda" and x.layout == torch.strided:
+    if x.device.type == "cuda" and dense:
         return pinned_copy(x)
     if copy or x.device.type != "cpu":
         return x.to("cpu", copy=True) if x.device.type == "cpu" else x.to("cpu")
-    if (x.layout == torch.strided and x.numel()
+    # an empty view too: torch.save writes a view's whole storage
+    if (x.layout == torch.strided and not x.is_nested
             and x.untyped_storage().nbytes() > 2 * x.numel() * x.element_size()):
         return x.clone()
     return x
@@ -148,7 +177,7 @@ def storage_keys(tensors: Iterable[torch.Tensor]) -> frozenset[int]:
     ``param.detach()`` views that ``state_dict()`` returns.
     """
     return frozenset(t.untyped_storage().data_ptr() for t in tensors
-                     if isinstance(t, torch.Tensor) and t.layout == torch.strided)
+                     if isinstance(t, torch.Tensor) and _is_dense(t))
 
 
 def cuda_devices(state: Any) -> set[torch.device]:

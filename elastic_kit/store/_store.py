@@ -620,11 +620,30 @@ class CheckpointStore:
         return out
 
     def prune(self, keep: int, *, dry_run: bool = False) -> list[CheckpointInfo]:
-        """Delete all but the newest ``keep`` committed checkpoints and stale leftovers
-        of interrupted saves; returns the deleted (with ``dry_run``: doomed) ones.
+        """Delete the checkpoints older than the newest ``keep`` that verify, and stale
+        leftovers of interrupted saves; returns the deleted (with ``dry_run``: doomed)
+        ones.
 
         Not collective; for tools (``python -m elastic_kit prune``) and scripts. A save
         in progress (of this or another process) is never removed.
+
+        .. warning::
+            Only checkpoints that fully verify count towards ``keep``, so prune reads
+            and checksums every file of the newest ones (walking back from the newest
+            until ``keep`` pass). A corrupt checkpoint newer than the oldest kept one
+            is not counted and stays (load skips it; :meth:`verify` reports it); with
+            fewer than ``keep`` that verify, no checkpoint is deleted.
+
+        Example::
+
+            store = CheckpointStore("s3://bucket/run1", keep_last=None)
+            for info in store.prune(2, dry_run=True):
+                print("would delete", info.step)
+
+        Raises:
+            ValueError: ``keep`` is not an int >= 1.
+            CheckpointError: the store cannot be read (after retries); a checkpoint
+                that cannot be read stops prune before it deletes anything.
         """
         if type(keep) is not int or keep < 1:
             raise ValueError(f"keep={keep!r} must be an int >= 1")

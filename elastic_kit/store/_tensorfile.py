@@ -171,9 +171,15 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 
 def plan(items: Sequence[tuple[str, torch.Tensor]]) -> tuple[list[int], int]:
     """Offsets of ``items`` in a file and the file's size (aligned starts, no trailing
-    padding)."""
+    padding).
+
+    Raises:
+        ValueError: a tensor's dtype is not one a file holds (:func:`dtype_name`),
+            found here, before a writer opens its file or writes a byte.
+    """
     offsets, pos = [], 0
     for _, t in items:
+        dtype_name(t.dtype)
         pos = _align(pos)
         offsets.append(pos)
         pos += t.numel() * t.element_size()
@@ -273,7 +279,10 @@ class RangeReader:
         without a copy).
 
         Raises:
-            CheckpointCorruptError: the file is shorter.
+            CheckpointCorruptError: the file is shorter (a local file at its end, or a
+                remote object whose size, asked again, is less than ``end``).
+            OSError: a remote read gave fewer bytes while the object is long enough
+                (a dropped connection: ``errno.EIO``, which the caller retries).
         """
         if end <= start:
             return bytearray()
@@ -291,10 +300,25 @@ class RangeReader:
         else:
             assert self._fs is not None
             data = bytearray(self._fs.cat_file(self.path, start=start, end=end))
+            if len(data) != end - start:
+                self._short_remote_read(start, end, len(data))
         if len(data) != end - start:
             raise CheckpointCorruptError(f"{self.path}: bytes [{start}, {end}) gave "
                                          f"{len(data)} bytes (the file is shorter)")
         return data
+
+    def _short_remote_read(self, start: int, end: int, got: int) -> None:
+        """A ranged GET answered with ``got`` bytes: proof of a short object only when
+        the object's size, asked again, says so (then this returns and the caller
+        raises corruption); else a read error (an answer cut short), raised as a
+        retryable OSError."""
+        assert self._fs is not None
+        self._fs.invalidate_cache(self.path)  # a listing cache would answer the old size
+        size = self._fs.info(self.path).get("size")
+        if isinstance(size, int) and size < end:
+            return
+        raise OSError(errno.EIO, f"{self.path}: a read of bytes [{start}, {end}) gave {got} "
+                                 f"bytes while the object holds {size} (an answer cut short)")
 
     def read_into(self, start: int, out: memoryview) -> None:
         """Fill ``out`` with the bytes from ``start`` on (``preadv`` straight into it on
@@ -302,6 +326,7 @@ class RangeReader:
 
         Raises:
             CheckpointCorruptError: the file is shorter.
+            OSError: a remote read was cut short (see :meth:`read`).
         """
         n = out.nbytes
         if self._fd is None:

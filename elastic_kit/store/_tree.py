@@ -10,7 +10,8 @@ they agree on which containers are walked, which keys are allowed and what a
 refusal says: a rule that differs between two walkers lets a state pass one check
 and fail at restore time.
 
-- :func:`map_tree` rebuilds the containers and hands every leaf to a function;
+- :func:`map_tree` rebuilds the containers and hands every leaf to a function
+  (keeping a module state dict's ``_metadata``, see :func:`_module_metadata`);
 - :func:`leaves` lists ``(path, leaf)`` without rebuilding;
 - :func:`validate_state` is the one validator (:func:`refuse` builds its message);
 - :func:`iter_tensors`, :func:`state_nbytes` and :func:`is_dtensor` are small
@@ -61,7 +62,9 @@ def map_tree(state: Any, leaf: Callable[[str, Any], Any], *, path: str = "",
 
     Containers are walked by exact type (a ``defaultdict`` or a namedtuple is a leaf,
     which the validator then refuses); keys are checked on the way. A set is kept as
-    it is (it holds only hashable primitives, checked like keys).
+    it is (it holds only hashable primitives, checked like keys). An OrderedDict's
+    ``_metadata`` (module versions, from ``state_dict()``) is copied onto the rebuilt
+    one (:func:`_module_metadata`).
 
     Raises:
         TypeError: a dict key or set member that weights-only loading refuses.
@@ -77,6 +80,10 @@ def map_tree(state: Any, leaf: Callable[[str, Any], Any], *, path: str = "",
                 check_key(k, sub, root=root)
             out[k] = (map_tree(v, leaf, path=sub, root=root) if type(v) in _CONTAINERS
                       else leaf(sub, v))
+        if t is collections.OrderedDict:
+            meta = _module_metadata(state)
+            if meta is not None:
+                out._metadata = meta  # type: ignore[attr-defined]
         return out
     if t is list or t is tuple:
         items = [map_tree(v, leaf, path=f"{path}[{i}]", root=root)
@@ -87,6 +94,30 @@ def map_tree(state: Any, leaf: Callable[[str, Any], Any], *, path: str = "",
             check_key(v, f"{path}{{...}}", root=root)
         return set(state)
     return leaf(path, state)
+
+
+def _module_metadata(state: Any) -> collections.OrderedDict[str, dict[str, Any]] | None:
+    """A copy of the ``_metadata`` that ``nn.Module.state_dict()`` sets on its
+    OrderedDict, or None when there is none or it has another form.
+
+    ``load_state_dict`` reads each module's ``version`` from it; without it every
+    module is taken for the oldest format and migrates a current state (a
+    quantization observer resets its ``eps``, an InstanceNorm drops its running
+    stats). It is kept only in its plain form (str keys, each value a dict of str
+    keys and primitive values), which weights-only loading reads back; it is
+    copied, so that a staged state does not change with the live one.
+    """
+    meta = getattr(state, "_metadata", None)
+    if not isinstance(meta, dict):
+        return None
+    out: collections.OrderedDict[str, dict[str, Any]] = collections.OrderedDict()
+    for prefix, local in meta.items():
+        if type(prefix) is not str or type(local) is not dict:
+            return None
+        if any(type(k) is not str or type(v) not in PRIMITIVES for k, v in local.items()):
+            return None
+        out[prefix] = dict(local)
+    return out
 
 
 def leaves(state: Any, *, path: str = "") -> Iterator[tuple[str, Any]]:

@@ -73,6 +73,47 @@ def test_prune_keeps_newest_k(store_url, capsys):
     assert main(["prune", store_url, "--keep", "0"]) == EXIT_USAGE
 
 
+def test_prune_counts_only_checkpoints_that_verify(store_url, capsys, caplog):
+    _corrupt(store_url, 30)
+    assert main(["prune", store_url, "--keep", "1", "--dry-run"]) == EXIT_OK
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split()[:3] for line in out[:-1]] == [["would", "delete", "step"]]
+    assert out[0].split()[3] == "10" and out[-1] == "would keep 2 checkpoint(s)"
+    with caplog.at_level("WARNING", logger="elastic_kit.store"):
+        assert main(["prune", store_url, "--keep", "1"]) == EXIT_OK
+    assert capsys.readouterr().out.splitlines()[-1] == "kept 2 checkpoint(s)"
+    assert "step 30 does not verify" in caplog.text and "corrupt payload" in caplog.text
+    # the corrupt newest step stays beside the loadable one, which load returns
+    assert [i.step for i in CheckpointStore(store_url).list()] == [20, 30]
+    loaded = CheckpointStore(store_url).load()
+    assert loaded is not None and loaded.step == 20
+    assert torch.equal(loaded.state["w"], torch.full((1000,), 20.0))
+
+
+def test_prune_dry_run_reports_how_many_would_really_stay(store_url, tmp_path, capsys):
+    assert main(["prune", store_url, "--keep", "5", "--dry-run"]) == EXIT_OK
+    assert capsys.readouterr().out.splitlines() == ["would keep 3 checkpoint(s)"]
+    assert main(["prune", store_url, "--keep", "2", "--dry-run"]) == EXIT_OK
+    assert capsys.readouterr().out.splitlines()[-1] == "would keep 2 checkpoint(s)"
+    empty = str(tmp_path / "empty")
+    assert main(["prune", empty, "--keep", "2", "--dry-run"]) == EXIT_OK
+    assert capsys.readouterr().out.splitlines() == ["would keep 0 checkpoint(s)"]
+    assert main(["prune", empty, "--keep", "2"]) == EXIT_OK
+    assert capsys.readouterr().out.splitlines() == ["kept 0 checkpoint(s)"]
+
+
+def test_snapshots_reports_an_unexpected_error_as_one_line(tmp_path, monkeypatch, capsys):
+    import elastic_kit.snapshot
+
+    def broken(root):
+        raise RuntimeError(f"cannot scan {root}")
+
+    monkeypatch.setattr(elastic_kit.snapshot, "snapshot_runs", broken)
+    assert main(["snapshots", "--root", str(tmp_path)]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err == f"error: snapshots failed: RuntimeError: cannot scan {tmp_path}\n"
+
+
 def test_usage_and_url_errors_exit_2(capsys):
     assert main(["ls", "nope://bucket/run"]) == EXIT_USAGE
     assert "unknown protocol 'nope'" in capsys.readouterr().err

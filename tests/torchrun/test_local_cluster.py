@@ -26,6 +26,8 @@ from elastic_kit.testing import (  # noqa: E402
 )
 from elastic_kit.testing._proc import signal_pending  # noqa: E402
 
+pytestmark = pytest.mark.integration
+
 # A stand-in for torchrun: it starts a "worker" in its own session (as torchrun does),
 # writes the worker's pid to a file, and then sleeps.
 _FAKE_AGENT = textwrap.dedent("""

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.integration
+
 # The agent: NVML "sees" eight GPUs, then the launcher under test runs.
 AGENT = """
 import sys

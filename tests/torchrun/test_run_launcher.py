@@ -14,6 +14,8 @@ import pytest
 from elastic_kit.run import LauncherOptions, parse_options
 from elastic_kit.testing import LocalCluster, wait_for
 
+pytestmark = pytest.mark.integration
+
 
 def test_leading_launcher_options_are_taken_off_and_the_rest_is_torchrun_s() -> None:
     argv = ["--preload", "torchvision", "--rdzv-poll", "0.25", "--preload=json,csv",
