@@ -48,7 +48,13 @@ def storage_keys(tensors: Iterable[torch.Tensor]) -> frozenset[int]:
     """The storage addresses of ``tensors`` (a parameter matches the ``detach()``
     view its module's ``state_dict()`` returns)."""
     return frozenset(t.untyped_storage().data_ptr() for t in tensors
-                     if isinstance(t, torch.Tensor) and t.layout == torch.strided)
+                     if isinstance(t, torch.Tensor) and _dense(t))
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """A plain strided tensor, which a buffer of its shape and dtype can hold (not
+    quantized or nested: strided too, but ``torch.empty`` cannot make their like)."""
+    return t.layout == torch.strided and not t.is_quantized and not t.is_nested
 
 
 class FileTarget(NamedTuple):
@@ -328,7 +334,7 @@ class StagingBuffers:
             # a state dict's tensors are mostly detached already; detaching each again
             # costs about 0.3 us per tensor of the training thread's time
             t = x.detach() if x.requires_grad else x
-            if t.layout != torch.strided:
+            if not _dense(t):
                 return t.to("cpu", copy=True)
             if plan is not None:
                 i = taken

@@ -8,6 +8,7 @@ import errno
 import os
 import shutil
 import threading
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -171,3 +172,28 @@ def test_a_failed_deferred_copy_gives_the_file_back(tmp_path: Path) -> None:
     assert written == [] and isinstance(writer.take_error(), RuntimeError)
     assert not slot.busy and slot.pending == []
     slot.close(unlink=True)
+
+
+def test_quantized_and_nested_tensors_are_snapshotted(shm: str) -> None:
+    """They are strided, but no buffer of their shape and dtype holds them: staged
+    as copies of their own (snapshots stayed on until the first one, then went off)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # both are deprecated or prototypes in torch
+        q = torch.quantize_per_tensor(torch.arange(6.0), scale=0.5, zero_point=2,
+                                      dtype=torch.quint8)
+        n = torch.nested.nested_tensor([torch.arange(2.0), torch.arange(3.0) + 10])
+    tier = _tier(shm)
+    try:
+        for step in (1, 2):          # the second one also stages into a free file
+            tier.save({"q": q, "n": n, "w": torch.full((64,), float(step))}, step=step,
+                      metadata={})
+            assert tier.wait(timeout=60)
+        assert tier.enabled and tier.written == [1, 2]
+        loaded = tier.load()
+        assert loaded is not None and loaded.step == 2
+        assert torch.equal(loaded.state["q"].dequantize(), q.dequantize())
+        assert [t.tolist() for t in loaded.state["n"].unbind()] == [[0.0, 1.0],
+                                                                   [10.0, 11.0, 12.0]]
+        assert loaded.state["w"].tolist() == [2.0] * 64
+    finally:
+        tier.close(remove=True)
