@@ -29,7 +29,12 @@ last round is back (or seen dead) and no other is waiting, instead of
 
 A node that leaves on purpose (a preemption notice) has its agent leave the
 rendezvous at once, so the nodes that stay restart without waiting for its
-keep-alives to lapse (see :mod:`elastic_kit.health._agent_leave`).
+keep-alives to lapse (see :mod:`elastic_kit.health._agent_leave`). The agent ignores
+the notice signals (``$ELASTIC_KIT_PREEMPTION_SIGNALS``, default SIGUSR1): a scheduler
+sends them to every process of the job step (SLURM's ``--signal=USR1``), and their
+default action would kill the agent before its workers could lead the leave. Its
+workers inherit that until their checkpointer's watcher catches them
+(:func:`_ignore_notice_signals`).
 
 A forked worker starts as a copy of the agent, so it is made to start as a new process
 would (:func:`_worker_start`): torchrun's ``OMP_NUM_THREADS`` (set after the agent's
@@ -65,11 +70,13 @@ import signal
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from elastic_kit.health import (
     LEAVE_SIGNAL, RDZV_TORCH_POLL_S as TORCH_POLL_S, install_agent_leave,
     install_rendezvous_close, install_rendezvous_poll, uninstall_agent_leave,
-    rendezvous_max_nodes as max_nodes, rendezvous_poll_seconds as poll_seconds,
+    preemption_signals, rendezvous_max_nodes as max_nodes,
+    rendezvous_poll_seconds as poll_seconds,
 )
 
 __all__ = ["LauncherOptions", "main", "parse_options"]
@@ -192,6 +199,24 @@ def _worker_start() -> None:
     multiprocessing.util.register_after_fork(_WORKER_START, at_start)
 
 
+def _ignore_notice_signals() -> dict[int, Any]:
+    """Ignore the notice signals (:func:`elastic_kit.health.preemption_signals`) in the
+    agent, before its workers start; the dispositions it replaced, by signal.
+
+    A scheduler's notice (SLURM ``--signal=USR1``) reaches every process of the job
+    step; the agent's part in a planned leave starts when its worker tells it, and the
+    signal's default action would kill it first. An ignored disposition is inherited
+    across ``fork`` and ``exec``: a worker ignores the signal until its checkpointer's
+    watcher catches it, and again after the watcher's close (which restores what it
+    found: the worker is finishing its leave or its exit then, and a late notice must
+    not cut its last write short). Main thread only, as :func:`signal.signal`.
+
+    Raises:
+        ValueError: a bad ``$ELASTIC_KIT_PREEMPTION_SIGNALS``.
+    """
+    return {sig: signal.signal(sig, signal.SIG_IGN) for sig in preemption_signals()}
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Import the preloads, shorten the rendezvous poll, then run torchrun's ``main``
     with the remaining arguments."""
@@ -211,6 +236,10 @@ def main(argv: Sequence[str] | None = None) -> None:
             raise SystemExit(2) from None
     from torch.distributed.run import main as torchrun_main
 
+    try:
+        _ignore_notice_signals()  # the notice is the workers' to act on; inherited by them
+    except ValueError as e:  # the workers say so too, and train on without notices
+        print(f"python -m elastic_kit.run: warning: {e}", file=sys.stderr)
     _worker_start()  # forked workers start as new processes would
     install_agent_leave()  # a planned leave takes this node out of the rendezvous at once
     install_rendezvous_poll(poll)  # a restart's rendezvous ends within a poll of its state

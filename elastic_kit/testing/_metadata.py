@@ -95,6 +95,11 @@ class FakeMetadataServer:
                                                        "time": when}).encode())
             return self._reply(h, 404)
         if self.cloud == "azure" and method == "GET" and path.startswith(
+                "/metadata/instance/compute/name"):
+            if h.headers.get("Metadata") != "true":
+                return self._reply(h, 400, refused=True)
+            return self._reply(h, 200, b"vm0")  # the VM the events below name
+        if self.cloud == "azure" and method == "GET" and path.startswith(
                 "/metadata/scheduledevents"):
             if h.headers.get("Metadata") != "true":
                 return self._reply(h, 400, refused=True)

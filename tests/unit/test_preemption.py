@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 
 from elastic_kit.health import (
-    PreemptionWatcher, detect_cloud, notice_from_metadata, preemption_signals,
+    LEAVE_SIGNAL, PreemptionWatcher, detect_cloud, notice_from_metadata, preemption_signals,
 )
+from elastic_kit.health import _preemption
 from elastic_kit.testing import FakeMetadataServer
 
 
@@ -67,6 +68,21 @@ def test_the_cloud_is_told_by_the_dmi_strings_or_the_environment(
         detect_cloud()
 
 
+def test_aws_is_told_on_its_xen_based_instance_types_too(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Xen-based EC2 types (m4, c4, t2...) say ``Xen`` as their system vendor; their BIOS
+    version names Amazon."""
+    monkeypatch.delenv("ELASTIC_KIT_CLOUD", raising=False)
+    xen_aws = _dmi(tmp_path / "xen_aws", sys_vendor="Xen", product_name="HVM domU",
+                   bios_version="4.11.amazon")
+    assert detect_cloud(dmi_root=xen_aws) == "aws"
+    monkeypatch.setattr(_preemption, "DMI_ROOT", xen_aws)  # the default root
+    assert detect_cloud() == "aws"
+    xen_elsewhere = _dmi(tmp_path / "xen", sys_vendor="Xen", product_name="HVM domU",
+                         bios_version="4.2.5")
+    assert detect_cloud(dmi_root=xen_elsewhere) is None
+
+
 def test_the_watcher_reports_an_announcement_once_and_polls_nothing_off_cloud(
         monkeypatch: pytest.MonkeyPatch) -> None:
     with FakeMetadataServer("aws") as server:
@@ -106,13 +122,29 @@ def test_the_schedulers_signal_is_a_notice_and_its_handler_is_restored() -> None
 def test_the_notice_signals_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("ELASTIC_KIT_PREEMPTION_SIGNALS", raising=False)
     assert preemption_signals() == (signal.SIGUSR1,)
-    monkeypatch.setenv("ELASTIC_KIT_PREEMPTION_SIGNALS", "usr2, SIGUSR1")
-    assert preemption_signals() == (signal.SIGUSR2, signal.SIGUSR1)
+    monkeypatch.setenv("ELASTIC_KIT_PREEMPTION_SIGNALS", "xcpu, SIGUSR1")
+    assert preemption_signals() == (signal.SIGXCPU, signal.SIGUSR1)
     monkeypatch.setenv("ELASTIC_KIT_PREEMPTION_SIGNALS", "")
     assert preemption_signals() == ()
     monkeypatch.setenv("ELASTIC_KIT_PREEMPTION_SIGNALS", "TERM")
     with pytest.raises(ValueError, match="SIGTERM"):
         preemption_signals()
+    monkeypatch.setenv("ELASTIC_KIT_PREEMPTION_SIGNALS", "BOGUS")
+    with pytest.raises(ValueError, match="SIGBOGUS"):
+        preemption_signals()
+
+
+def test_the_launchers_leave_signal_is_refused_as_a_notice_signal(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGUSR2 is the signal with which a leaving worker makes the launcher's agent
+    leave the rendezvous: it cannot announce a departure too."""
+    assert LEAVE_SIGNAL == signal.SIGUSR2
+    for raw in ("USR1,USR2", "sigusr2", " usr2 "):
+        monkeypatch.setenv("ELASTIC_KIT_PREEMPTION_SIGNALS", raw)
+        with pytest.raises(ValueError) as refused:
+            preemption_signals()
+        assert f"ELASTIC_KIT_PREEMPTION_SIGNALS={raw!r}" in str(refused.value)
+        assert "SIGUSR2" in str(refused.value) and "leave the rendezvous" in str(refused.value)
 
 
 def test_a_signal_handled_while_the_notice_is_being_recorded_never_waits() -> None:
