@@ -210,19 +210,37 @@ def broadcast_tensors(tensors: Sequence[torch.Tensor], src: int = 0) -> None:
 
     Receivers must pass tensors of the same shape and dtype (allocate them from
     metadata sent with :func:`broadcast_object`). One tensor at a time keeps peak
-    memory at one tensor's worth of staging, not the whole state.
+    memory at one tensor's worth of staging, not the whole state. A broadcast copies
+    bytes, so a dtype the backend cannot carry (gloo: float8, uint16, uint32, int16
+    ...) travels as its bytes.
     """
     if not is_dist_ready():
         return
     dev = _collective_device()
     for t in tensors:
         if t.device == dev and t.is_contiguous():
-            _broadcast_(t, src)
+            _broadcast_(_carried(t), src)
         else:
             staged = t.to(dev).contiguous()
-            _broadcast_(staged, src)
+            _broadcast_(_carried(staged), src)
             if dist.get_rank() != src:
                 t.copy_(staged)
+
+
+#: dtypes every backend broadcasts as they are; any other travels as its bytes (gloo
+#: refuses float8, uint16 ... with "Invalid scalar type", naming no tensor)
+_NATIVE_DTYPES = frozenset({
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64,
+    torch.complex128, torch.int8, torch.uint8, torch.int32, torch.int64, torch.bool,
+})
+
+
+def _carried(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself, or for a dtype the backend may lack a uint8 view of its storage
+    (contiguous ``t``: what the backend writes lands in ``t``)."""
+    if t.dtype in _NATIVE_DTYPES:
+        return t
+    return t.reshape(-1).view(torch.uint8)  # reshape: a 0-d tensor has no byte view
 
 
 def exchange_tensors(sends: Sequence[tuple[int, torch.Tensor]],
@@ -277,26 +295,37 @@ def exchange_tensors(sends: Sequence[tuple[int, torch.Tensor]],
 
 _HOLD_POLL_S = 0.002
 _held_lock = threading.Lock()
-#: ``(tensor, a view of it)`` per collective the backend may still reference
-_held: list[tuple[torch.Tensor, torch.Tensor]] = []
-#: holds the backend kept past :func:`settle_collectives`' deadline: kept until exit
-_pinned: list[tuple[torch.Tensor, torch.Tensor]] = []
+#: ``id(tensor) -> (tensor, a view of it)`` per tensor the backend may still reference.
+#: One hold per tensor, however many collectives it is handed to: each hold's view is
+#: one more reference, so a second hold of the same tensor would keep its use count
+#: above what the release waits for, for good.
+_held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+#: holds the backend kept past :func:`settle_collectives`' deadline, by ``id``: kept
+#: until exit (so a pinned tensor handed to another collective needs no new hold)
+_pinned: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def _prune_held() -> int:
     """Release the holds nothing else references any more; how many remain."""
     with _held_lock:
         # 2: the tensor's own Python object and the view's base
-        _held[:] = [h for h in _held if h[0]._use_count() > 2]
+        for key in [k for k, (t, _) in _held.items() if t._use_count() <= 2]:
+            del _held[key]
         return len(_held)
 
 
 def hold_collective_tensor(tensor: torch.Tensor) -> None:
     """Keep ``tensor`` from being freed on the backend's thread: call it right after
-    handing it to a collective, while the caller still holds the work item."""
+    handing it to a collective, while the caller still holds the work item. A tensor
+    already held stays held (by its first hold) until no collective references it."""
     _prune_held()
     with _held_lock:
-        _held.append((tensor, tensor.view(tensor.shape)))
+        # the id cannot be reused while the hold keeps the tensor alive
+        if id(tensor) not in _held and id(tensor) not in _pinned:
+            # no_grad: a view of a parameter would otherwise reference it once more
+            # through its autograd node, and never look released
+            with torch.no_grad():
+                _held[id(tensor)] = (tensor, tensor.view(tensor.shape))
 
 
 def settle_collectives(timeout: float) -> bool:
@@ -312,8 +341,9 @@ def settle_collectives(timeout: float) -> bool:
     while _prune_held():
         if time.monotonic() >= deadline:
             with _held_lock:
-                stuck, _held[:] = list(_held), []
-            _pinned.extend(stuck)
+                stuck = list(_held.values())
+                _pinned.update(_held)
+                _held.clear()
             for _, view in stuck:
                 ctypes.pythonapi.Py_IncRef(ctypes.py_object(view))
             log.debug("%d collectives still referenced by the backend after %.1f s: "

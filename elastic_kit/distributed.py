@@ -469,15 +469,32 @@ def wrap_ddp(
 
     Args:
         model: the module to train.
-        sync_batchnorm: convert BatchNorm layers to SyncBatchNorm first.
+        sync_batchnorm: convert BatchNorm layers to SyncBatchNorm first. SyncBatchNorm
+            runs on GPUs only: on a CPU worker (gloo) a model with BatchNorm layers
+            is refused (:class:`ValueError`) rather than trained with per-rank
+            statistics the script did not ask for; pass
+            ``sync_batchnorm=info.device.type == "cuda"`` to run the same script on
+            both. Without a process group (world size 1) there is nothing to
+            synchronize and the layers stay as they are.
         info: the worker's :class:`DistInfo` (read from the environment when None).
         **ddp_options: passed to :class:`~torch.nn.parallel.DistributedDataParallel`.
+
+    Raises:
+        ValueError: ``sync_batchnorm=True`` for a model with BatchNorm layers on a
+            CPU worker.
     """
     info = info or get_dist_info()
     model = model.to(info.device)
     if not is_dist_ready():
         return model
     if sync_batchnorm:
+        if info.device.type == "cpu" and any(
+                isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+            raise ValueError(
+                f"wrap_ddp(sync_batchnorm=True) on device {info.device}: SyncBatchNorm "
+                "runs only on GPUs, and DistributedDataParallel refuses it on the CPU; "
+                "pass sync_batchnorm=False (each rank keeps its own BatchNorm "
+                "statistics) or run on CUDA")
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     if info.device.type == "cuda":
         ddp_options.setdefault("device_ids", [info.device.index])

@@ -11,12 +11,14 @@ states are converted to tensors on the way.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import random
 import sys
 import threading
-from typing import Any
+from collections import Counter
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -79,6 +81,13 @@ class _NumpyState:
             self._raw, self._state = raw, state
             return state
 
+    def forget(self) -> None:
+        """Drop the kept state: call after setting numpy's state. The bytes compared
+        leave out the cached normal, so a state set with the same MT19937 bytes but
+        another cached normal would otherwise be answered with the kept one."""
+        with self._lock:
+            self._state = None
+
 
 def _mt_bytes(state: Any) -> bytes:
     """The MT19937 state struct's bytes for a ``get_state()`` tuple."""
@@ -140,6 +149,7 @@ def restore_rng_state(state: dict[str, Any]) -> None:
     n = state["numpy"]
     np.random.set_state((n["name"], n["keys"].cpu().numpy().astype(np.uint32), int(n["pos"]),
                          int(n["has_gauss"]), float(n["cached_gaussian"])))
+    _NUMPY_STATE.forget()
     p = state["python"]
     random.setstate((int(p["version"]), tuple(int(x) for x in p["internal"].tolist()),
                      p["gauss_next"]))
@@ -165,19 +175,75 @@ def is_sharded(model: nn.Module) -> bool:
     return any(is_dtensor(p) for p in unwrap_model(model).parameters())
 
 
+#: Key of a sharded optimizer state dict taken before the optimizer's first step:
+#: its state tensors only give the layout (see :func:`_sharded_state`).
+UNSTEPPED_KEY = "unstepped"
+
+
 def _sharded_state(model: nn.Module, optimizer: Optimizer | None) -> tuple[Any, Any]:
     """Model and optimizer state of a sharded model, as DTensors (no gather).
 
     ``torch.distributed.checkpoint.state_dict`` keys the optimizer state by parameter
     name rather than by position, and gives a fresh optimizer its state tensors (a
     step with zero gradients and learning rate 0), so that the layout to load into
-    is known before the first step.
+    is known before the first step. That step is not the run's: Adam's step count
+    would become 1 (its bias correction shifts) and SGD's momentum would start at
+    ``weight_decay * param``. So a fresh optimizer is left fresh, and its state dict
+    keeps the tensors (a restore reads its checkpoint into them) marked
+    :data:`UNSTEPPED_KEY`: loading it leaves the optimizer without state, as it was.
     """
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
     if optimizer is None:
         return get_model_state_dict(model), None
-    return get_state_dict(model, optimizer)
+    if optimizer.state:
+        return get_state_dict(model, optimizer)
+    with _left_fresh(optimizer):
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+    if optim_sd.get("state"):
+        optim_sd[UNSTEPPED_KEY] = True
+    return model_sd, optim_sd
+
+
+@contextlib.contextmanager
+def _left_fresh(optimizer: Optimizer, *, unless_loaded: bool = False) -> Iterator[None]:
+    """Undo, on leaving, what torch's state-dict functions did to an optimizer that had
+    no state on entering (their zero-gradient step): its state and the flag an LR
+    scheduler reads to tell whether the optimizer stepped. ``unless_loaded``: only
+    when the block raised (a load that succeeded keeps what it loaded)."""
+    if optimizer.state:
+        yield
+        return
+    missing = object()
+    called = optimizer.__dict__.get("_opt_called", missing)
+
+    def undo() -> None:
+        optimizer.state.clear()
+        if called is missing:
+            optimizer.__dict__.pop("_opt_called", None)
+        else:
+            optimizer.__dict__["_opt_called"] = called
+
+    try:
+        yield
+    except BaseException:
+        undo()
+        raise
+    if not unless_loaded:
+        undo()
+
+
+def _expected_model_state(model: nn.Module) -> dict[str, Any]:
+    """The model's state dict under the names a checkpoint of it uses: for a sharded
+    model, ``torch.distributed.checkpoint.state_dict``'s (what :meth:`TrainState.state_dict`
+    saves and :meth:`TrainState.load_state_dict` loads), which drops the
+    ``_orig_mod.`` of blocks compiled inside the model (``layers[i] =
+    torch.compile(block)``); ``model.state_dict()`` keeps it."""
+    if is_sharded(model):
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return get_model_state_dict(model)
+    return model.state_dict()
 
 
 def _check_model_fits(model: nn.Module, saved: Any) -> None:
@@ -185,7 +251,7 @@ def _check_model_fits(model: nn.Module, saved: Any) -> None:
     if not isinstance(saved, dict):
         raise CheckpointMismatchError(
             f"checkpoint 'model' is a {type(saved).__name__}, expected a state dict")
-    current = model.state_dict()
+    current = _expected_model_state(model)
     missing = [k for k in current if k not in saved]
     unexpected = [k for k in saved if k not in current]
     shapes = [f"{k}: checkpoint {tuple(saved[k].shape)} vs model {tuple(v.shape)}"
@@ -206,6 +272,10 @@ def _check_model_fits(model: nn.Module, saved: Any) -> None:
 
 
 def _check_optimizer_fits(optimizer: torch.optim.Optimizer, saved: Any) -> None:
+    """Raise before anything is loaded when ``saved`` is not a state of ``optimizer``:
+    other group sizes, or (state keyed by position) per-parameter state of another
+    shape than the parameter at its position (the parameters given in another
+    order: it would load, then fail at the next step, or swap moments silently)."""
     groups = saved.get("param_groups") if isinstance(saved, dict) else None
     if not isinstance(groups, list):
         raise CheckpointMismatchError("checkpoint optimizer state has no 'param_groups' list")
@@ -215,6 +285,41 @@ def _check_optimizer_fits(optimizer: torch.optim.Optimizer, saved: Any) -> None:
         raise CheckpointMismatchError(
             f"checkpoint optimizer has parameter groups of sizes {theirs}, this optimizer "
             f"{ours}; nothing was loaded")
+    state = saved.get("state")
+    if not isinstance(state, dict):
+        return
+    for g, (group, saved_group) in enumerate(zip(optimizer.param_groups, groups)):
+        for pos, key, ours_shape, saved_shape in _misplaced_state(
+                group["params"], saved_group.get("params", []), state):
+            raise CheckpointMismatchError(
+                f"checkpoint optimizer state does not fit parameter {pos} of group {g}: its "
+                f"{key!r} has shape {saved_shape}, the parameter {ours_shape} (parameters "
+                f"given to the optimizer in another order?); nothing was loaded")
+
+
+def _misplaced_state(params: list[Any], ids: list[Any], state: dict[Any, Any]
+                     ) -> Iterator[tuple[int, str, tuple[int, ...], tuple[int, ...]]]:
+    """``(position, key, parameter shape, saved shape)`` for each saved per-parameter
+    state tensor whose shape is not its parameter's. Per-parameter is told from the
+    shapes: a key (``exp_avg``, ``momentum_buffer`` ...) whose saved tensors of more
+    than one element all have shapes of the group's parameters. Other state (LBFGS's
+    flat history, Adafactor's factored ``row_var``) is left to the optimizer."""
+    shapes: dict[str, dict[int, tuple[int, ...]]] = {}
+    for pos, pid in enumerate(ids):
+        entry = state.get(pid) if isinstance(pid, int) else None
+        if not isinstance(entry, dict):
+            continue
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor) and value.numel() > 1:
+                shapes.setdefault(str(key), {})[pos] = tuple(value.shape)
+    ours = [tuple(p.shape) for p in params]
+    available = Counter(ours)
+    for key, by_pos in shapes.items():
+        if Counter(by_pos.values()) - available:
+            continue  # not shaped like the parameters: not per-parameter state
+        for pos, shape in by_pos.items():
+            if shape != ours[pos]:
+                yield pos, key, ours[pos], shape
 
 
 class TrainState:
@@ -426,13 +531,24 @@ class TrainState:
         )
 
         model = unwrap_model(self.model)
-        if self.optimizer is not None and sd.get("optimizer") is not None:
-            set_state_dict(model, self.optimizer, model_state_dict=sd["model"],
-                           optim_state_dict=sd["optimizer"])
+        # copies of the top level: torch renames keys in place (to the ``_orig_mod.``
+        # names of compiled blocks), which would leave ``sd`` unfit for another load
+        model_sd = dict(sd["model"])
+        optim_sd = sd.get("optimizer")
+        if self.optimizer is not None and optim_sd is not None:
+            unstepped = isinstance(optim_sd, dict) and bool(optim_sd.get(UNSTEPPED_KEY))
+            optim_sd = {k: v for k, v in optim_sd.items() if k != UNSTEPPED_KEY}
+            # a fresh optimizer gets torch's zero-gradient step first: undone when the
+            # load fails, and after loading a state of an optimizer that had not stepped
+            with _left_fresh(self.optimizer, unless_loaded=not unstepped):
+                set_state_dict(model, self.optimizer, model_state_dict=model_sd,
+                               optim_state_dict=optim_sd)
+            if unstepped:  # also where this optimizer had stepped: now as the saved one
+                self.optimizer.state.clear()
         else:
             if self.optimizer is not None:
                 log.warning("checkpoint has no optimizer state; keeping the fresh optimizer")
-            set_model_state_dict(model, sd["model"])
+            set_model_state_dict(model, model_sd)
 
     def run_report(self) -> dict[str, Any]:
         """What happened to this run so far, as JSON-able values for a run summary.
@@ -474,27 +590,80 @@ class TrainState:
         self.lr_scale = float(scale)
 
 
-def rescale_lr(optimizer: Optimizer, scheduler: Any, factor: float) -> None:
-    """Multiply every learning rate the optimizer and scheduler hold by ``factor``.
+#: Scheduler classes (``torch.optim.lr_scheduler``, ``torch.optim.swa_utils``) whose
+#: learning rates :func:`rescale_lr` knows all of; any other gets a warning, once.
+_KNOWN_SCHEDULERS = frozenset({
+    "LambdaLR", "MultiplicativeLR", "StepLR", "MultiStepLR", "ConstantLR", "LinearLR",
+    "ExponentialLR", "PolynomialLR", "CosineAnnealingLR", "CosineAnnealingWarmRestarts",
+    "SequentialLR", "ChainedScheduler", "OneCycleLR", "CyclicLR", "ReduceLROnPlateau",
+    "SWALR",
+})
+#: learning rates kept in param groups: ``lr``; ``initial_lr`` (every scheduler);
+#: ``max_lr``, ``min_lr`` (OneCycleLR); ``swa_lr`` (SWALR)
+_GROUP_LRS = ("lr", "initial_lr", "max_lr", "min_lr", "swa_lr")
+#: learning rates kept in schedulers, lists and numbers: ``max_lrs`` (CyclicLR),
+#: ``min_lrs`` and ``default_min_lr`` (ReduceLROnPlateau), ``eta_min`` (cosine)
+_SCHEDULER_LRS = ("base_lrs", "_last_lr", "max_lrs", "min_lrs", "default_min_lr", "eta_min")
+_warned_schedulers: set[str] = set()
 
-    Scales ``lr`` and ``initial_lr`` of every param group and the scheduler's
-    ``base_lrs`` / ``_last_lr``, so both closed-form and recursive schedulers continue
-    from the scaled values. Callers pass the ratio of the new scale to the scale
-    already applied (see :meth:`TrainState.apply_lr_scale`), which makes it idempotent
-    across restarts.
+
+def rescale_lr(optimizer: Optimizer, scheduler: Any, factor: float) -> None:
+    """Multiply every learning rate the optimizer and scheduler hold by ``factor``, so
+    that every later learning rate is ``factor`` times what it would have been.
+
+    Scales the param groups' ``lr`` and ``initial_lr`` (and OneCycleLR's ``max_lr`` /
+    ``min_lr``, SWALR's ``swa_lr``), and the scheduler's ``base_lrs`` / ``_last_lr``,
+    CyclicLR's ``max_lrs``, ReduceLROnPlateau's ``min_lrs``, the cosine schedulers'
+    ``eta_min``, recursing into the schedulers of a SequentialLR or
+    ChainedScheduler: closed-form and recursive schedulers alike continue from the
+    scaled values. Callers pass the ratio of the new scale to the scale already
+    applied (see :meth:`TrainState.apply_lr_scale`), which makes it idempotent across
+    restarts.
+
+    .. warning::
+        A scheduler class other than torch's has only its ``base_lrs`` / ``_last_lr``
+        (and the fields above, where it has them) scaled; a learning rate it keeps
+        elsewhere keeps its value. This is logged once per class.
     """
     if factor == 1.0:
         return
+    scaled: set[int] = set()  # tensors scaled in place (one may sit in several places)
     for group in optimizer.param_groups:
-        for key in ("lr", "initial_lr"):
+        for key in _GROUP_LRS:
             if key in group:
                 value = group[key]
-                if hasattr(value, "mul_"):  # tensor lr (capturable optimizers)
-                    value.mul_(factor)
+                if isinstance(value, torch.Tensor):  # tensor lr (capturable optimizers)
+                    if id(value) not in scaled:
+                        value.mul_(factor)
+                        scaled.add(id(value))
                 else:
                     group[key] = value * factor
     if scheduler is not None:
-        for attr in ("base_lrs", "_last_lr"):
-            values = getattr(scheduler, attr, None)
-            if isinstance(values, list):
-                setattr(scheduler, attr, [v * factor for v in values])
+        _rescale_scheduler(scheduler, factor, scaled, set())
+
+
+def _rescale_scheduler(scheduler: Any, factor: float, scaled: set[int], seen: set[int]
+                       ) -> None:
+    if id(scheduler) in seen:
+        return
+    seen.add(id(scheduler))
+    cls = type(scheduler)
+    if not (cls.__name__ in _KNOWN_SCHEDULERS and cls.__module__ in (
+            "torch.optim.lr_scheduler", "torch.optim.swa_utils")) \
+            and cls.__qualname__ not in _warned_schedulers:
+        _warned_schedulers.add(cls.__qualname__)
+        log.warning("rescale_lr: scheduler %s is not one of torch's; scaled only its %s "
+                    "where it has them; learning rates it keeps elsewhere keep their "
+                    "values", cls.__qualname__, ", ".join(_SCHEDULER_LRS))
+
+    def scale(value: Any) -> Any:  # a new value, except a tensor already scaled in place
+        return value if id(value) in scaled else value * factor
+
+    for attr in _SCHEDULER_LRS:
+        values = getattr(scheduler, attr, None)
+        if isinstance(values, list):
+            setattr(scheduler, attr, [scale(v) for v in values])
+        elif isinstance(values, (int, float, torch.Tensor)) and not isinstance(values, bool):
+            setattr(scheduler, attr, scale(values))
+    for child in getattr(scheduler, "_schedulers", None) or ():
+        _rescale_scheduler(child, factor, scaled, seen)
