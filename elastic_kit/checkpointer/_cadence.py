@@ -93,6 +93,10 @@ class Cadence:
         self.step_s: float | None = None  # rank 0: the step time estimate (the only one)
         self._hooks_s = 0.0  # time in the loop's hooks since the previous exchange
         self.last_save_time = time.monotonic()
+        #: rank 0 sent a timed save's flag that no save has answered yet: the save
+        #: comes when that exchange is read, an exchange later, and the next exchange
+        #: (sent before it) must not ask for a second one
+        self._time_due_sent = False
         # A save or snapshot due at an epoch's last step waits for end_epoch (or the
         # next step), so what is kept of that step describes the closed epoch.
         self._save_pending = False
@@ -126,8 +130,12 @@ class Cadence:
         return save, snap
 
     def saved(self) -> None:
-        """A save just finished: the timed save interval starts again now."""
+        """A save just finished: the timed save interval starts again now (and a
+        timed save's flag read early, not acted on yet, is answered by it)."""
         self.last_save_time = time.monotonic()
+        self._time_due_sent = False
+        if self._early is not None and self._early.save_due:
+            self._early = self._early._replace(save_due=0.0)
 
     def poll(self) -> Flags:
         """The ranks' agreed :class:`Flags`, or no flags (zeros) between exchanges.
@@ -173,8 +181,9 @@ class Cadence:
         """
         main = self.info.is_main
         now = time.monotonic()
-        time_due = (self.every_seconds is not None and main
+        time_due = (self.every_seconds is not None and main and not self._time_due_sent
                     and now - self.last_save_time >= self.every_seconds)
+        self._time_due_sent = self._time_due_sent or time_due
         snap_every = exchange_every = 0
         if main:
             tier = self._tier()

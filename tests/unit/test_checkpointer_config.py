@@ -86,6 +86,27 @@ def test_an_exchange_read_early_is_merged_into_the_next_one() -> None:
     assert cadence.resolve() == Flags()  # both read: nothing carried
 
 
+def test_a_timed_save_is_asked_for_once_until_a_save_answers_it() -> None:
+    """An exchange is read an exchange after it is sent, so the save it asks for comes
+    after the next exchange went out: that one must not ask for a second save (every
+    timed save came in pairs with more than one rank)."""
+    from elastic_kit.checkpointer._cadence import Cadence, Flags
+    from elastic_kit.state import TerminationFlag
+
+    model = torch.nn.Linear(2, 2)
+    state = ek.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    cadence = Cadence(state, ek.DistInfo(rank=0, world_size=2), TerminationFlag(), 60.0)
+    cadence.last_save_time -= 61.0
+    assert cadence.local_flags().save_due == 1.0
+    assert cadence.local_flags().save_due == 0.0     # sent before the save came
+    cadence._early = Flags(save_due=1.0)             # read early by an epoch's end ...
+    cadence.saved()                                  # ... whose save answers it
+    assert cadence.resolve().save_due == 0.0
+    assert cadence.local_flags().save_due == 0.0     # the interval starts again
+    cadence.last_save_time -= 61.0
+    assert cadence.local_flags().save_due == 1.0
+
+
 def test_a_drop_last_sampler_is_refused_naming_why(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """The checkpointer's audit counts every sample of an epoch, and which tail a
     drop_last epoch drops would change with the world size a restart brings."""
