@@ -26,7 +26,7 @@ from elastic_kit.store import (
     split_state, state_nbytes, target_device,
 )
 from elastic_kit.distributed import (
-    DistInfo, all_gather_object, broadcast_object, is_dist_ready, unreachable,
+    DistInfo, all_gather_object, all_reduce_max, broadcast_object, is_dist_ready, unreachable,
 )
 from elastic_kit.errors import CheckpointError
 from elastic_kit.snapshot._private import (
@@ -114,6 +114,8 @@ def agree_run_identity(store: Any, info: DistInfo) -> str | None:
     or written. Without a durable store there is no identity and no snapshots: a
     snapshot could not be told from an older run's.
     """
+    if getattr(store, "node_local", False) and is_dist_ready() and info.world_size > 1:
+        return _agree_node_local_identity(store, info)
     identity, why = None, ""
     if info.rank == 0:
         get = getattr(store, "run_identity", None)
@@ -129,6 +131,49 @@ def agree_run_identity(store: Any, info: DistInfo) -> str | None:
                         "checkpoint store", why)
     if is_dist_ready() and info.world_size > 1:
         identity = broadcast_object(identity, src=0)
+    return identity
+
+
+def _agree_node_local_identity(store: Any, info: DistInfo) -> str | None:
+    """:func:`agree_run_identity` for a node-local store (every node's local rank 0
+    writes a directory of its own). Rank 0 may run on another node than where the run
+    began, whose directory holds no identity yet: had it created one, every snapshot
+    of the run would have been taken for another run's, and removed. So every node
+    tells what its directory holds; the run's identity is the one held beside the
+    newest durable step (ties: the lowest rank), a new one only where no node has
+    one; a node without it takes it on. Collective."""
+    found: tuple[str | None, int, str] = (None, -1, "")
+    if info.local_rank == 0:
+        try:
+            newest = store.latest_step()
+            found = (store.run_identity(create=False), -1 if newest is None else newest, "")
+        except Exception as e:
+            found = (None, -1, f"cannot read the run identity of {store.url}: {e!r}")
+    everyone = all_gather_object(found)
+    why = next((w for _, _, w in everyone if w), "")
+    identity: str | None = None
+    if not why:  # every rank takes this branch alike: the gathered lists are the same
+        held = [(newest, -rank, ident) for rank, (ident, newest, _) in enumerate(everyone)
+                if ident is not None]
+        if held:
+            identity = max(held)[2]
+        else:
+            if info.rank == 0:
+                try:
+                    identity = store.run_identity()
+                except Exception as e:
+                    log.warning("cannot create the run identity of %s: %r", store.url, e)
+            identity = broadcast_object(identity, src=0)
+    if identity is not None and info.local_rank == 0 and found[0] is None:
+        try:  # this node's directory takes the run's identity on
+            store.run_identity(adopt=identity)
+        except Exception as e:
+            why = f"cannot write the run identity to {store.url}: {e!r}"
+    if all_reduce_max(int(identity is None or bool(why))):
+        if info.rank == 0 or why:
+            log.warning("in-memory snapshots are off (%s): restarts resume from the durable "
+                        "checkpoint store", why or "no node could give the run identity")
+        return None
     return identity
 
 

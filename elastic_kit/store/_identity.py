@@ -62,14 +62,18 @@ def read_identity(layout: Layout) -> str | None:
         return None
 
 
-def ensure_identity(layout: Layout) -> str:
-    """The identity ``layout``'s store holds, created first when it has none."""
+def ensure_identity(layout: Layout, *, adopt: str | None = None) -> str:
+    """The identity ``layout``'s store holds, created first when it has none (a new
+    random one, or ``adopt``: one that another node's directory of a node-local
+    store holds)."""
     found = read_identity(layout)
     if found is not None:
         return found
+    if adopt is not None:
+        _parse(adopt.encode(), "the identity to adopt")
     layout.check_root()
     path = join(layout.root, IDENTITY_NAME)
-    data = (uuid.uuid4().hex + "\n").encode()
+    data = ((adopt or uuid.uuid4().hex) + "\n").encode()
     layout.backend.create_once(path, data)
     found = read_identity(layout)
     if found is None:

@@ -557,7 +557,7 @@ class CheckpointStore:
                 self._executor = None
 
     # ------------------------------------------------------------------ housekeeping
-    def run_identity(self, *, create: bool = True) -> str | None:
+    def run_identity(self, *, create: bool = True, adopt: str | None = None) -> str | None:
         """The random identity of the run this store holds (32 hex digits).
 
         Created when absent (``create``; create-if-absent, so writers racing on an
@@ -565,7 +565,9 @@ class CheckpointStore:
         in-memory snapshot tier trusts a snapshot only when it carries the identity
         the store holds now, so a deleted or replaced store starts fresh. Not
         collective (the :class:`~elastic_kit.Checkpointer` reads it on rank 0 and
-        broadcasts it). With ``create=False``, None when the store has none.
+        broadcasts it). With ``create=False``, None when the store has none. ``adopt``:
+        the identity to create when absent, instead of a new one (each node of a
+        node-local store holds the run's one identity in its own directory).
 
         Raises:
             CheckpointCorruptError: the identity file holds something else.
@@ -574,7 +576,7 @@ class CheckpointStore:
         """
         self._drain()
         if create:
-            return ensure_identity(self._layout)
+            return ensure_identity(self._layout, adopt=adopt)
         return read_identity(self._layout)
 
     def list(self) -> list[CheckpointInfo]:
