@@ -24,6 +24,8 @@ from typing import Any
 
 import pytest
 
+from tests.snapshot_tree import left_in
+
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "benchmarks"
 SCRIPTS = sorted(p.name for p in BENCH.glob("bench_*.py"))
@@ -116,7 +118,7 @@ def test_benchmark_smoke_prints_a_ratio_against_its_baseline(script: str, tmp_pa
         assert key in res, f"{script}: headline key {key!r} missing"
     assert isinstance(res["load_avg_1m_end"], float)
     # jobs stopped mid-run do not remove their snapshots: the script must
-    leftovers = [str(p.relative_to(shm)) for p in shm.rglob("*")]
+    leftovers = left_in(shm)
     assert leftovers == [], leftovers
     if script == "bench_checkpoint.py":
         assert list(tmp_path.iterdir()) == [shm]  # cleaned up
