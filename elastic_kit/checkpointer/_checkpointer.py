@@ -14,7 +14,7 @@ import operator
 import os
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
@@ -106,7 +106,7 @@ class Checkpointer(Lifecycle):
             **{name: given[name] for name in CheckpointerConfig.__dataclass_fields__})
         self.state = state
         self.store, self._owns_store = _saving.open_store(
-            store, info, keep_last=keep_last, node_local=node_local,
+            store, info, keep_last=config.keep_last, node_local=node_local,
             storage_options=storage_options)
         self.every_steps, self.every_seconds = config.every_steps, config.every_seconds
         self.blocking = bool(config.blocking)
@@ -140,6 +140,7 @@ class Checkpointer(Lifecycle):
         self._abandoning, self._abandoned = threading.Event(), threading.Event()
         self._leave_lock = threading.Lock()
         self._last_step_at: float | None = None  # when record_step last ran (monotonic)
+        self._pausing = False  # inside a block kept out of the step time (_not_training)
 
     def restore(self, *, map_location: Any = None) -> int:
         """Load the newest checkpoint into the state; return the epoch to start.
@@ -163,7 +164,7 @@ class Checkpointer(Lifecycle):
         sharded = bool(getattr(state, "sharded", False))
         self.snapshots = _restore.make_snapshots(self.store, info, self.snapshot_every,
                                                  self.snapshot_budget, sharded=sharded)
-        loaded, self.restored_from = _restore.load_newest(
+        loaded, self.restored_from, durable = _restore.load_newest(
             self.store, self.snapshots, info, map_location,
             into=state.state_dict if sharded else None)
         if loaded is not None:
@@ -171,7 +172,9 @@ class Checkpointer(Lifecycle):
                 _restore.own_cpu_optimizer_state(state, loaded.state)
             state.load_state_dict(loaded.state)
             self.restored_step = int(loaded.step)
-            if self.restored_from == "store":  # from memory: saved nowhere durable yet
+            # from the store, or from memory holding what the store's newest holds;
+            # any other state from memory is saved nowhere durable yet
+            if durable:
                 self._last_saved_step = self._committed_step = self.restored_step
         _restore.resume(state, info, loaded, self.restored_step, self.restored_from,
                         self.snapshots, self.finish_audit)
@@ -292,7 +295,24 @@ class Checkpointer(Lifecycle):
         snapshot interval, so a long validation does not make snapshots more frequent:
         ``with ckpt.paused(): acc = validate(model, val_loader)``.
         """
-        return self._cadence.paused()
+        return self._not_training()
+
+    @contextlib.contextmanager
+    def _not_training(self) -> Iterator[None]:
+        """Keep a block's time out of the step-time estimate (:meth:`Cadence.paused`):
+        a user's block (:meth:`paused`) or the checkpointer's own blocking work (a
+        blocking save, the epoch's end), whose seconds would otherwise count as
+        training and shrink the automatic snapshot interval after each. Once: a save
+        inside a user's paused block is not taken out twice."""
+        if self._pausing:
+            yield
+            return
+        self._pausing = True
+        try:
+            with self._cadence.paused():
+                yield
+        finally:
+            self._pausing = False
 
     def end_epoch(self) -> None:
         """Close the epoch: check the audit, move to the next epoch, save.
@@ -303,6 +323,10 @@ class Checkpointer(Lifecycle):
         Raises:
             SampleAuditError: ``audit="error"`` and the epoch missed or repeated a sample.
         """
+        with self._not_training():
+            self._end_epoch()
+
+    def _end_epoch(self) -> None:
         self.finish_audit()
         stop = self._cadence.agreed_stop()
         self._progress.next_epoch()
@@ -331,6 +355,10 @@ class Checkpointer(Lifecycle):
         outcome: if the write failed on the writer (or an earlier non-blocking write
         did), every rank raises :class:`~elastic_kit.CheckpointError`.
         """
+        with self._not_training() if blocking else contextlib.nullcontext():
+            self._save(blocking)
+
+    def _save(self, blocking: bool) -> None:
         self._progress.sync_audit(self.audit)
         if self.store is None:
             return

@@ -7,6 +7,8 @@ option has one name, one default and one validator.
 
 from __future__ import annotations
 
+import math
+import numbers
 import operator
 from dataclasses import dataclass
 
@@ -17,6 +19,10 @@ __all__ = ["CheckpointerConfig", "AUDIT_MODES"]
 
 #: What ``audit`` accepts, and the mode each value means.
 AUDIT_MODES = {False: "off", True: "error", "off": "off", "warn": "warn", "error": "error"}
+
+#: The options that are True or False (nothing else: ``blocking="no"`` is truthy).
+_FLAGS = ("blocking", "save_at_epoch_end", "overlap_staging", "handle_signals",
+          "handle_preemption")
 
 
 @dataclass(frozen=True)
@@ -107,30 +113,45 @@ class CheckpointerConfig:
             except TypeError:
                 raise bad(name, "an int") from None
 
+        def real(value: object) -> bool:
+            """A finite real number, not a bool (``True`` is no number of seconds)."""
+            return (isinstance(value, numbers.Real) and not isinstance(value, bool)
+                    and math.isfinite(value))
+
+        for name in _FLAGS:
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "True or False")
         if self.every_steps is not None:
             every = as_int("every_steps")
             if every < 1:
                 raise bad("every_steps", "None or an int >= 1")
             object.__setattr__(self, "every_steps", every)
-        if self.every_seconds is not None and not (
-                isinstance(self.every_seconds, (int, float)) and self.every_seconds > 0):
-            raise bad("every_seconds", "None or a number > 0")
-        if self.keep_last is not None and (as_int("keep_last") < 1):
-            raise bad("keep_last", "None (keep all) or an int >= 1")
-        if self.audit is not None and self.audit not in AUDIT_MODES:
+        if self.every_seconds is not None:
+            if not (real(self.every_seconds) and self.every_seconds > 0):
+                raise bad("every_seconds", "None or a finite number > 0")
+            object.__setattr__(self, "every_seconds", float(self.every_seconds))
+        if self.keep_last is not None:
+            keep = as_int("keep_last")
+            if keep < 1:
+                raise bad("keep_last", "None (keep all) or an int >= 1")
+            object.__setattr__(self, "keep_last", keep)
+        # a str or a bool, not just a value equal to a key (1 == True; [] is unhashable)
+        if self.audit is not None and not (isinstance(self.audit, (bool, str))
+                                           and self.audit in AUDIT_MODES):
             raise bad("audit", "True, False, 'off', 'warn', 'error' or None")
         snap = self.snapshot_every
         if not (snap is None or snap == "auto"):
             if isinstance(snap, str) or as_int("snapshot_every") < 0:
                 raise bad("snapshot_every", "'auto', None or an int >= 0 (0: off)")
+            # a plain int (a NumPy integer becomes one): the snapshot tier takes no other
+            object.__setattr__(self, "snapshot_every", as_int("snapshot_every"))
         if not 1 <= as_int("exit_code") <= 255:
             raise bad("exit_code", "an int in [1, 255]")
-        if not (isinstance(self.snapshot_budget, (int, float)) and 0 < self.snapshot_budget < 1):
+        if not (real(self.snapshot_budget) and 0 < self.snapshot_budget < 1):
             raise bad("snapshot_budget", "a number in (0, 1)")
         beat = self.heartbeat_timeout
-        if beat is not None and (isinstance(beat, bool) or not isinstance(beat, (int, float))
-                                 or beat < 0):
-            raise bad("heartbeat_timeout", "None, 0 (off) or a number of seconds > 0")
+        if beat is not None and not (real(beat) and beat >= 0):
+            raise bad("heartbeat_timeout", "None, 0 (off) or a finite number of seconds > 0")
 
     def audit_mode(self, default: str = "off") -> str:
         """``"off"``, ``"warn"`` or ``"error"``; ``default`` when ``audit`` is None."""

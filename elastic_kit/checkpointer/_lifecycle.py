@@ -88,8 +88,9 @@ class Lifecycle:
     def last_saved_step(self) -> int | None:
         """The step of the newest durable checkpoint saved (a non-blocking one: handed
         to the store, committed by the next save or ``close``) or restored from the
-        durable store here, or None. A restore from memory does not count: that state
-        is in no durable checkpoint yet."""
+        durable store here, or None. A restore from memory does not count (that state
+        is in no durable checkpoint yet), unless the snapshot restored is of the
+        store's newest checkpoint's state (the same step, epoch and position)."""
         return self._last_saved_step
 
     def close(self) -> None:

@@ -10,12 +10,13 @@ the state came from.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 import torch
 
 from elastic_kit._console import say
 from elastic_kit.distributed import DistInfo, all_reduce_max
+from elastic_kit.errors import CheckpointError
 from elastic_kit.snapshot import SnapshotTier, agree_run_identity
 from elastic_kit.store import copy_tensors, map_tree
 
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
     from elastic_kit.state import TrainState
     from elastic_kit.store import LoadedCheckpoint
 
-__all__ = ["check_sampler", "make_snapshots", "load_newest", "resume"]
+__all__ = ["check_sampler", "make_snapshots", "load_newest", "Newest", "resume"]
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,10 @@ def resume(state: TrainState, info: DistInfo, loaded: LoadedCheckpoint | None,
                           "restored_step": restored_step,
                           "restored_from": restored_from})
     if sampler is not None and loaded is not None:
+        if isinstance(loaded.state, dict) and loaded.state.get("sampler") is None:
+            # a checkpoint saved without a sampler (one added since): the sampler
+            # starts the saved epoch, which it must not overwrite with its own
+            sampler.set_epoch(state.epoch)
         if sampler.remaining == 0 or len(sampler) == 0:
             close_exhausted_epoch(state, info, finish_audit)
         state.epoch = sampler.epoch
@@ -103,43 +108,99 @@ def make_snapshots(store: StoreLike | None, info: DistInfo, every: int | str | N
     return tier
 
 
+class Newest(NamedTuple):
+    """What :func:`load_newest` restored: the checkpoint (or None), where it came from
+    (``"memory"``, ``"peer"``, ``"store"`` or None), and whether the durable store
+    holds it committed (restored from there, or a snapshot of the same step, epoch and
+    position as the store's newest checkpoint)."""
+
+    loaded: LoadedCheckpoint | None
+    source: str | None
+    durable: bool
+
+
+#: What a writer that could not list the store sends in the agreement on the newest
+#: durable step (plus ``world_size - rank``: the maximum names the lowest such rank):
+#: above any step, so every rank learns of the failure in that one all-reduce.
+_LIST_FAILED = 1 << 62
+
+
 def load_newest(store: StoreLike | None, tier: SnapshotTier | None, info: DistInfo,
-                map_location: Any, *, into: Any = None
-                ) -> tuple[LoadedCheckpoint | None, str | None]:
-    """The newest state in any tier and where it came from (``"memory"``,
-    ``"peer"``, ``"store"`` or None).
+                map_location: Any, *, into: Any = None) -> Newest:
+    """The newest state in any tier, where it came from and whether it is durable.
 
     Every rank learns the newest snapshot step any node holds and the newest
-    durable step, and all take the same branch (the loads are collective).
+    durable step, and all take the same branch (the loads are collective). A newest
+    durable checkpoint that does not verify makes the store load an older one; a
+    snapshot newer than that one is then taken instead.
     ``into``: the live state (or a function giving it) that a sharded checkpoint is
     loaded into (:meth:`CheckpointStore.load`).
+
+    Raises:
+        CheckpointError: a writer could not list the store (on every rank; the
+            writer raises its own error).
     """
     if store is None:
-        return None, None
+        return Newest(None, None, False)
     if tier is None:
         loaded = load_durable(store, map_location, into)
-        return loaded, "store" if loaded is not None else None
+        return Newest(loaded, "store" if loaded is not None else None, loaded is not None)
     tier.connect()
     mine = tier.newest_local()
     writer = getattr(store, "is_writer", info.rank == 0)
-    step, epoch, consumed = newest_key(store) if writer else (-1, -1, -1)
+    step, epoch, consumed = (-1, -1, -1)
+    error: BaseException | None = None
+    if writer:
+        try:
+            step, epoch, consumed = newest_key(store)
+        except Exception as e:  # every rank must learn it, in the agreement below
+            error = e
     newest_snapshot = all_reduce_max(-1 if mine is None else mine)
-    newest_durable = all_reduce_max(step)
+    newest_durable = all_reduce_max(
+        step if error is None else _LIST_FAILED + info.world_size - info.rank)
+    if newest_durable >= _LIST_FAILED:
+        if error is not None:
+            raise error
+        failed = _LIST_FAILED + info.world_size - newest_durable
+        raise CheckpointError(f"rank {failed} could not list the checkpoint store "
+                              f"{getattr(store, 'url', store)} (see its log); nothing was "
+                              "restored")
     # the newest durable checkpoint's position, from a writer that holds it
     newest = step == newest_durable
     durable_key = (newest_durable, all_reduce_max(epoch if newest else -1),
                    all_reduce_max(consumed if newest else -1))
+    tried: tuple[int, int, int] | None = None  # the key of the snapshot passed over
     if newest_snapshot >= 0 and newest_snapshot >= newest_durable:
         loaded = tier.load(map_location=map_location, into=into)
         # The later state wins, not the tier: a durable save made after end_epoch
         # is later than a snapshot of the same step taken inside the epoch.
-        if loaded is not None and key(loaded.step, loaded.metadata) >= durable_key:
-            # memory when rank 0's node held it, else a peer node's copy or a
-            # replica a peer streamed here
-            held = all_reduce_max(int(info.rank == 0 and tier.loaded_own))
-            return loaded, "memory" if held else "peer"
+        tried = (-1, -1, -1) if loaded is None else key(loaded.step, loaded.metadata)
+        if loaded is not None and tried >= durable_key:
+            return Newest(loaded, snapshot_source(tier, info), tried == durable_key)
+        loaded = None  # one copy of the state at a time: this one goes before the next
     loaded = load_durable(store, map_location, into)
-    return loaded, "store" if loaded is not None else None
+    # Every rank holds the step and metadata the store broadcast, and the same agreed
+    # snapshot step: all take the branch below alike.
+    got = (-1, -1, -1) if loaded is None else key(loaded.step, loaded.metadata)
+    if got < durable_key and newest_snapshot > got[0] and (tried is None or tried > got):
+        # The newest durable checkpoint did not verify and the store fell back to an
+        # older one (or none): a snapshot after that one is later. One copy of the
+        # state at a time: the store's goes first, and is read again in the rare case
+        # that the snapshots fell back further still.
+        loaded = None
+        snapshot = tier.load(map_location=map_location, into=into)
+        if snapshot is not None and key(snapshot.step, snapshot.metadata) > got:
+            return Newest(snapshot, snapshot_source(tier, info), False)
+        snapshot = None
+        loaded = load_durable(store, map_location, into)
+    return Newest(loaded, "store" if loaded is not None else None, loaded is not None)
+
+
+def snapshot_source(tier: SnapshotTier, info: DistInfo) -> str:
+    """``"memory"`` when rank 0's node held the snapshot just loaded, else ``"peer"``
+    (a peer node's copy, or a replica a peer streamed here). Collective."""
+    held = all_reduce_max(int(info.rank == 0 and tier.loaded_own))
+    return "memory" if held else "peer"
 
 
 def own_cpu_optimizer_state(state: TrainState, sd: dict[str, Any]) -> None:

@@ -1238,7 +1238,9 @@ class SnapshotTier:
                 loaded = None
             else:
                 loaded.metadata.pop(IDENTITY_KEY, None)
-        self.loaded_own = (loaded is not None and root == self.node_dir
+        # this host's memory: this node's directory, or a gone agent's of this run
+        # here (a node directory: a child of the run's; a replica lies deeper)
+        self.loaded_own = (loaded is not None and os.path.dirname(root) == self.run_dir
                            and step == loaded.step)
         return loaded
 

@@ -42,6 +42,7 @@ def test_a_relaunched_agent_restores_from_the_gone_agents_node_directory(
         assert Path(again.node_dir).name == host_node_name(os.getppid())
         loaded = again.load()
         assert loaded is not None and loaded.step == 9
+        assert again.loaded_own                      # this host's memory, not a peer's
         assert torch.equal(loaded.state["w"], torch.full((100,), 7.0))
         assert old.exists()                          # until this node has a snapshot
         again.save({"w": torch.full((100,), 8.0)}, step=10, metadata={})
