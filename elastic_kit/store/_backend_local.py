@@ -280,7 +280,9 @@ class LocalBackend:
                    size_hint: int | None = None) -> T:
         """``O_DIRECT`` where the filesystem takes it, then fsync; never replaces a file.
         A file smaller than one staging buffer gets buffers of its size (rounded up to
-        a power of two), so a small shard costs no 16 MiB buffers."""
+        a power of two), so a small shard costs no 16 MiB buffers. A failed write
+        removes its partial file (in a re-save's committed directory nothing else
+        would)."""
         path = join(staging, name)
         kw = {}
         if size_hint is not None and size_hint < BUFFER_SIZE:
@@ -295,8 +297,14 @@ class LocalBackend:
                     f.flush()
                     os.fsync(f.fileno())
             self._restrict(path)
-        except OSError as e:
-            raise write_error(e, path) from e
+        except BaseException as e:
+            try:
+                os.remove(path)
+            except OSError:
+                pass
+            if isinstance(e, OSError):
+                raise write_error(e, path) from e
+            raise
         return out
 
     def finish_parts(self, staging: str, directory: str, manifest: Manifest, *,

@@ -8,17 +8,34 @@ exchange is keys named after the save and a call counter, set by one rank and po
 (``check``, never a blocking ``wait`` that would hold the client's lock) by the
 others. Payloads are pickled, as ``broadcast_object`` does: the store belongs to the
 job, not to storage anyone may edit.
+
+The keys name the save by its store, its step and how many background saves of that
+step this process made (the caller's prefix), never by a count of all saves: a rank
+that fails one save before its exchange cannot shift every later save of its peers
+onto another step's keys.
+
+A wait fails only once the ranks it waits for showed no sign of life for ``timeout``
+seconds: every rank taking part bumps a progress counter of its own while it is in
+the save (writing its shards, or rank 0 its replicated payload and the manifest), so
+a slow but working peer is waited for and a dead one fails the save in bounded time.
+A peer alive but stuck (a write that never returns) is waited for at most
+:data:`MOST_TIMEOUTS` timeouts in all.
 """
 
 from __future__ import annotations
 
 import pickle
+import threading
 import time
 from typing import Any
 
 from elastic_kit.errors import CheckpointError
 
-__all__ = ["KvExchange"]
+__all__ = ["KvExchange", "MOST_TIMEOUTS"]
+
+#: The longest one wait lasts, in timeouts, however long the ranks it waits for show
+#: progress (a rank whose write hangs keeps beating: its beats come from a thread).
+MOST_TIMEOUTS = 12
 
 
 class KvExchange:
@@ -26,9 +43,10 @@ class KvExchange:
 
     Args:
         kv: the process group's key-value store (``_get_default_store()``).
-        prefix: keys of this save (unique in the job: the store's save counter).
+        prefix: keys of this save (unique in the job: its store, step and attempt).
         rank, world_size: this rank's place in the group.
-        timeout: seconds to wait for another rank before failing the save.
+        timeout: seconds to wait without any sign of progress from the awaited ranks
+            before failing the save.
     """
 
     def __init__(self, kv: Any, prefix: str, rank: int, world_size: int,
@@ -36,50 +54,105 @@ class KvExchange:
         self.kv, self.prefix = kv, prefix
         self.rank, self.world_size, self.timeout = rank, world_size, timeout
         self._calls = 0
+        # beat well within the timeout, look for beats as often
+        self._beat_every = max(min(timeout / 5, 30.0), 0.01)
+        self._stop: threading.Event | None = None
+        self._beater: threading.Thread | None = None
 
     def _key(self, *parts: Any) -> str:
         return "/".join([self.prefix, *map(str, parts)])
 
-    def _poll(self, keys: list[str], what: str) -> None:
-        deadline, pause = time.monotonic() + self.timeout, 0.002
-        while not self.kv.check(keys):
-            if time.monotonic() > deadline:
+    # ------------------------------------------------------------------ progress
+    def _start_beating(self) -> None:
+        """Bump this rank's progress counter until :meth:`close` (on a thread of its
+        own: the save's thread may sit in one long write)."""
+        if self._beater is not None:
+            return
+        stop = threading.Event()
+        key = self._key("alive", self.rank)
+
+        def beat() -> None:
+            while not stop.wait(self._beat_every):
+                try:
+                    self.kv.add(key, 1)
+                except Exception:  # pragma: no cover - a closed store: the save fails anyway
+                    return
+
+        self._stop = stop
+        self._beater = threading.Thread(target=beat, name="ek-save-alive", daemon=True)
+        self._beater.start()
+
+    def _progress(self, ranks: list[int]) -> int:
+        return sum(int(self.kv.add(self._key("alive", r), 0)) for r in ranks)
+
+    def _poll(self, keys: dict[int, str], what: str) -> None:
+        """Wait until every rank's key in ``keys`` (rank -> key) is set; only the
+        progress of the ranks whose keys are still missing counts."""
+        now = time.monotonic()
+        deadline, pause = now + self.timeout, 0.002
+        longest = now + MOST_TIMEOUTS * self.timeout
+        waiting = dict(keys)
+        seen, look_at = self._progress(list(waiting)), now + self._beat_every / 2
+        while not self.kv.check(list(waiting.values())):
+            now = time.monotonic()
+            if now >= look_at:
+                waiting = {r: k for r, k in waiting.items() if not self.kv.check([k])}
+                progress = self._progress(list(waiting))
+                if progress > seen:  # alive and still in this save: wait on
+                    deadline = now + self.timeout
+                seen, look_at = progress, now + self._beat_every / 2
+            if now > deadline:
                 raise CheckpointError(
                     f"background sharded save {self.prefix}: rank {self.rank} waited "
-                    f"{self.timeout:g} s for {what} (did a rank fail or leave?)")
+                    f"{self.timeout:g} s for {what} with no sign of progress (did a rank "
+                    f"fail or leave?)")
+            if now > longest:
+                raise CheckpointError(
+                    f"background sharded save {self.prefix}: rank {self.rank} waited "
+                    f"{MOST_TIMEOUTS * self.timeout:g} s for {what}, which kept showing "
+                    f"progress (a write that never ends?)")
             time.sleep(pause)
             pause = min(pause * 2, 0.05)
 
+    # ------------------------------------------------------------------ exchange
     def broadcast(self, obj: Any) -> Any:
         """Rank 0's ``obj`` on every rank."""
+        self._start_beating()
         self._calls += 1
         key = self._key(self._calls, "b")
         if self.rank == 0:
             self.kv.set(key, pickle.dumps(obj))
             return obj
-        self._poll([key], "rank 0")
+        self._poll({0: key}, "rank 0")
         return pickle.loads(self.kv.get(key))
 
     def gather(self, obj: Any) -> list[Any]:
         """Every rank's ``obj`` in rank order on rank 0; ``[obj]`` on the others (the
         sharded save reads them on rank 0 only)."""
+        self._start_beating()
         self._calls += 1
         keys = [self._key(self._calls, "g", r) for r in range(self.world_size)]
         self.kv.set(keys[self.rank], pickle.dumps(obj))
         if self.rank != 0:
             return [obj]
-        self._poll(keys, "every rank's shards")
+        self._poll({r: k for r, k in enumerate(keys) if r != 0}, "every rank's entries")
         out = [pickle.loads(self.kv.get(k)) for k in keys]
         for k in keys:
             self.kv.delete_key(k)
         return out
 
     def close(self) -> None:
-        """The last rank to finish removes the broadcast keys (best effort)."""
+        """Stop this rank's progress counter; the last rank to finish removes the
+        broadcast and progress keys (best effort)."""
+        if self._stop is not None and self._beater is not None:
+            self._stop.set()
+            self._beater.join()
         try:
             if self.kv.add(self._key("done"), 1) == self.world_size:
                 for n in range(1, self._calls + 1):
                     self.kv.delete_key(self._key(n, "b"))
+                for r in range(self.world_size):
+                    self.kv.delete_key(self._key("alive", r))
                 self.kv.delete_key(self._key("done"))
         except Exception:  # pragma: no cover - a closed store: nothing to clean
             pass

@@ -113,14 +113,34 @@ class ShardIndex:
             raise ValueError(f"sharded.chunks must be a list of at most {_MAX_CHUNKS}")
         tensors = [_tensor(t, i) for i, t in enumerate(raw_t)]
         chunks = [_chunk(c, tensors, files, checksum) for c in raw_c]
-        covered = [0] * len(tensors)
-        for c in chunks:
+        index = cls(tensors=tensors, chunks=chunks)
+        index.check_coverage()
+        return index
+
+    def check_coverage(self) -> None:
+        """Every chunk lies inside its tensor and each tensor's chunks add up to it:
+        what a load requires (checked at parse time, and before a commit).
+
+        Raises:
+            ValueError: naming the tensor.
+        """
+        covered = [0] * len(self.tensors)
+        for c in self.chunks:
+            if not 0 <= c.tensor < len(self.tensors):
+                raise ValueError(f"sharded chunk tensor={c.tensor} must index the "
+                                 f"{len(self.tensors)} sharded tensors")
+            t = self.tensors[c.tensor]
+            if (c.entry.dtype != t.dtype or len(c.offsets) != len(t.shape)
+                    or len(c.entry.shape) != len(t.shape)
+                    or any(o + s > g for o, s, g in zip(c.offsets, c.entry.shape, t.shape))):
+                raise ValueError(f"chunk of {t.path} at {list(c.offsets)}, "
+                                 f"{c.entry.dtype}{list(c.entry.shape)}, does not lie inside "
+                                 f"{t.dtype}{list(t.shape)}")
             covered[c.tensor] += math.prod(c.entry.shape)
-        for i, t in enumerate(tensors):
+        for i, t in enumerate(self.tensors):
             if covered[i] != math.prod(t.shape):
                 raise ValueError(f"sharded tensor {t.path}: its chunks hold {covered[i]} "
                                  f"elements, the tensor {math.prod(t.shape)}")
-        return cls(tensors=tensors, chunks=chunks)
 
 
 def _ints(v: Any, what: str, *, max_len: int = 64) -> tuple[int, ...]:

@@ -3,18 +3,27 @@
 Saving (every rank calls it; collective when blocking, exchanged through the
 key-value store by :mod:`._exchange` when it runs in the background). The state tree
 is split into its DTensors and the replicated rest, in which each DTensor is
-replaced by a placeholder string. Each rank writes the shards it owns (``to_local()``; of a tensor replicated over
+replaced by a placeholder string. First every rank tells rank 0 whether it can take
+part and which sharded tensors it holds (one manifest describes them all: ranks that
+hold different ones are refused), and rank 0 answers where to write, with a fresh id
+of the save, or why the save cannot go on: a rank that fails before its first
+exchange (a bad value, an earlier save's error) fails the save on every rank at the
+same exchange, never leaving its peers in a collective it does not join. Each rank
+then writes the shards it owns (``to_local()``; of a tensor replicated over
 some mesh dimension only the copy at coordinate 0 there) into one flat tensor file
 (:mod:`._tensorfile`: raw bytes at aligned offsets, ``O_DIRECT`` on a local disk),
 with no gather and no full copy anywhere; rank 0 also writes the replicated rest as
 the usual ``torch.save`` payload. The ranks then exchange their file entries (sizes,
-checksums, which box of which tensor is where, the digest partials) in one
-``all_gather_object`` of a few KB, and rank 0 commits one manifest, last, once every
-file is durable (each rank fsyncs or completes its own upload before the exchange):
-the backends' :meth:`~._backend.Backend.begin_parts` /
+checksums, which box of which tensor is where, the digest partials, the save's id)
+in a gather of a few KB, and rank 0 commits one manifest, last, once every
+file is durable (each rank fsyncs or completes its own upload before the exchange)
+and the index covers every tensor: the backends'
+:meth:`~._backend.Backend.begin_parts` /
 :meth:`~._backend.Backend.finish_parts` keep the store's commit rules (a temporary
 directory renamed into place on a local disk; the manifest PUT last on an object
 store; a re-save switches the manifest atomically and removes the old files after).
+A commit that fails may still have landed (an object store's answer lost): the
+manifest is read back, and files a landed manifest names are never removed.
 
 Loading (collective). Every rank reads the replicated payload's content (rank 0
 reads, verifies and broadcasts it) and then, for each sharded tensor, *only the byte
@@ -40,7 +49,9 @@ from __future__ import annotations
 
 import logging
 import math
+import hashlib
 import uuid
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
@@ -63,7 +74,7 @@ from elastic_kit.store._tree import (
 )
 
 __all__ = ["has_sharded", "split", "local_box", "StagedShard", "stage", "save_sharded",
-           "read_sharded", "Gather"]
+           "read_sharded", "SaveRefused", "ShardsVanished", "Gather"]
 
 log = logging.getLogger(__name__)
 
@@ -162,107 +173,225 @@ def _shard_name(rank: int, suffix: str) -> str:
     return f"shards-{rank:05d}{suffix}.bin"
 
 
+class _Prepared:
+    """One rank's part of a sharded save, read out of the state before the first
+    collective (whatever fails here fails the save on every rank alike)."""
+
+    def __init__(self, state: Any) -> None:
+        self.replicated, self.dts = split(state)
+        validate_state(self.replicated)
+        self.items: list[tuple[str, torch.Tensor]] = []
+        self.boxes: list[tuple[int, tuple[int, ...]]] = []
+        self.digests: list[tuple[int, torch.Tensor, tuple[int, ...], tuple[int, ...]]] = []
+        for i, (_, dt) in enumerate(self.dts):
+            shape, offsets, owner = local_box(dt)
+            local = dt.to_local().detach()
+            if tuple(local.shape) != shape:  # pragma: no cover - a placement we do not know
+                raise ValueError(f"DTensor local shard has shape {tuple(local.shape)}, its "
+                                 f"placements {dt.placements} give {shape}")
+            if owner and local.numel():
+                local = local.cpu()
+                self.items.append((f"{i}@{','.join(map(str, offsets))}", local))
+                self.boxes.append((i, offsets))
+                self.digests.append((i, local, offsets, tuple(dt.shape)))
+        # what every rank must hold alike: one manifest describes them all
+        meshes: dict[int, str] = {}
+        self.signature = [(path, dtype_name(dt.dtype), list(dt.shape),
+                           ",".join(str(p) for p in dt.placements),
+                           _mesh_key(dt.device_mesh, meshes))
+                          for path, dt in self.dts]
+        # exchanged in its place (the signature itself only when they differ)
+        self.signature_digest = hashlib.sha256(repr(self.signature).encode()).hexdigest()
+
+
+def _mesh_key(mesh: Any, known: dict[int, str]) -> str:
+    """A short name of a device mesh: its shape and which global ranks it holds (one
+    pipeline stage's mesh is not another's, even of the same shape)."""
+    key = known.get(id(mesh))
+    if key is None:
+        ranks = mesh.mesh.to(torch.int64).contiguous().numpy().tobytes()
+        shape = "x".join(map(str, mesh.shape))
+        key = known[id(mesh)] = f"{shape}@{zlib.crc32(ranks):08x}"
+    return key
+
+
+class SaveRefused(CheckpointError):
+    """A sharded save that another rank could not take part in (raised on the ranks
+    that could). ``echo``: that rank reported an earlier save's failure, which every
+    rank already learned from that save: this refusal is only its echo."""
+
+    def __init__(self, message: str, *, echo: bool) -> None:
+        super().__init__(message)
+        self.echo = echo
+
+
+def _describe(e: BaseException | None) -> str | None:
+    return None if e is None else f"{type(e).__name__}: {e}"
+
+
+def _tree_difference(step: int, signatures: list[Any]) -> str:
+    """Why the ranks' sharded tensors (their signatures, which differ) cannot make one
+    checkpoint."""
+    mine = {s[0]: s[1:] for s in signatures[0]}
+    r, shown = 0, "their order"
+    for r, theirs in enumerate(signatures[1:], 1):
+        other = {s[0]: s[1:] for s in theirs}
+        if [s[0] for s in theirs] == list(mine) and other == mine:
+            continue
+        differ = sorted(set(mine) ^ set(other)) + sorted(
+            p for p in set(mine) & set(other) if mine[p] != other[p])
+        shown = ", ".join(differ[:6]) + (f" and {len(differ) - 6} more" if len(differ) > 6
+                                         else "") or "their order"
+        break
+    return (f"sharded checkpoint step {step}: rank 0 and rank {r} hold different sharded "
+            f"tensors ({shown}); expected every rank to hold the same DTensors (each its "
+            f"own shards of them): a state that differs by rank, such as one pipeline "
+            f"stage's parameters, cannot be saved as one sharded checkpoint; nothing was "
+            f"saved")
+
+
+def _start_verdict(step: int, starts: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Rank 0: why the save cannot go on, from every rank's start entry (None: it can).
+    A rank's failure of this save is named before one that reports an earlier save's."""
+    failing = sorted((bool(s.get("earlier")), r) for r, s in enumerate(starts)
+                     if not s.get("ok"))
+    if failing:
+        earlier, r = failing[0]
+        return {"ok": False, "kind": "rank", "rank": r, "error": starts[r].get("error"),
+                "earlier": earlier}
+    for r, s in enumerate(starts):
+        if s.get("step") != step:
+            return {"ok": False, "kind": "rank", "rank": r,
+                    "error": f"it saves step {s.get('step')} (the ranks' saves are out of "
+                             f"step)"}
+    if any(s["tensors"] != starts[0]["tensors"] for s in starts):
+        return {"ok": False, "kind": "tree"}  # the ranks then say which tensors differ
+    return None
+
+
 def save_sharded(layout: Layout, state: Any, *, step: int, checksum: str,
                  metadata: dict[str, Any], rank: int, world_size: int,
-                 gather: Gather, broadcast: Broadcast) -> Manifest | None:
+                 gather: Gather, broadcast: Broadcast,
+                 failed: BaseException | None = None, earlier: bool = False,
+                 ) -> Manifest | None:
     """Save a state tree holding DTensors as checkpoint ``step`` (collective).
 
-    Returns the committed manifest on rank 0 (None elsewhere); raises the same
-    error on every rank when any rank failed, and nothing is committed then.
+    Four exchanges: every rank's start entry (whether it can take part, which step,
+    which sharded tensors it holds) to rank 0; rank 0's header (where to write, a
+    fresh id of this save, or why the save cannot go on); every rank's file entries
+    to rank 0; rank 0's verdict. A rank that fails before writing (``failed``: an
+    error the caller met first, such as a pending one) still takes part, so that every
+    rank leaves the save at the same exchange and no collective pairs with another.
+    ``earlier``: ``failed`` is an earlier save's error that this rank reports now.
+
+    Returns the committed manifest on rank 0 (None elsewhere). When any rank failed,
+    nothing is committed and every rank raises: the rank that failed its own error,
+    the others :class:`SaveRefused` naming it (:class:`ValueError` on every rank
+    when the ranks hold different sharded tensors).
     """
-    replicated, dts = split(state)
-    validate_state(replicated)
-    items: list[tuple[str, torch.Tensor]] = []
-    boxes: list[tuple[int, tuple[int, ...]]] = []
-    partials: list[int] = []
-    digests: list[tuple[int, torch.Tensor, tuple[int, ...], tuple[int, ...]]] = []
-    for i, (_, dt) in enumerate(dts):
-        shape, offsets, owner = local_box(dt)
-        local = dt.to_local().detach()
-        if tuple(local.shape) != shape:  # pragma: no cover - a placement we do not know
-            raise ValueError(f"DTensor local shard has shape {tuple(local.shape)}, its "
-                             f"placements {dt.placements} give {shape}")
-        if owner and local.numel():
-            local = local.cpu()
-            items.append((f"{i}@{','.join(map(str, offsets))}", local))
-            boxes.append((i, offsets))
-            digests.append((i, local, offsets, tuple(dt.shape)))
-        partials.append(0)
-    # The digest (numpy dot products, which release the GIL) runs beside the write.
-    digesting = ThreadPoolExecutor(1, thread_name_prefix="ek-digest")
-    digested = digesting.submit(lambda: [(i, partial(t, o, s)) for i, t, o, s in digests])
-    digesting.shutdown(wait=False)
-    d = layout.dir_of(step)
     backend = layout.backend
+    d = layout.dir_of(step)
+    local_error = failed
+    prep: _Prepared | None = None
+    if local_error is None:
+        try:
+            prep = _Prepared(state)
+        except Exception as e:
+            local_error = e
     header: dict[str, Any] = {}
     old: Manifest | None = None
-    if rank == 0:
+    if rank == 0 and local_error is None:
         try:
             layout.check_root()
             old = layout.committed_manifest(d)
             staging = backend.begin_parts(d.path, replacing=old is not None)
             fresh = old is not None or getattr(backend, "in_place", False)
             header = {"ok": True, "staging": staging, "replacing": old is not None,
-                      "suffix": "." + uuid.uuid4().hex[:12] if fresh else ""}
+                      "suffix": "." + uuid.uuid4().hex[:12] if fresh else "",
+                      "step": step, "save": uuid.uuid4().hex}
         except Exception as e:
-            header = {"ok": False, "error": f"{type(e).__name__}: {e}"}
-            header_error: BaseException | None = e
-        else:
-            header_error = None
-    try:
-        header = broadcast(header)
-    except BaseException:
-        digested.result()
+            local_error = e
+
+    def give_staging_back() -> None:
         if rank == 0 and header.get("ok"):  # its staging directory, made for nothing
             backend.abort_parts(header["staging"], [], replacing=header["replacing"])
+
+    start = {"ok": local_error is None, "error": _describe(local_error), "step": step,
+             "earlier": earlier and local_error is failed,
+             "tensors": prep.signature_digest if prep is not None else None}
+    try:
+        starts = gather(start)
+        if rank == 0:
+            refused = _start_verdict(step, starts)
+            if refused is not None:
+                give_staging_back()
+                header = refused
+        header = broadcast(header)
+    except BaseException:
+        give_staging_back()
         raise
     if not header["ok"]:
-        digested.result()
-        if rank == 0 and header_error is not None:
-            raise header_error
-        raise CheckpointError(f"rank 0 could not start sharded checkpoint step {step} in "
-                              f"{layout.url}: {header['error']}")
+        if header["kind"] == "tree":  # every rank took part, and holds other tensors
+            assert prep is not None
+            signatures = gather(prep.signature)
+            raise ValueError(broadcast(_tree_difference(step, signatures)
+                                       if rank == 0 else None))
+        if local_error is not None:
+            raise local_error
+        raise SaveRefused(f"sharded checkpoint step {step} in {layout.url} was not saved: "
+                          f"rank {header['rank']} could not take part: {header['error']}",
+                          echo=header.get("earlier", False))
+    assert prep is not None
+    if header["step"] != step:  # pragma: no cover - rank 0 compared the steps
+        local_error = CheckpointError(
+            f"sharded checkpoint step {step}: rank 0 saves step {header['step']} in the "
+            f"same exchange (the ranks' saves are out of step); nothing was committed")
     staging, replacing, suffix = header["staging"], header["replacing"], header["suffix"]
-    mine: dict[str, Any] = {"ok": True, "file": None, "partials": partials}
-    error: BaseException | None = None
-    try:
-        if items:
-            name = _shard_name(rank, suffix)
-            entries, size, digest = backend.write_part(
-                staging, name, lambda f: write_stream(f, items, checksum=checksum),
-                size_hint=plan(items)[1])
-            mine.update(file=name, size=size, checksum=digest,
-                        chunks=[(i, list(o), e.to_json()) for (i, o), e in zip(boxes, entries)])
-        for i, p in digested.result():
-            partials[i] = p
-    except Exception as e:
-        error = e
-        mine = {"ok": False, "error": f"{type(e).__name__}: {e}", "file": None}
+    save_id = header["save"]
+    partials = [0] * len(prep.dts)
+    mine: dict[str, Any] = {"ok": True, "file": None, "partials": partials, "step": step,
+                            "save": save_id}
+    error: BaseException | None = local_error
+    if error is None:
+        # the digest (numpy dot products, which release the GIL) runs beside the write
+        digesting = ThreadPoolExecutor(1, thread_name_prefix="ek-digest")
+        digested = digesting.submit(
+            lambda: [(i, partial(t, o, s)) for i, t, o, s in prep.digests])
+        digesting.shutdown(wait=False)
+        try:
+            if prep.items:
+                name = _shard_name(rank, suffix)
+                items = prep.items
+                entries, size, digest = backend.write_part(
+                    staging, name, lambda f: write_stream(f, items, checksum=checksum),
+                    size_hint=plan(items)[1])
+                mine.update(file=name, size=size, checksum=digest,
+                            chunks=[(i, list(o), e.to_json())
+                                    for (i, o), e in zip(prep.boxes, entries)])
+            for i, p in digested.result():
+                partials[i] = p
+        except Exception as e:
+            error = e
+    if error is not None:
+        mine = {"ok": False, "error": _describe(error), "file": mine.get("file"),
+                "step": step, "save": save_id}
     try:
         everyone = gather(mine)
     except BaseException:
-        if rank == 0:  # a peer died: the staging directory (and the shards) go, now
+        # a peer died: every rank removes what it wrote (rank 0 the staging directory)
+        if rank == 0:
             backend.abort_parts(staging, [mine["file"]] if mine.get("file") else [],
                                 replacing=replacing)
+        elif mine.get("file"):
+            _remove_quietly(backend, join(staging, mine["file"]))
         raise
     result: dict[str, Any] = {"ok": True}
     manifest: Manifest | None = None
     if rank == 0:
-        written = [m["file"] for m in everyone if m.get("file")]
-        try:
-            failed = [(r, m["error"]) for r, m in enumerate(everyone) if not m["ok"]]
-            if failed:
-                raise CheckpointError(f"sharded checkpoint step {step}: rank {failed[0][0]} "
-                                      f"could not write its shards: {failed[0][1]}")
-            payload = f"state{suffix}.pt" if suffix else PAYLOAD_NAME
-            written.append(payload)
-            manifest = _commit(layout, staging, d, replicated, dts, everyone, payload=payload,
-                               checksum=checksum, metadata=metadata, world_size=world_size,
-                               step=step, replacing=replacing)
-        except Exception as e:
-            backend.abort_parts(staging, written, replacing=replacing)
-            error = error or e
-            result = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        manifest, result, error = _commit(
+            layout, d, prep, everyone, staging=staging, replacing=replacing, suffix=suffix,
+            save_id=save_id, checksum=checksum, metadata=metadata, world_size=world_size,
+            step=step, error=error)
         if manifest is not None and old is not None:
             for name in set(old.files) - set(manifest.files):
                 try:
@@ -278,13 +407,79 @@ def save_sharded(layout: Layout, state: Any, *, step: int, checksum: str,
     return manifest
 
 
-def _commit(layout: Layout, staging: str, d: StepDir, replicated: Any,
-            dts: list[tuple[str, Any]], everyone: list[dict[str, Any]], *, payload: str,
-            checksum: str, metadata: dict[str, Any], world_size: int, step: int,
-            replacing: bool) -> Manifest:
-    """Rank 0: the replicated payload, then the manifest, last."""
+def _remove_quietly(backend: Any, path: str) -> None:
+    try:
+        backend.remove_file(path)
+    except Exception as e:
+        log.debug("could not remove %s: %r", path, e)
+
+
+def _commit(layout: Layout, d: StepDir, prep: _Prepared, everyone: list[dict[str, Any]], *,
+            staging: str, replacing: bool, suffix: str, save_id: str, checksum: str,
+            metadata: dict[str, Any], world_size: int, step: int,
+            error: BaseException | None,
+            ) -> tuple[Manifest | None, dict[str, Any], BaseException | None]:
+    """Rank 0: the replicated payload, then the manifest, last. Returns the committed
+    manifest (None: not committed), the verdict for the other ranks and this rank's
+    error."""
+    backend = layout.backend
+    written = [m["file"] for m in everyone if m.get("file")]
+    try:
+        for r, m in enumerate(everyone):
+            if m.get("save") != save_id or m.get("step") != step:
+                raise CheckpointError(
+                    f"sharded checkpoint step {step}: rank {r} answered for another save "
+                    f"(step {m.get('step')}): the ranks' saves are out of step")
+        failed = [(r, m["error"]) for r, m in enumerate(everyone) if not m["ok"]]
+        if failed:
+            raise CheckpointError(f"sharded checkpoint step {step}: rank {failed[0][0]} "
+                                  f"could not write its shards: {failed[0][1]}")
+        payload = f"state{suffix}.pt" if suffix else PAYLOAD_NAME
+        written.append(payload)
+        manifest = _manifest(layout, staging, prep, everyone, payload=payload,
+                             checksum=checksum, metadata=metadata, world_size=world_size,
+                             step=step)
+    except Exception as e:
+        backend.abort_parts(staging, written, replacing=replacing)
+        return None, {"ok": False, "error": _describe(e)}, error or e
+    try:
+        backend.finish_parts(staging, d.path, manifest, replacing=replacing)
+    except Exception as e:
+        # The commit may have happened even so (an object store's manifest PUT that
+        # landed, its answer lost): the store tells. Its files are never removed then,
+        # nor while it cannot tell.
+        landed = _landed(layout, d, manifest)
+        if landed:
+            log.warning("sharded checkpoint step %d: committing it reported %r, but its "
+                        "manifest is in place: committed", step, e)
+            return manifest, {"ok": True}, error
+        if landed is False and is_local(layout.fs):
+            # a rename or replace that failed did nothing: nothing can land later
+            backend.abort_parts(staging, written, replacing=replacing)
+        else:
+            log.warning("sharded checkpoint step %d: committing it failed (%r); its files "
+                        "in %s are left for the cleanup of stale saves", step, e, staging)
+        return None, {"ok": False, "error": _describe(e)}, error or e
+    return manifest, {"ok": True}, error
+
+
+def _landed(layout: Layout, d: StepDir, manifest: Manifest) -> bool | None:
+    """Whether ``d``'s committed manifest is ``manifest`` (None: it cannot be read)."""
+    try:
+        now = layout.committed_manifest(d)
+    except Exception as e:
+        log.warning("cannot read back the manifest of %s: %r", d.path, e)
+        return None
+    return now is not None and now.payload == manifest.payload and now.files == manifest.files
+
+
+def _manifest(layout: Layout, staging: str, prep: _Prepared, everyone: list[dict[str, Any]],
+              *, payload: str, checksum: str, metadata: dict[str, Any], world_size: int,
+              step: int) -> Manifest:
+    """Rank 0: the replicated payload written, and the manifest to commit, checked as a
+    load will check it."""
     local = is_local(layout.fs)
-    prepared = prepare_state(replicated, copy=False)
+    prepared = prepare_state(prep.replicated, copy=False)
     entry = layout.backend.write_part(
         staging, payload,
         lambda f: save_into(f, join(staging, payload), prepared, checksum, fsync=local),
@@ -298,20 +493,23 @@ def _commit(layout: Layout, staging: str, d: StepDir, replicated: Any,
                 chunks.append(Chunk(tensor=i, file=m["file"], offsets=tuple(offsets),
                                     entry=TensorEntry.from_json(e, checksum=checksum)))
     tensors = []
-    for i, (path, dt) in enumerate(dts):
+    for i, (path, dt) in enumerate(prep.dts):
         tensors.append(ShardedTensor(
             path=path, dtype=dtype_name(dt.dtype), shape=tuple(dt.shape),
             placements=",".join(str(p) for p in dt.placements),
             mesh=tuple(dt.device_mesh.shape),
             digest=combine([m["partials"][i] for m in everyone])))
+    index = ShardIndex(tensors=tensors, chunks=chunks)
+    try:
+        index.check_coverage()
+    except ValueError as e:
+        raise CheckpointError(f"sharded checkpoint step {step} would not load: {e}; it was "
+                              f"not committed") from e
     epoch = metadata.get("epoch")
-    manifest = Manifest(step=step, files=files, payload=payload, checksum=checksum,
-                        metadata=metadata,
-                        epoch=epoch if type(epoch) is int and epoch >= 0 else None,
-                        world_size=world_size, writer=layout.writer_id,
-                        sharded=ShardIndex(tensors=tensors, chunks=chunks))
-    layout.backend.finish_parts(staging, d.path, manifest, replacing=replacing)
-    return manifest
+    return Manifest(step=step, files=files, payload=payload, checksum=checksum,
+                    metadata=metadata,
+                    epoch=epoch if type(epoch) is int and epoch >= 0 else None,
+                    world_size=world_size, writer=layout.writer_id, sharded=index)
 
 
 # ---------------------------------------------------------------------- loading
@@ -396,6 +594,31 @@ def _check(readers: _Readers, c: Chunk, checksum: str, data: Any) -> None:
             f"{h.hexdigest()} but the manifest says {c.entry.checksum}")
 
 
+class ShardsVanished(CheckpointError):
+    """A shard file of a sharded checkpoint disappeared while it was read, because the
+    checkpoint was deleted or saved again meanwhile (raised on every rank alike): the
+    store is to be read again, the checkpoint proves nothing about its content."""
+
+    def __init__(self, step: int, message: str) -> None:
+        super().__init__(message)
+        self.step = step
+
+
+def _missing(layout: Layout, d: StepDir, manifest: Manifest,
+             e: FileNotFoundError) -> tuple[str, str]:
+    """A shard file that is not there: the checkpoint changed meanwhile ("vanished"),
+    or it lacks a file its unchanged manifest names ("corrupt")."""
+    try:
+        now = layout.read_manifest(d)
+    except CheckpointCorruptError:  # deleted, or its manifest gone
+        return "vanished", f"{d.path} was removed while being read ({e})"
+    except Exception as read_error:  # cannot tell: a read error, never a verdict
+        return "read", f"{type(e).__name__}: {e}; then {type(read_error).__name__}: {read_error}"
+    if now != manifest:
+        return "vanished", f"{d.path} was saved again while being read ({e})"
+    return "corrupt", f"{d.path}: its manifest names a shard file that does not exist ({e})"
+
+
 def read_sharded(layout: Layout, d: StepDir, manifest: Manifest, replicated: Any, *,
                  into: Any, gather: Gather) -> Any:
     """The state of a sharded checkpoint: ``replicated`` (the loaded payload) with
@@ -411,6 +634,8 @@ def read_sharded(layout: Layout, d: StepDir, manifest: Manifest, replicated: Any
             global digest does not match (the state is not returned).
         CheckpointMismatchError: a saved tensor's shape or dtype differs from the
             template's.
+        ShardsVanished: on every rank, when a shard file disappeared because the
+            checkpoint was deleted or saved again meanwhile.
         CheckpointError: a rank could not read its ranges (after retries).
     """
     index: ShardIndex = manifest.sharded
@@ -451,12 +676,17 @@ def read_sharded(layout: Layout, d: StepDir, manifest: Manifest, replicated: Any
         problem = ("corrupt", str(e))
     except CheckpointMismatchError as e:
         problem = ("mismatch", str(e))
+    except FileNotFoundError as e:
+        problem = _missing(layout, d, manifest, e)
     except Exception as e:
         problem = ("read", f"{type(e).__name__}: {e}")
     finally:
         readers.close()
     everyone = gather({"partials": mine, "problem": problem})
     problems = [(r, p["problem"]) for r, p in enumerate(everyone) if p["problem"]]
+    vanished = [(r, msg) for r, (kind, msg) in problems if kind == "vanished"]
+    if vanished:  # the checkpoint changed under the readers: read the store again
+        raise ShardsVanished(d.step, f"rank {vanished[0][0]}: {vanished[0][1]}")
     if problems:
         rank, (kind, msg) = problems[0]
         cls = {"corrupt": CheckpointCorruptError, "mismatch": CheckpointMismatchError}.get(

@@ -24,6 +24,7 @@ The on-storage rules (names, commit, verification, retention) are in ``_layout``
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -48,7 +49,9 @@ from elastic_kit.store._serialize import (
     validate_state,
 )
 from elastic_kit.store._exchange import KvExchange
-from elastic_kit.store._sharded import has_sharded, read_sharded, save_sharded, stage
+from elastic_kit.store._sharded import (
+    SaveRefused, ShardsVanished, has_sharded, read_sharded, save_sharded, stage,
+)
 from elastic_kit.distributed import DistInfo, broadcast_object, get_dist_info, is_dist_ready
 from elastic_kit.errors import (
     CheckpointConflictError, CheckpointCorruptError, CheckpointError, UnsafeCheckpointError,
@@ -79,11 +82,17 @@ os.register_at_fork(after_in_child=_reset_token)
 # n-th call is the same on every rank that calls load() in the same order.
 _LOAD_SEQ = 0
 _LOAD_LOCK = threading.Lock()
-# Likewise for background sharded saves: the keys their ranks exchange entries under.
-_SHARDED_SEQ = 0
+# Background sharded saves exchange their entries under keys named after the store,
+# the step and how many background saves of that step (of that store) this process
+# began: every rank counts the same saves, whatever failed on one rank alone.
+_SHARDED_SAVES: dict[tuple[str, int], int] = {}
+_SHARDED_SAVES_KEPT = 256  # counts of the most recent steps (a re-save comes soon)
 #: Seconds a background sharded save waits for another rank's entries or rank 0's
-#: verdict before it fails (a rank that died mid-save: its group is restarted anyway).
+#: verdict with no sign of progress from it before it fails (a rank that died
+#: mid-save: its group is restarted anyway). A rank still writing is waited for.
 SHARDED_EXCHANGE_TIMEOUT = 300.0
+# Reads of a store whose sharded checkpoints keep vanishing under the readers.
+_MAX_RESCANS = 20
 
 
 class CheckpointStore:
@@ -390,44 +399,87 @@ class CheckpointStore:
                 f"{self!r}: sharded state (DTensors) needs storage every rank can read at "
                 f"load time, expected node_local=False (each rank's shards may be needed "
                 f"by any rank after a change of world size)")
-        self._raise_pending()
         info = self.info
-        if blocking or not (is_dist_ready() and info.world_size > 1):
-            self._write_sharded(state, step, metadata, self._gather, self._broadcast)
+        background = not blocking and is_dist_ready() and info.world_size > 1
+        # Named before anything can fail on this rank alone: its peers name it alike.
+        exchange = self._exchange(step) if background else None
+        # A failure of this rank alone (an earlier save's error, a conflict only the
+        # writer saw, a value it cannot stage) is carried into the save's first
+        # exchange: every rank then fails this save together, and no rank is left in a
+        # collective (or on exchange keys) its peers never join.
+        failure: BaseException | None = self.take_pending_error()
+        earlier = failure is not None
+        if failure is None and self._conflict is not None:
+            failure = self._conflict
+        if exchange is None:
+            self._write_sharded(state, step, metadata, self._gather, self._broadcast,
+                                failed=failure, earlier=earlier)
             if on_commit is not None and info.rank == 0:
                 self._submit(self._committed, on_commit, step)
             if info.rank == 0:
                 self._submit(self._retain, step)
             return SaveHandle(step)
-        used: dict[str, torch.Tensor] = {}
-        staged = stage(state, pool=self._staging if self.reuse_staging else None, used=used)
-        self._staging = used if self.reuse_staging else {}
-        for d in cuda_devices(state):  # the pinned copies were issued non_blocking
-            torch.cuda.synchronize(d)
-        global _SHARDED_SEQ
-        with _LOAD_LOCK:
-            _SHARDED_SEQ += 1
-            prefix = f"elastic_kit/sharded-save/{info.restart_count}/{_SHARDED_SEQ}"
-        from torch.distributed.distributed_c10d import _get_default_store
-
-        exchange = KvExchange(_get_default_store(), prefix, info.rank, info.world_size,
-                              timeout=SHARDED_EXCHANGE_TIMEOUT)
+        staged = None
+        if failure is None:
+            try:
+                used: dict[str, torch.Tensor] = {}
+                staged = stage(state, pool=self._staging if self.reuse_staging else None,
+                               used=used)
+                self._staging = used if self.reuse_staging else {}
+                for d in cuda_devices(state):  # the pinned copies were issued non_blocking
+                    torch.cuda.synchronize(d)
+            except BaseException as e:
+                failure = e
+        if failure is not None:
+            self._submit(self._sharded_refused, step, metadata, exchange, failure, earlier)
+            raise failure
         handle = SaveHandle(step, committed=Future())
         self._pending_step = step
         self._pending = self._submit(self._sharded_in_background, staged, step, metadata,
                                      exchange, on_commit, handle)
         return handle
 
+    def _exchange(self, step: int) -> KvExchange:
+        """The key-value exchange of this rank's background sharded save of ``step``."""
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        info = self.info
+        key = (self.url, step)
+        with _LOAD_LOCK:
+            n = _SHARDED_SAVES.pop(key, 0) + 1
+            _SHARDED_SAVES[key] = n  # the newest last: the oldest counts go first
+            while len(_SHARDED_SAVES) > _SHARDED_SAVES_KEPT:
+                del _SHARDED_SAVES[next(iter(_SHARDED_SAVES))]
+        store = hashlib.sha256(self.url.encode()).hexdigest()[:16]
+        prefix = f"elastic_kit/sharded-save/{info.restart_count}/{store}/{step}/{n}"
+        return KvExchange(_get_default_store(), prefix, info.rank, info.world_size,
+                          timeout=SHARDED_EXCHANGE_TIMEOUT)
+
+    def _sharded_refused(self, step: int, metadata: dict[str, Any], exchange: KvExchange,
+                         failure: BaseException, earlier: bool) -> None:
+        """Take part in a background sharded save this rank failed to begin, so that
+        its peers learn it at once; the failure itself was raised by ``save()``."""
+        try:
+            self._write_sharded(None, step, metadata, exchange.gather, exchange.broadcast,
+                                failed=failure, earlier=earlier)
+        except BaseException as e:
+            log.debug("background sharded save of step %d, refused here: %r", step, e)
+        finally:
+            exchange.close()
+
     def _write_sharded(self, state: Any, step: int, metadata: dict[str, Any],
                        gather: Callable[[Any], list[Any]],
-                       broadcast: Callable[[Any], Any]) -> bool:
-        """Write and commit sharded ``state``; True on rank 0 (which committed)."""
+                       broadcast: Callable[[Any], Any],
+                       failed: BaseException | None = None, earlier: bool = False) -> bool:
+        """Write and commit sharded ``state``; True on rank 0 (which committed).
+        ``failed``: this rank cannot take part (raised after its peers learned it);
+        ``earlier``: it is an earlier save's error, reported now."""
         info = self.info
         t0 = time.perf_counter()
         manifest = save_sharded(self._layout, state, step=step, checksum=self.checksum,
                                 metadata=metadata, rank=info.rank,
                                 world_size=info.world_size, gather=gather,
-                                broadcast=broadcast)
+                                broadcast=broadcast, failed=failed, earlier=earlier)
         self.last_save_s = time.perf_counter() - t0
         if manifest is None:
             return False
@@ -444,6 +496,16 @@ class CheckpointStore:
         try:
             committer = self._write_sharded(state, step, metadata, exchange.gather,
                                             exchange.broadcast)
+        except SaveRefused as e:
+            handle.committed.set_exception(e)
+            if not e.echo:
+                raise
+            # Refused because a peer reported an earlier save's failure, which this
+            # rank learned from that save already: raising it again at the next save
+            # would refuse that one on the peer, and so on, back and forth forever.
+            log.error("background save of checkpoint step %d to %s failed: %s", step,
+                      self.url, e)
+            return
         except BaseException as e:
             handle.committed.set_exception(e)
             raise
@@ -669,7 +731,8 @@ class CheckpointStore:
                                      gather=self._gather)
             except CheckpointCorruptError as e:
                 raise _ShardsCorrupt(d.step) from e
-        self._newest_verified = max(self._newest_verified, d.step)
+        if shards or m.sharded is None:  # else verified once every rank read its shards
+            self._newest_verified = max(self._newest_verified, d.step)
         return LoadedCheckpoint.from_manifest(d.path, m, state=state)
 
     def load(self, *, map_location: Any = None,
@@ -709,6 +772,7 @@ class CheckpointStore:
         if distributed:
             self._handshake(info)
         below: int | None = None
+        changed = 0
         while True:  # a sharded checkpoint found corrupt when read: the one before it
             try:
                 if distributed:
@@ -721,6 +785,17 @@ class CheckpointStore:
                 log.warning("skipping checkpoint step %d, falling back to an older one: %s",
                             e.step, e.__cause__)
                 below = e.step
+            except ShardsVanished as e:
+                # deleted or saved again while its shards were read (on every rank
+                # alike): it proves nothing about its content, so the store is read
+                # again from the same point, not from the step before it
+                changed += 1
+                if changed >= _MAX_RESCANS:
+                    raise CheckpointError(
+                        f"checkpoints in {self.url} kept changing while being read "
+                        f"({changed} attempts): is another job writing this URL?") from e
+                log.info("sharded checkpoint step %d changed while being read (%s): "
+                         "reading the store again", e.step, e)
 
     def _handshake(self, info: DistInfo) -> None:
         """Fail clearly unless every rank is in this load() call (no collective used)."""
@@ -763,8 +838,6 @@ class CheckpointStore:
             except Exception as e:  # every rank must learn it, in the next collective
                 error = e
         found_step = found.dir.step if found is not None else -1
-        if found is not None:
-            self._newest_verified = max(self._newest_verified, found_step)
         try:
             step, src, failed_rank = agree_on_holder(found.dir.step if found else None,
                                                      info.rank, info.world_size,
@@ -809,6 +882,9 @@ class CheckpointStore:
                                      state, into=_template(into), gather=self._gather)
             except CheckpointCorruptError as e:  # raised alike on every rank
                 raise _ShardsCorrupt(step) from e
+        # only now verified: a step whose shards prove corrupt never counts as verified
+        # (retention would count it towards keep_last)
+        self._newest_verified = max(self._newest_verified, found_step)
         return LoadedCheckpoint.from_manifest(path, manifest, state=state, lacked_locally=lacked)
 
     def keep_copy(self, loaded: LoadedCheckpoint | None) -> bool:
