@@ -172,8 +172,8 @@ class Checkpointer(Lifecycle):
                 _restore.own_cpu_optimizer_state(state, loaded.state)
             state.load_state_dict(loaded.state)
             self.restored_step = int(loaded.step)
-            # from the store, or from memory holding what the store's newest holds;
-            # any other state from memory is saved nowhere durable yet
+            # read (and verified) from the durable store; a state from memory counts
+            # as saved nowhere durable, even one the store's manifest names
             if durable:
                 self._last_saved_step = self._committed_step = self.restored_step
         _restore.resume(state, info, loaded, self.restored_step, self.restored_from,

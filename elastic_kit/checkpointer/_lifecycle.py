@@ -88,9 +88,9 @@ class Lifecycle:
     def last_saved_step(self) -> int | None:
         """The step of the newest durable checkpoint saved (a non-blocking one: handed
         to the store, committed by the next save or ``close``) or restored from the
-        durable store here, or None. A restore from memory does not count (that state
-        is in no durable checkpoint yet), unless the snapshot restored is of the
-        store's newest checkpoint's state (the same step, epoch and position)."""
+        durable store here, or None. A restore from memory does not count, even of
+        the state the store's newest manifest names: nothing verified the store's
+        bytes of it, and the snapshot may be the only good copy."""
         return self._last_saved_step
 
     def close(self) -> None:

@@ -110,9 +110,10 @@ def make_snapshots(store: StoreLike | None, info: DistInfo, every: int | str | N
 
 class Newest(NamedTuple):
     """What :func:`load_newest` restored: the checkpoint (or None), where it came from
-    (``"memory"``, ``"peer"``, ``"store"`` or None), and whether the durable store
-    holds it committed (restored from there, or a snapshot of the same step, epoch and
-    position as the store's newest checkpoint)."""
+    (``"memory"``, ``"peer"``, ``"store"`` or None), and whether it was read from the
+    durable store (and verified there). A snapshot of the state the store's newest
+    manifest names is not: nothing read the store's bytes, which may not verify, and
+    the snapshot may then be the only good copy of that state."""
 
     loaded: LoadedCheckpoint | None
     source: str | None
@@ -176,7 +177,7 @@ def load_newest(store: StoreLike | None, tier: SnapshotTier | None, info: DistIn
         # is later than a snapshot of the same step taken inside the epoch.
         tried = (-1, -1, -1) if loaded is None else key(loaded.step, loaded.metadata)
         if loaded is not None and tried >= durable_key:
-            return Newest(loaded, snapshot_source(tier, info), tried == durable_key)
+            return Newest(loaded, snapshot_source(tier, info), False)
         loaded = None  # one copy of the state at a time: this one goes before the next
     loaded = load_durable(store, map_location, into)
     # Every rank holds the step and metadata the store broadcast, and the same agreed

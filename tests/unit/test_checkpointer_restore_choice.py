@@ -1,8 +1,9 @@
 """Which state a restore takes, and what it then knows about it: a newest durable
 checkpoint that does not verify gives way to a newer snapshot (not to an older durable
-step), a snapshot of the very state the store holds counts as saved, a checkpoint saved
-without a sampler keeps its epoch, and the checkpointer's own blocking work stays out
-of the step time that sets the snapshot interval."""
+step), a snapshot of the state the store's manifest names does not count as saved
+(the store's bytes were not read), a checkpoint saved without a sampler keeps its
+epoch, and the checkpointer's own blocking work stays out of the step time that sets
+the snapshot interval."""
 
 from __future__ import annotations
 
@@ -143,12 +144,9 @@ def test_a_snapshot_passed_over_for_a_corrupt_durable_checkpoint_is_taken_after_
     again.close()
 
 
-def test_a_snapshot_of_the_stores_newest_state_counts_as_saved(
-        shm: str, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """The epoch's end saves step 20 durably and snapshots it (same step, epoch and
-    position). Restored from memory, that state is in the store too: close() removes
-    the snapshots, without a warning that the state is nowhere else."""
-    store = str(tmp_path / "store")
+def _saved_and_snapshotted_at_the_epochs_end(shm: str, store: str) -> None:
+    """Train one epoch; its end saves step 20 durably and snapshots it (same step,
+    epoch and position); then the run is killed."""
     state = _state()
     ck = _checkpointer(state, store, blocking=True, snapshot_every=4)
     ck.restore()
@@ -159,15 +157,54 @@ def test_a_snapshot_of_the_stores_newest_state_counts_as_saved(
     assert [i.step for i in ek.CheckpointStore(store).list()] == [20]
     assert _snapshot_steps(shm) == ["step-000000000020"]
 
+
+def test_a_snapshot_of_the_stores_newest_state_is_kept_when_restored_at_the_end(
+        shm: str, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Restored from memory, the state matches the store's newest manifest; nothing
+    verified the store's bytes, so the state does not count as saved: close() with
+    nothing left to train keeps the snapshot, and says so."""
+    store = str(tmp_path / "store")
+    _saved_and_snapshotted_at_the_epochs_end(shm, store)
+
     again_state = _state()
     again = _checkpointer(again_state, store, blocking=True, snapshot_every=4)
     assert again.restore() == 1
     assert (again.restored_from, again.restored_step) == ("memory", 20)
-    assert again.last_saved_step == 20
-    assert again._committed_step == 20
+    assert again.last_saved_step is None
     again.close()                                # nothing left to train
+    assert _snapshot_steps(shm) == ["step-000000000020"]
+    assert "restored from memory and not saved since" in caplog.text
+
+
+def test_a_snapshot_matching_a_corrupt_durable_checkpoint_survives_close(
+        shm: str, tmp_path: Path) -> None:
+    """The store's step 20 names the snapshot's step, epoch and position but does not
+    verify: the snapshot is the only good copy of that state. close() keeps it, and
+    a save of the same step writes it to the store again."""
+    store = str(tmp_path / "store")
+    _saved_and_snapshotted_at_the_epochs_end(shm, store)
+    _corrupt_payload(tmp_path / "store" / "step-000000000020")
+
+    again_state = _state()
+    again = _checkpointer(again_state, store, blocking=True, snapshot_every=4)
+    assert again.restore() == 1
+    weight = again_state.model.weight.detach().clone()
+    assert again.last_saved_step is None
+    again.close()
+    assert _snapshot_steps(shm) == ["step-000000000020"]
+
+    last = _state()
+    final = _checkpointer(last, store, blocking=True, snapshot_every=4)
+    assert final.restore() == 1
+    assert (final.restored_from, final.restored_step) == ("memory", 20)
+    assert torch.equal(last.model.weight, weight)
+    final.save()                                 # what the loop does at its end
+    assert final.last_saved_step == 20
+    final.close()
+    loaded = ek.CheckpointStore(store).load()
+    assert loaded is not None and loaded.step == 20
+    assert torch.equal(loaded.state["model"]["weight"], weight)
     assert _snapshot_steps(shm) == []
-    assert "restored from memory and not saved since" not in caplog.text
 
 
 def test_a_checkpoint_saved_without_a_sampler_keeps_its_epoch(tmp_path: Path) -> None:
