@@ -16,6 +16,8 @@ import logging
 import pickle
 import threading
 import time
+import uuid
+import weakref
 from typing import Any, Callable, Sequence
 
 import torch
@@ -32,6 +34,7 @@ __all__ = [
     "all_gather_object",
     "broadcast_object",
     "broadcast_tensors",
+    "group_id",
     "hold_collective_tensor",
     "settle_collectives",
 ]
@@ -174,6 +177,34 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
            else torch.empty(int(size.item()), dtype=torch.uint8, device=dev))
     _broadcast_(buf, src)
     return obj if mine else pickle.loads(buf.cpu().numpy().tobytes())
+
+
+# The default process group the id below was agreed in (weakly: a destroyed group is
+# not kept alive for it), and the id.
+_GROUP_ID: tuple[weakref.ref[Any], str] | None = None
+
+
+def group_id() -> str:
+    """A random id of the current default process group, the same on every rank of it
+    and new for every group (``""`` without one).
+
+    Keys a group writes into the job's key-value store are named after it: torchrun's
+    shared store outlives the worker groups of a run, so a restarted group's keys
+    must not meet a dead group's, and ``TORCHELASTIC_RESTART_COUNT`` cannot tell them
+    apart (a restart for a joining node does not count, and a node that joined later
+    counts its restarts from 0). Collective the first time in a group (rank 0's id,
+    broadcast); call it where every rank does, on the training thread.
+    """
+    global _GROUP_ID
+    if not is_dist_ready():
+        return ""
+    from torch.distributed.distributed_c10d import _get_default_group
+
+    group = _get_default_group()
+    if _GROUP_ID is None or _GROUP_ID[0]() is not group:
+        agreed = broadcast_object(uuid.uuid4().hex if dist.get_rank() == 0 else None)
+        _GROUP_ID = (weakref.ref(group), str(agreed))
+    return _GROUP_ID[1]
 
 
 def all_gather_object(obj: Any) -> list[Any]:

@@ -30,8 +30,8 @@ from torch import nn
 
 from elastic_kit._collectives import (
     EXIT_SETTLE_S, all_gather_object, all_reduce_, all_reduce_max, all_reduce_sum, all_reduce_sum_async, barrier,
-    broadcast_object, broadcast_tensors, exchange_tensors, hold_collective_tensor, is_dist_ready,
-    settle_collectives,
+    broadcast_object, broadcast_tensors, exchange_tensors, group_id, hold_collective_tensor,
+    is_dist_ready, settle_collectives,
 )
 
 __all__ = [
@@ -51,6 +51,7 @@ __all__ = [
     "settle_collectives",
     "all_gather_object",
     "broadcast_object",
+    "group_id",
     "side_channel_host",
     "unreachable",
     "SIDE_CHANNEL_ADDR_ENV",
@@ -276,6 +277,7 @@ def init_distributed(
         _wait_for_master_store(min(timeout.total_seconds(), MASTER_STORE_WAIT_S))
     dist.init_process_group(backend=backend, timeout=timeout)
     _register_exit_teardown()
+    group_id()  # agreed now, where every rank is: later uses need no collective
     info = get_dist_info()
     log.info(
         "joined process group: rank %d/%d (node %d/%d, local rank %d), backend %s, "

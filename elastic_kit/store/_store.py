@@ -52,7 +52,9 @@ from elastic_kit.store._exchange import KvExchange
 from elastic_kit.store._sharded import (
     SaveRefused, ShardsVanished, has_sharded, read_sharded, save_sharded, stage,
 )
-from elastic_kit.distributed import DistInfo, broadcast_object, get_dist_info, is_dist_ready
+from elastic_kit.distributed import (
+    DistInfo, broadcast_object, get_dist_info, group_id, is_dist_ready,
+)
 from elastic_kit.errors import (
     CheckpointConflictError, CheckpointCorruptError, CheckpointError, UnsafeCheckpointError,
 )
@@ -78,9 +80,10 @@ def _reset_token() -> None:
 
 os.register_at_fork(after_in_child=_reset_token)
 
-# How many load() calls this process made, across stores: the handshake key of the
-# n-th call is the same on every rank that calls load() in the same order.
-_LOAD_SEQ = 0
+# How many load() calls this process made in each process group (by its group_id),
+# across stores: the handshake key of the n-th call is the same on every rank that
+# calls load() in the same order.
+_LOAD_SEQ: dict[str, int] = {}
 _LOAD_LOCK = threading.Lock()
 # Background sharded saves exchange their entries under keys named after the store,
 # the step and how many background saves of that step (of that store) this process
@@ -451,7 +454,9 @@ class CheckpointStore:
             while len(_SHARDED_SAVES) > _SHARDED_SAVES_KEPT:
                 del _SHARDED_SAVES[next(iter(_SHARDED_SAVES))]
         store = hashlib.sha256(self.url.encode()).hexdigest()[:16]
-        prefix = f"elastic_kit/sharded-save/{info.restart_count}/{store}/{step}/{n}"
+        # the group, not the restart count: see group_id (collective its first time,
+        # and save() is collective for sharded state)
+        prefix = f"elastic_kit/sharded-save/{group_id()}/{store}/{step}/{n}"
         return KvExchange(_get_default_store(), prefix, info.rank, info.world_size,
                           timeout=SHARDED_EXCHANGE_TIMEOUT)
 
@@ -798,14 +803,18 @@ class CheckpointStore:
                          "reading the store again", e.step, e)
 
     def _handshake(self, info: DistInfo) -> None:
-        """Fail clearly unless every rank is in this load() call (no collective used)."""
+        """Fail clearly unless every rank is in this load() call (no collective used,
+        once the group's id is agreed: :func:`init_distributed` agrees it; a group
+        torch's ``init_process_group`` made agrees it here, in a collective). The
+        keys are the group's own: the job's store outlives a failed group, whose
+        leftovers (a rank that gave up waiting) would fail every later group's load."""
         import torch.distributed as dist
         from torch.distributed.distributed_c10d import _get_default_store
 
-        global _LOAD_SEQ
+        group = group_id()
         with _LOAD_LOCK:
-            _LOAD_SEQ += 1
-            key = f"elastic_kit/checkpoint/load/{_LOAD_SEQ}"
+            seq = _LOAD_SEQ[group] = _LOAD_SEQ.get(group, 0) + 1
+            key = f"elastic_kit/checkpoint/load/{group}/{seq}"
         kv = _get_default_store()
         arrived = kv.add(f"{key}/arrived", 1)
         if arrived >= info.world_size:
@@ -817,13 +826,13 @@ class CheckpointStore:
             count = kv.add(f"{key}/arrived", 0)
             raise CheckpointError(
                 f"load() is collective: call it on every rank. Rank {info.rank} waited "
-                f"{self.load_timeout:g} s (load_timeout) in load() call #{_LOAD_SEQ} on "
+                f"{self.load_timeout:g} s (load_timeout) in load() call #{seq} on "
                 f"{self.url}, and only {count} of {info.world_size} ranks called it") from e
         if kv.check([f"{key}/abandoned"]):
             raise CheckpointError(
                 f"load() is collective: call it on every rank. Rank "
                 f"{kv.get(f'{key}/abandoned').decode()} gave up waiting in load() call "
-                f"#{_LOAD_SEQ} on {self.url} before this rank ({info.rank}) called it")
+                f"#{seq} on {self.url} before this rank ({info.rank}) called it")
 
     def _load_distributed(self, map_location: Any, into: Any,
                           below: int | None) -> LoadedCheckpoint | None:

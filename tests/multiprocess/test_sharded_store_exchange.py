@@ -195,3 +195,50 @@ def test_ranks_holding_different_sharded_tensors_are_refused_on_every_rank(tmp_p
             "ValueError: sharded checkpoint step 1: rank 0 and rank 1 hold different "
             "sharded tensors (['model']['layers.0.weight'], ['model']['layers.1.weight'])")
         assert r["steps"] == []
+
+
+# ---------------------------------------------------------------------- the job's store
+def _groups_job(root: str, ports: list[int]) -> dict:
+    """Two process groups in turn, with restart counts that differ between the ranks'
+    agents (node 1 joined the job later: its agent counts from 0; node 0's counted a
+    failure)."""
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import elastic_kit as ek
+    import elastic_kit.store._store as store_module
+    from elastic_kit.distributed import group_id
+
+    store_module.SHARDED_EXCHANGE_TIMEOUT = 0.75  # stands for the default, scaled down
+    rank = int(os.environ["RANK"])
+    os.environ["TORCHELASTIC_RESTART_COUNT"] = str(1 - rank)
+    ids, committed = [], {}
+    for group, port in enumerate(ports):
+        os.environ["MASTER_PORT"] = str(port)
+        ek.init_distributed()
+        ids.append(group_id())
+        assert group_id() == ids[-1]                     # agreed once per group
+        mesh = init_device_mesh("cpu", (2,))
+        store = ek.CheckpointStore(root, keep_last=None)
+        step = 10 * group + 1
+        handle = store.save(_state(mesh, step), step=step, blocking=False)
+        committed[step] = _outcome(handle.wait)
+        store.close()
+        dist.barrier()
+        ek.destroy_distributed()
+    return {"ids": ids, "committed": committed}
+
+
+def test_sharded_saves_pair_up_whatever_each_agent_counts_and_each_group_its_own_keys(
+        tmp_path) -> None:
+    from elastic_kit.testing import free_port
+
+    root = tmp_path / "ck"
+    got = spawn_multi_process(2, _groups_job, str(root), [free_port(), free_port()])
+    assert got[0]["ids"] == got[1]["ids"]
+    assert len(set(got[0]["ids"])) == 2 and all(len(i) == 32 for i in got[0]["ids"])
+    for r in got:
+        assert r["committed"] == {1: "committed", 11: "committed"}, r
+    assert _columns(root) == {11: [11.0] * 4, 1: [1.0] * 4}

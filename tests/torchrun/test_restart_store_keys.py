@@ -1,0 +1,79 @@
+"""A restarted group under torchrun shares the job's key-value store with the group
+that failed (torchrun's default: the agent's store outlives its worker groups): what
+the failed group left there must not decide what the next one does.
+
+The failed group gives up in ``load()`` (rank 1 never calls it, rank 0 waits out
+``load_timeout`` and marks the call abandoned); torchrun restarts the group, whose
+ranks all call ``load()``: it must load, not fail on the dead group's mark (which
+made every later group fail the same way, until torchrun ran out of restarts).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import elastic_kit as ek
+from elastic_kit.testing import free_port
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+
+_SCRIPT = '''
+import json, sys
+from datetime import timedelta
+
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _get_default_store
+
+import elastic_kit as ek
+from elastic_kit.errors import CheckpointError
+
+root, out = sys.argv[1], sys.argv[2]
+info = ek.init_distributed()
+kv = _get_default_store()
+first = info.restart_count == 0
+if first and info.rank == 1:
+    kv.wait(["test/done"], timedelta(seconds=60))   # busy elsewhere: no load()
+    outcome = "not called"
+else:
+    try:
+        loaded = ek.CheckpointStore(root, load_timeout=1.0).load()
+        outcome = f"loaded step {loaded.step}" if loaded else "nothing"
+    except CheckpointError as e:
+        outcome = str(e)
+    if first:
+        kv.set("test/done", "1")
+with open(f"{out}/restart{info.restart_count}-rank{info.rank}.json", "w") as f:
+    json.dump(outcome, f)
+dist.barrier()
+ek.destroy_distributed()
+sys.exit(1 if first else 0)
+'''
+
+
+def test_a_load_the_failed_group_gave_up_on_does_not_fail_the_restarted_one(
+        tmp_path: Path) -> None:
+    root, out = tmp_path / "ck", tmp_path / "out"
+    out.mkdir()
+    solo = ek.CheckpointStore(str(root), info=ek.DistInfo())
+    solo.save({"w": torch.ones(2)}, step=1)
+    script = tmp_path / "job.py"
+    script.write_text(_SCRIPT)
+    port = free_port()
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
+         "--nproc-per-node=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+         "--max-restarts=1", "--monitor-interval=0.2", str(script), str(root), str(out)],
+        capture_output=True, text=True, timeout=150,
+        env={**__import__("os").environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"})
+    got = {p.stem: json.loads(p.read_text()) for p in out.glob("*.json")}
+    assert got.get("restart0-rank0", "").startswith("load() is collective"), (got, proc.stderr[-3000:])
+    assert got.get("restart0-rank1") == "not called"
+    assert got.get("restart1-rank0") == got.get("restart1-rank1") == "loaded step 1", \
+        (got, proc.stderr[-3000:])
+    assert proc.returncode == 0, proc.stderr[-3000:]
