@@ -97,6 +97,9 @@ class Cadence:
         #: comes when that exchange is read, an exchange later, and the next exchange
         #: (sent before it) must not ask for a second one
         self._time_due_sent = False
+        #: a save came while an exchange was in flight: a timed save that exchange
+        #: asks for was answered by it (every rank saves at the same step: alike)
+        self._answered_in_flight = False
         # A save or snapshot due at an epoch's last step waits for end_epoch (or the
         # next step), so what is kept of that step describes the closed epoch.
         self._save_pending = False
@@ -136,6 +139,7 @@ class Cadence:
         self._time_due_sent = False
         if self._early is not None and self._early.save_due:
             self._early = self._early._replace(save_due=0.0)
+        self._answered_in_flight = self._flags is not None
 
     def poll(self) -> Flags:
         """The ranks' agreed :class:`Flags`, or no flags (zeros) between exchanges.
@@ -223,6 +227,8 @@ class Cadence:
         if self._flags is None:
             return early or NO_FLAGS
         flags, self._flags = Flags(*self._flags().tolist()), None
+        if self._answered_in_flight:
+            flags, self._answered_in_flight = flags._replace(save_due=0.0), False
         if early is not None:  # two exchanges: what either carries counts
             flags = Flags(*(max(a, b) for a, b in zip(early, flags)))
         return flags
@@ -234,6 +240,7 @@ class Cadence:
         backend's thread. ``settle=False`` at interpreter exit, where the library's
         own exit handler settles every collective next, more briefly."""
         self._flags = self._early = None
+        self._answered_in_flight = False
         if settle:
             settle_collectives(ABANDON_SETTLE_S)
 

@@ -107,6 +107,31 @@ def test_a_timed_save_is_asked_for_once_until_a_save_answers_it() -> None:
     assert cadence.local_flags().save_due == 1.0
 
 
+def test_a_save_made_while_a_timed_saves_exchange_is_in_flight_answers_it() -> None:
+    """The exchange in flight asks for a timed save; a save (every_steps, an epoch's
+    end) comes before it is read: reading it then asks for no second save."""
+    from elastic_kit.checkpointer._cadence import Cadence, Flags
+    from elastic_kit.state import TerminationFlag
+
+    model = torch.nn.Linear(2, 2)
+    state = ek.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    cadence = Cadence(state, ek.DistInfo(rank=0, world_size=2), TerminationFlag(), 60.0)
+    cadence.last_save_time -= 61.0
+    sent = cadence.local_flags()
+    assert sent.save_due == 1.0
+    cadence._flags = lambda: torch.tensor(sent, dtype=torch.float64)  # in flight
+    cadence.saved()                                  # a step's save comes first
+    got = cadence.resolve()
+    assert got.save_due == 0.0
+    assert got._replace(save_due=1.0) == sent        # the rest of the flags is kept
+    # an exchange sent after the save is not answered by it
+    cadence.last_save_time -= 61.0
+    sent = cadence.local_flags()
+    cadence._flags = lambda: torch.tensor(sent, dtype=torch.float64)
+    assert cadence.resolve().save_due == 1.0
+    assert Flags(*sent).save_due == 1.0
+
+
 def test_a_drop_last_sampler_is_refused_naming_why(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """The checkpointer's audit counts every sample of an epoch, and which tail a
     drop_last epoch drops would change with the world size a restart brings."""
