@@ -324,6 +324,9 @@ class SnapshotTier:
         self._pinned: frozenset[int] = frozenset()
         self._reported: tuple[int, ...] | None = None
         self._common: int | None = None
+        #: the step a sharded restore loaded (every rank holds its parts: it is the
+        #: common step until the exchanges agree a newer one), or None
+        self._restored_common: int | None = None
         #: why snapshots found on this node were not used (for the restore line)
         self.ignored: list[str] = []
         self._trusted = False  # the tree passed the check: this user's alone
@@ -1004,8 +1007,9 @@ class SnapshotTier:
         state: once every rank holds a part of a newer step, see :meth:`part_report`)."""
         if self._stale_removed or self.info.local_rank != 0:
             return
-        if self.sharded and self.common_step is None:
-            return
+        if self.sharded and (self.common_step is None or self.common_step
+                             == self._restored_common):
+            return  # the restored step may lie in them: wait for a newer common one
         self._stale_removed = True
         try:
             for path in self._stale_nodes():
@@ -1209,6 +1213,13 @@ class SnapshotTier:
         loaded = self._accept(loaded, self.node_dir, None if loaded is None else loaded.step)
         # "this node's memory" when no rank needed a range from another node
         self.loaded_own = loaded is not None and all_local
+        if loaded is not None:
+            # every rank's part of this step is held somewhere (it was just read):
+            # kept, here and in the replicas, until every rank holds a newer one (a
+            # fast rank's writer would otherwise drop it after two new steps, while a
+            # slow rank's has none yet, leaving no complete snapshot in memory)
+            with self._parts_lock:
+                self._common = self._restored_common = int(loaded.step)
         return loaded
 
     def _load_store(self, root: str, step: int | None,

@@ -54,6 +54,8 @@ def _job(url: str, shm: str, stop_at: int | None, snapshots: bool = True,
     ckpt = ek.Checkpointer(state, url, every_steps=10, audit="error", handle_signals=False,
                            snapshot_every=1 if snapshots else None)
     start = ckpt.restore()
+    # the newest step every rank holds its part of: the restored one, at first
+    common = ckpt.snapshots.common_step if ckpt.snapshots is not None else None
     if ckpt.snapshots is not None:  # the file a restore has the writer make is made
         ckpt.snapshots.wait(timeout=60)
     first_direct = None  # whether the first snapshot went straight into a file
@@ -73,7 +75,7 @@ def _job(url: str, shm: str, stop_at: int | None, snapshots: bool = True,
                 tier.close(remove=False)  # written, and streamed to the next node
                 torch.distributed.barrier()  # the other ranks' streams are in too
                 return {"stopped": state.step, "restored": ckpt.restored_step,
-                        "from": ckpt.restored_from}
+                        "from": ckpt.restored_from, "common_at_restore": common}
         ckpt.end_epoch()
         # the epoch's snapshot may be the first after the restore: judged now, before
         # the next step's, which may come while this one is still written
@@ -81,7 +83,8 @@ def _job(url: str, shm: str, stop_at: int | None, snapshots: bool = True,
     full = _full(model, opt)
     ckpt.close()
     return {"full": full, "report": state.run_report(), "restored": ckpt.restored_step,
-            "from": ckpt.restored_from, "step": state.step, "first_direct": first_direct}
+            "from": ckpt.restored_from, "step": state.step, "first_direct": first_direct,
+            "common_at_restore": common}
 
 
 def _first_direct(ckpt: Any, seen: bool | None) -> bool | None:
@@ -134,6 +137,8 @@ def test_same_world_size_resumes_from_memory_bitwise(tmp_path: Path, shm: str,
     outs = spawn_multi_process(2, _job, url, shm, None, local_world_size=2)
     out = outs[0]
     assert (out["restored"], out["from"]) == (4, "memory")
+    # kept on every rank until every rank holds its part of a newer step
+    assert [o["common_at_restore"] for o in outs] == [4, 4]
     # each rank's part of the first snapshot after the restore went straight into the
     # file its writer made at the restore
     assert [o["first_direct"] for o in outs] == [True, True]
@@ -160,7 +165,7 @@ def test_node_losses_restore_from_memory_at_new_world_sizes(
     shutil.rmtree(run / "node0")  # node 0 is lost: its part lives on as node 1's replica
     got = spawn_multi_process(3, _job, url, shm, 7, True, 256, local_world_size=1)
     # ranks 0 and 2 run on nodes with nothing in memory: their ranges came from node 1
-    assert got[0] == {"stopped": 7, "restored": 3, "from": "peer"}
+    assert got[0] == {"stopped": 7, "restored": 3, "from": "peer", "common_at_restore": 3}
     shutil.rmtree(run / "node2")  # node 2 is lost: node 0 holds its replica
     assert _parts(run, "node0")["replicas/node2.p0"][-1] == "step-000000000007"
     last = spawn_multi_process(2, _job, url, shm, None, True, 256, local_world_size=1)[0]
