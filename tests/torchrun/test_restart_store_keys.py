@@ -6,11 +6,19 @@ The failed group gives up in ``load()`` (rank 1 never calls it, rank 0 waits out
 ``load_timeout`` and marks the call abandoned); torchrun restarts the group, whose
 ranks all call ``load()``: it must load, not fail on the dead group's mark (which
 made every later group fail the same way, until torchrun ran out of restarts).
+
+A restarted gloo group over the shared store sometimes fails to form on its own
+(seen here in about one restart of three, most under load): gloo's keys of the dead
+group stay too, and a rank may read its peer's old address ("connectFullMesh failed
+... Connection refused"). The failed group's ranks therefore delete their gloo
+address keys (torch 2.14's names) before they exit: torch's race is not what this
+test is about, the library's own keys are left as a killed group would leave them.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -24,7 +32,7 @@ from elastic_kit.testing import free_port
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
 _SCRIPT = '''
-import json, sys
+import json, os, sys
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -51,6 +59,10 @@ else:
 with open(f"{out}/restart{info.restart_count}-rank{info.rank}.json", "w") as f:
     json.dump(outcome, f)
 dist.barrier()
+if first:  # gloo's address key of this rank (see the module docstring)
+    job_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                              is_master=False, timeout=timedelta(seconds=30))
+    job_store.delete_key(f"default_pg/0//cpu//0/{info.rank}")
 ek.destroy_distributed()
 sys.exit(1 if first else 0)
 '''
@@ -65,15 +77,24 @@ def test_a_load_the_failed_group_gave_up_on_does_not_fail_the_restarted_one(
     script = tmp_path / "job.py"
     script.write_text(_SCRIPT)
     port = free_port()
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
-         "--nproc-per-node=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-         "--max-restarts=1", "--monitor-interval=0.2", str(script), str(root), str(out)],
-        capture_output=True, text=True, timeout=150,
-        env={**__import__("os").environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"})
+    log = tmp_path / "torchrun.log"
+    with open(log, "w") as f:
+        try:
+            code = subprocess.run(
+                [sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
+                 "--nproc-per-node=2", "--rdzv-backend=c10d",
+                 f"--rdzv-endpoint=127.0.0.1:{port}", "--max-restarts=1",
+                 "--monitor-interval=0.2", str(script), str(root), str(out)],
+                stdout=f, stderr=subprocess.STDOUT, timeout=150,
+                env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1",
+                     "LOGLEVEL": "INFO"}).returncode
+        except subprocess.TimeoutExpired:
+            code = None
+    tail = "\n".join(line for line in log.read_text().splitlines()
+                     if "socket.cpp" not in line)[-4000:]
     got = {p.stem: json.loads(p.read_text()) for p in out.glob("*.json")}
-    assert got.get("restart0-rank0", "").startswith("load() is collective"), (got, proc.stderr[-3000:])
-    assert got.get("restart0-rank1") == "not called"
+    assert got.get("restart0-rank0", "").startswith("load() is collective"), (got, tail)
+    assert got.get("restart0-rank1") == "not called", (got, tail)
     assert got.get("restart1-rank0") == got.get("restart1-rank1") == "loaded step 1", \
-        (got, proc.stderr[-3000:])
-    assert proc.returncode == 0, proc.stderr[-3000:]
+        (got, tail)
+    assert code == 0, tail
