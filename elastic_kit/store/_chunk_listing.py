@@ -22,7 +22,8 @@ from elastic_kit.errors import CheckpointCorruptError
 from elastic_kit.store._manifest import Manifest
 from elastic_kit.store._serialize import new_hasher
 
-__all__ = ["FLAT_PLACEMENT", "is_flat", "flat_file", "listing_digest", "verify_flat_file"]
+__all__ = ["FLAT_PLACEMENT", "is_flat", "flat_file", "listing_digest", "check_listing",
+           "verify_flat_file"]
 
 #: The placements recorded for a flat checkpoint's tensors (whole tensors, one writer).
 FLAT_PLACEMENT = "flat"
@@ -55,10 +56,12 @@ def listing_digest(size: int, chunks: Iterable[tuple[int, int, str]], checksum: 
     return str(h.hexdigest())
 
 
-def verify_flat_file(f: IO[bytes], m: Manifest, name: str, *, where: str) -> None:
-    """Check flat tensor file ``name`` of ``m``, read from ``f`` (at its start): each
-    chunk's bytes against its checksum, and the chunk listing against the file's
-    checksum in the manifest.
+def check_listing(m: Manifest, name: str, *, where: str) -> list[tuple[int, int, str]]:
+    """The chunks of flat tensor file ``name`` of ``m`` as ``(offset, nbytes,
+    checksum)`` in file order, once their listing matches the file's checksum in the
+    manifest and no chunk overlaps another or the file's end (checked before a byte
+    is read: a chunk listed twice in place of another would otherwise pass every
+    chunk's own check while the other's bytes are never verified).
 
     Raises:
         CheckpointCorruptError: naming the file and what does not match.
@@ -72,10 +75,24 @@ def verify_flat_file(f: IO[bytes], m: Manifest, name: str, *, where: str) -> Non
         raise CheckpointCorruptError(f"{where}: the chunks of {name} do not match its "
                                      f"{m.checksum} {entry.checksum} in the manifest")
     pos = 0
-    for offset, nbytes, digest in listed:
+    for offset, nbytes, _ in listed:
         if offset < pos or offset + nbytes > entry.size:
             raise CheckpointCorruptError(f"{where}: chunk [{offset}, {offset + nbytes}) of "
                                          f"{name} overlaps another or the file's end")
+        pos = offset + nbytes
+    return listed
+
+
+def verify_flat_file(f: IO[bytes], m: Manifest, name: str, *, where: str) -> None:
+    """Check flat tensor file ``name`` of ``m``, read from ``f`` (at its start): the
+    chunk listing (:func:`check_listing`), then each chunk's bytes against its
+    checksum.
+
+    Raises:
+        CheckpointCorruptError: naming the file and what does not match.
+    """
+    pos = 0
+    for offset, nbytes, digest in check_listing(m, name, where=where):
         _skip(f, offset - pos, name=name, where=where)
         h = new_hasher(m.checksum)
         left = nbytes

@@ -48,7 +48,9 @@ from typing import Any, Callable, Sequence
 import torch
 
 from elastic_kit.errors import CheckpointCorruptError
-from elastic_kit.store._chunk_listing import FLAT_PLACEMENT, flat_file, is_flat, listing_digest
+from elastic_kit.store._chunk_listing import (
+    FLAT_PLACEMENT, check_listing, flat_file, is_flat, listing_digest,
+)
 from elastic_kit.store._digest import combine, partial_bytes
 from elastic_kit.store._fs import is_local, join
 from elastic_kit.store._layout import Layout, StepDir
@@ -459,11 +461,8 @@ def _check_chunk(mapped: torch.Tensor, c: Chunk, checksum: str, where: str) -> N
 
 
 def _check_listing(m: Manifest, name: str | None, *, where: str) -> None:
-    """What :func:`~._chunk_listing.verify_flat_file` checks before reading a byte:
-    every chunk lies in the tensor file ``name``, the chunk listing matches the
-    file's checksum in the manifest, and no chunk overlaps another or the file's end.
-    A chunk listed twice in place of another would otherwise pass every chunk's own
-    check while the other's bytes are never verified.
+    """Before a byte of a mapped flat file is read: every chunk lies in the tensor
+    file ``name``, and its listing passes :func:`~._chunk_listing.check_listing`.
 
     Raises:
         CheckpointCorruptError: naming the file and what does not match.
@@ -472,19 +471,8 @@ def _check_listing(m: Manifest, name: str | None, *, where: str) -> None:
     assert index is not None
     if any(c.file != name for c in index.chunks):
         raise CheckpointCorruptError(f"{where}: a chunk lies outside the tensor file {name}")
-    if name is None:
-        return
-    entry = m.files[name]
-    listed = sorted((c.entry.offset, c.entry.nbytes, c.entry.checksum) for c in index.chunks)
-    if listing_digest(entry.size, listed, m.checksum) != entry.checksum:
-        raise CheckpointCorruptError(f"{where}: the chunks of {name} do not match its "
-                                     f"{m.checksum} {entry.checksum} in the manifest")
-    pos = 0
-    for offset, nbytes, _ in listed:
-        if offset < pos or offset + nbytes > entry.size:
-            raise CheckpointCorruptError(f"{where}: chunk [{offset}, {offset + nbytes}) of "
-                                         f"{name} overlaps another or the file's end")
-        pos = offset + nbytes
+    if name is not None:
+        check_listing(m, name, where=where)
 
 
 def _map_private(path: str, size: int, *, where: str) -> mmap.mmap:
