@@ -454,8 +454,8 @@ class CheckpointStore:
             while len(_SHARDED_SAVES) > _SHARDED_SAVES_KEPT:
                 del _SHARDED_SAVES[next(iter(_SHARDED_SAVES))]
         store = hashlib.sha256(self.url.encode()).hexdigest()[:16]
-        # the group, not the restart count: see group_id (collective its first time,
-        # and save() is collective for sharded state)
+        # the group's own keys (see group_id: collective its first time, as save() is
+        # for sharded state)
         prefix = f"elastic_kit/sharded-save/{group_id()}/{store}/{step}/{n}"
         return KvExchange(_get_default_store(), prefix, info.rank, info.world_size,
                           timeout=SHARDED_EXCHANGE_TIMEOUT)

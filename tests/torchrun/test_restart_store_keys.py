@@ -27,7 +27,7 @@ import pytest
 import torch
 
 import elastic_kit as ek
-from elastic_kit.testing import free_port
+from elastic_kit.testing import free_port, kill_process_tree
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -79,17 +79,21 @@ def test_a_load_the_failed_group_gave_up_on_does_not_fail_the_restarted_one(
     port = free_port()
     log = tmp_path / "torchrun.log"
     with open(log, "w") as f:
+        agent = subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
+             "--nproc-per-node=2", "--rdzv-backend=c10d",
+             f"--rdzv-endpoint=127.0.0.1:{port}", "--max-restarts=1",
+             "--monitor-interval=0.2", str(script), str(root), str(out)],
+            stdout=f, stderr=subprocess.STDOUT,
+            env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1",
+                 "LOGLEVEL": "INFO"})
         try:
-            code = subprocess.run(
-                [sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
-                 "--nproc-per-node=2", "--rdzv-backend=c10d",
-                 f"--rdzv-endpoint=127.0.0.1:{port}", "--max-restarts=1",
-                 "--monitor-interval=0.2", str(script), str(root), str(out)],
-                stdout=f, stderr=subprocess.STDOUT, timeout=150,
-                env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1",
-                     "LOGLEVEL": "INFO"}).returncode
+            code: int | None = agent.wait(timeout=150)
         except subprocess.TimeoutExpired:
             code = None
+        finally:  # the workers run in sessions of their own: the whole tree goes
+            kill_process_tree(agent.pid)
+            agent.wait()
     tail = "\n".join(line for line in log.read_text().splitlines()
                      if "socket.cpp" not in line)[-4000:]
     got = {p.stem: json.loads(p.read_text()) for p in out.glob("*.json")}
