@@ -70,7 +70,7 @@ import signal
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 from elastic_kit.health import (
     LEAVE_SIGNAL, RDZV_TORCH_POLL_S as TORCH_POLL_S, install_agent_leave,
@@ -217,12 +217,45 @@ def _ignore_notice_signals() -> dict[int, Any]:
     return {sig: signal.signal(sig, signal.SIG_IGN) for sig in preemption_signals()}
 
 
+#: What ``--help`` prints before torchrun's own help.
+USAGE = """\
+usage: python -m elastic_kit.run [--preload MODULE[,MODULE...]] [--rdzv-poll SECONDS]
+                                 <torchrun options> training_script ...
+
+torchrun, with the agent's slow imports done once and a restart's rendezvous ended
+sooner. The launcher's own options come first, before any of torchrun's:
+
+  --preload MODULE[,MODULE...]
+                 also import these modules into the agent before it starts (forked
+                 workers, --start-method=fork, inherit them); torch._dynamo always is
+  --rdzv-poll SECONDS
+                 how often the agent reads the rendezvous state while it waits for the
+                 other nodes, in (0, 1] (default: 0.1 up to ten nodes, then 0.01 per
+                 node of --nnodes's maximum; torchrun reads it every second)
+
+torchrun's options follow.
+"""
+
+
+def _print_help() -> NoReturn:
+    """The launcher's usage, then torchrun's help (which exits 0)."""
+    print(USAGE, flush=True)
+    from torch.distributed.run import get_args_parser
+
+    parser = get_args_parser()
+    parser.prog = "python -m elastic_kit.run"
+    parser.print_help()
+    raise SystemExit(0)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Import the preloads, shorten the rendezvous poll, then run torchrun's ``main``
     with the remaining arguments."""
     os.environ.setdefault(*FORK_SAFE_CUDA_CHECK)
     try:
         opts = parse_options(sys.argv[1:] if argv is None else argv)
+        if opts.torchrun_argv[:1] in (["-h"], ["--help"]):
+            _print_help()
         poll = opts.rdzv_poll_s or poll_seconds(max_nodes(opts.torchrun_argv))
     except ValueError as e:
         print(f"python -m elastic_kit.run: {e}", file=sys.stderr)

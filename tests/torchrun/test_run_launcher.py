@@ -58,6 +58,16 @@ def test_a_bad_node_count_exits_2_naming_it() -> None:
     assert "--nnodes 'two': expected N or MIN:MAX" in out.stderr
 
 
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_help_names_the_launchers_own_options_then_torchrun_s(flag: str) -> None:
+    out = _launch(flag)
+    assert out.returncode == 0, out.stderr
+    ours = out.stdout.index("--preload MODULE[,MODULE...]")
+    assert "--rdzv-poll SECONDS" in out.stdout
+    assert "python -m elastic_kit.run" in out.stdout
+    assert out.stdout.index("--nnodes") > ours  # torchrun's own options follow
+
+
 def test_the_agent_has_torch_dynamo_and_the_preloads_before_torchrun_runs(tmp_path) -> None:
     # A forked worker is a copy of the agent: a --run-path script sees its modules
     # (under plain torchrun neither would be imported yet).
