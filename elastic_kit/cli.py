@@ -85,7 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="A run's snapshots stay in shared memory while it may restart; a run "
                     "abandoned for good leaves them. Lists this user's runs under the "
                     "snapshot root, and with --remove deletes those that no live "
-                    "snapshot writer uses and where nothing was written for "
+                    "snapshot writer or agent (a node's torchrun agent waiting for its "
+                    "next round) uses and where nothing was written for "
                     "--idle-minutes.")
     sn.add_argument("--root", default=None,
                     help="the snapshot root (default: $ELASTIC_KIT_SNAPSHOT_DIR, else /dev/shm)")
@@ -208,6 +209,7 @@ def _cmd_snapshots(args: argparse.Namespace) -> int:
     for r in found:
         status = (("removed" if args.remove else "idle") if r.path in idle else
                   f"in use (writer pid {', '.join(map(str, r.writers))})" if r.writers else
+                  f"in use (agent pid {', '.join(map(str, r.agents))})" if r.agents else
                   "recent")
         rows.append({"path": r.path, "size_bytes": r.size_bytes, "time": r.newest,
                      "status": status})

@@ -90,7 +90,8 @@ def test_the_cli_lists_and_removes(root: Path, capsys: pytest.CaptureFixture[str
     assert cli.main(["snapshots", "--root", str(root / "missing")]) == 2
 
 
-def test_a_run_whose_agent_waits_for_its_next_round_is_not_idle(root: Path) -> None:
+def test_a_run_whose_agent_waits_for_its_next_round_is_not_idle(
+        root: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Between two rounds a node has no worker (no live writer), but its agent, whose
     pid names the node directory, lives: the restart needs those snapshots."""
     from elastic_kit.snapshot._leftovers import host_node_name
@@ -104,5 +105,9 @@ def test_a_run_whose_agent_waits_for_its_next_round_is_not_idle(root: Path) -> N
         os.utime(p, (then, then), follow_symlinks=False)
     runs = {Path(r.path).name: r for r in snapshot_runs(str(root))}
     assert runs["job-a-1111"].agents == [os.getpid()] and runs["job-b-2222"].agents == []
+    assert cli.main(["snapshots", "--root", str(root), "--json"]) == 0
+    rows = {Path(r["path"]).name: r for r in map(json.loads, capsys.readouterr().out.splitlines())}
+    assert rows["job-a-1111"]["status"] == f"in use (agent pid {os.getpid()})"
+    assert rows["job-b-2222"]["status"] == "idle"
     removed = remove_idle_runs(str(root), idle_s=3600)
     assert [Path(r.path).name for r in removed] == ["job-b-2222"] and run.exists()
