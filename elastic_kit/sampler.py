@@ -185,8 +185,8 @@ class ElasticDistributedSampler(Sampler[int]):
         sampler = ElasticDistributedSampler(dataset)   # rank/world from torchrun
         loader = DataLoader(dataset, batch_size=32, sampler=sampler)
         start_epoch = 0
-        if (state := load_checkpoint(...)) is not None:
-            sampler.load_state_dict(state["sampler"])   # any world size
+        if (loaded := load_checkpoint(None, url)) is not None:
+            sampler.load_state_dict(loaded.state["sampler"])   # any world size
             start_epoch = sampler.epoch
         for epoch in range(start_epoch, epochs):
             sampler.set_epoch(epoch)    # same epoch as loaded: resumes mid-epoch

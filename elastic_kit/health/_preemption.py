@@ -83,8 +83,9 @@ def detect_cloud(*, dmi_root: str | None = None) -> str | None:
     under ``dmi_root`` (default :data:`DMI_ROOT`); None when it cannot tell (no
     metadata service is then ever asked).
 
-    AWS's Nitro hosts say ``Amazon EC2`` in ``sys_vendor``; its Xen-based instance
-    types say ``Xen`` there, and an ``amazon`` BIOS version (``4.11.amazon``).
+    AWS's Nitro hosts say ``Amazon EC2`` in ``sys_vendor`` (or ``board_vendor``); its
+    Xen-based instance types say ``Xen`` there, which is not checked: their ``amazon``
+    BIOS version (``4.11.amazon``) is what tells them.
     """
     dmi_root = DMI_ROOT if dmi_root is None else dmi_root
     given = os.environ.get(CLOUD_ENV, "").strip().lower()

@@ -559,7 +559,9 @@ class TrainState:
 
         Returns:
             ``steps``, ``epochs``, ``world_sizes`` (one ``{"world_size", "step",
-            "restart", "restored_step"}`` per start of the worker group), ``restarts``
+            "restart", "restored_step", "restored_from"}`` per start of the worker
+            group; ``restored_from``: ``"memory"``, ``"peer"``, ``"store"`` or None),
+            ``restarts``
             (the highest torchrun restart count seen), ``restored_steps`` (checkpoint
             steps restored, in order) and ``audit`` (``{"epoch", "count",
             "expected", "ok"}`` per finished epoch).

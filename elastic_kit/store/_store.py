@@ -748,7 +748,9 @@ class CheckpointStore:
         that keeps failing is raised instead (it proves nothing about the checkpoint,
         and skipping it would roll training back). With a process group, one rank
         reads and broadcasts the state tensor by tensor; with ``node_local=True``
-        nodes that lacked the step then commit a local copy (best effort).
+        the nodes that lack the step get it with ``lacked_locally=True``, and
+        :meth:`keep_copy` commits their local copy (the ``Checkpointer`` and
+        :func:`load_checkpoint` call it; ``load()`` itself only reads).
 
         Args:
             map_location: as for :func:`torch.load`; with a process group it must be a

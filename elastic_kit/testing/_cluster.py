@@ -189,7 +189,8 @@ class LocalCluster:
         if not self.cuda:
             env["CUDA_VISIBLE_DEVICES"] = ""
         # Without it, scale-up hangs on these torch versions (the joining round waits
-        # forever for role_info keys); see TORCHRUN_NOTES.md.
+        # forever for role_info keys), and a restarted gloo group sometimes fails to form
+        # on the dead group's addresses; see the README (Launching).
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
         env.setdefault("PYTHONUNBUFFERED", "1")
         # torchrun's own logger (rendezvous rounds, restarts, world sizes) is silent

@@ -19,8 +19,9 @@ Single node, 2 workers (``--standalone`` runs its own c10d rendezvous)::
 Fault tolerant, 2 nodes: run on each node; a failed worker restarts the group (up to
 3 times) from the newest checkpoint::
 
-    torchrun --nnodes=2 --nproc-per-node=1 --max-restarts=3 \\
-        --rdzv-id=imagenet-1 --rdzv-backend=c10d --rdzv-endpoint=HOST0:29400 \\
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes=2 --nproc-per-node=1 \\
+        --max-restarts=3 --rdzv-id=imagenet-1 --rdzv-backend=c10d \\
+        --rdzv-endpoint=HOST0:29400 \\
         --rdzv-conf=join_timeout=300,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3 \\
         examples/imagenet/main.py -a resnet18 --checkpoint-dir s3://bucket/imagenet-1 \\
         --global-batch-size 256 -b 64 /data/imagenet

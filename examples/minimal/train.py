@@ -4,10 +4,10 @@ Run it alone (world size 1, no process group)::
 
     python examples/minimal/train.py --ckpt /tmp/ek-minimal
 
-or elastic, 1 to 3 workers, restarted up to 3 times::
+or 3 workers on one node, restarted up to 3 times from the newest checkpoint::
 
-    torchrun --nnodes=1 --nproc-per-node=3 --max-restarts=3 \
-        examples/minimal/train.py --ckpt /tmp/ek-minimal
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nnodes=1 --nproc-per-node=3 \
+        --max-restarts=3 examples/minimal/train.py --ckpt /tmp/ek-minimal
 
 Run it again with the same ``--ckpt`` and it resumes (or finds nothing left to do).
 The global batch (12) must be divisible by the world size: 1, 2, 3, 4, 6 or 12.

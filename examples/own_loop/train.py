@@ -12,9 +12,10 @@ One process (CPU or one GPU), synthetic data; run it again to resume::
 
 One node, 2 workers (gloo on CPU, nccl on GPUs), restarted up to 3 times on a failure::
 
-    torchrun --standalone --nnodes=1 --nproc-per-node=2 --max-restarts=3 \\
-        examples/own_loop/train.py --synthetic 2000 --epochs 3 -j 0 \\
-        --checkpoint-dir /tmp/own-loop-2 --checkpoint-every 20 --audit
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nnodes=1 \\
+        --nproc-per-node=2 --max-restarts=3 examples/own_loop/train.py \\
+        --synthetic 2000 --epochs 3 -j 0 --checkpoint-dir /tmp/own-loop-2 \\
+        --checkpoint-every 20 --audit
 
 Elastic, 1 to 4 nodes (run on every node; nodes may join or leave)::
 
