@@ -27,13 +27,14 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import operator
 import os
 import threading
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping
 
 import fsspec
 import torch
@@ -97,6 +98,25 @@ SHARDED_EXCHANGE_TIMEOUT = 300.0
 # Reads of a store whose sharded checkpoints keep vanishing under the readers.
 _MAX_RESCANS = 20
 
+
+def _check_flag(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}={value!r}: expected True or False")
+
+
+def _check_step(step: Any) -> int:
+    """``step`` as an int in [0, 10**12); numpy and torch integer scalars are taken
+    (a step counted in a tensor or an array), a bool or a float is not."""
+    if isinstance(step, bool) or str(getattr(step, "dtype", "")) in ("bool", "torch.bool"):
+        raise TypeError(f"step={step!r}: expected an int, got a bool")
+    try:
+        step = operator.index(step)
+    except TypeError:
+        raise TypeError(f"step={step!r}: expected an int (numpy and torch integer scalars "
+                        f"are accepted), got {type(step).__name__}") from None
+    if not 0 <= step < 10**12:
+        raise ValueError(f"step={step!r} must be an int in [0, 10**12)")
+    return step
 
 class CheckpointStore:
     """Crash-safe checkpoints in ``url``: ``step-<n>/`` directories with a manifest.
@@ -187,6 +207,12 @@ class CheckpointStore:
                 raise ValueError(f"{name}={value!r} must be a number > {lo:g}")
         if type(read_attempts) is not int or read_attempts < 1:
             raise ValueError(f"read_attempts={read_attempts!r} must be an int >= 1")
+        for name, value in (("node_local", node_local), ("reuse_staging", reuse_staging),
+                            ("private", private)):
+            _check_flag(name, value)  # a truthy "false" would quietly mean True
+        if storage_options is not None and not isinstance(storage_options, Mapping):
+            raise TypeError(f"storage_options={storage_options!r}: expected a dict of the "
+                            f"filesystem's options or None")
         self._info = info
         if isinstance(url, os.PathLike):
             url = os.fspath(url)
@@ -347,8 +373,10 @@ class CheckpointStore:
             loses it (the previous checkpoint stays valid). Deleting the checkpoints
             beyond ``keep_last`` runs on the background worker after the commit.
         """
-        if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step < 10**12:
-            raise ValueError(f"step={step!r} must be an int in [0, 10**12)")
+        step = _check_step(step)
+        _check_flag("blocking", blocking)
+        if metadata is not None and not isinstance(metadata, Mapping):
+            raise TypeError(f"metadata={metadata!r}: expected a dict of JSON values or None")
         metadata = dict(metadata or {})
         try:
             json.dumps(metadata, allow_nan=False)
@@ -871,12 +899,17 @@ class CheckpointStore:
                     header = {"ok": True, "path": loaded.path,
                               "manifest": loaded.manifest.to_json()}
                 except Exception as e:
-                    broadcast_object({"ok": False, "error": f"{type(e).__name__}: {e}"}, src=src)
+                    broadcast_object({"ok": False, "error": f"{type(e).__name__}: {e}",
+                                      "unsafe": isinstance(e, UnsafeCheckpointError)},
+                                     src=src)
                     raise
             header = broadcast_object(header, src=src)
             if not header["ok"]:
-                raise UnsafeCheckpointError(f"rank {src} could not load checkpoint step "
-                                            f"{step}: {header['error']}")
+                # the source's own error type where it was a refusal to unpickle;
+                # anything else (a read, a device) is no verdict on the checkpoint
+                error = UnsafeCheckpointError if header["unsafe"] else CheckpointError
+                raise error(f"rank {src} could not load checkpoint step {step}: "
+                            f"{header['error']}")
             state = broadcast_state(state, src=src, rank=info.rank, device=device)
         finally:
             if found is not None:

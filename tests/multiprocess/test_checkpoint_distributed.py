@@ -95,3 +95,26 @@ def test_node_local_newest_step_is_broadcast_and_copied_to_nodes_that_lacked_it(
     copy = node(2).list()[0]
     assert copy.step == 7 and copy.metadata == {"epoch": 2}
     assert [i.step for i in CheckpointStore(f"{root}/shared", info=solo).list()] == [1]
+
+
+def _load_to_an_absent_device(root: str) -> tuple[str, str]:
+    init_distributed()
+    try:
+        CheckpointStore(root).load(map_location="cuda:0")  # no rank sees a GPU here
+    except Exception as e:
+        return type(e).__name__, str(e)
+    return "loaded", ""
+
+
+def test_a_source_ranks_failure_reaches_every_rank_as_what_it_was(tmp_path):
+    """The source rank's failure is not a pickled object in the checkpoint: no rank
+    may report it as one (UnsafeCheckpointError says "refusing to load")."""
+    root = str(tmp_path / "ck")
+    CheckpointStore(root, info=DistInfo()).save({"w": torch.ones(2)}, step=3)
+
+    (src_type, _), (peer_type, peer_msg) = spawn_multi_process(
+        2, _load_to_an_absent_device, root, local_world_size=1, timeout=120)
+
+    assert src_type == "RuntimeError"
+    assert peer_type == "CheckpointError"
+    assert "rank 0 could not load checkpoint step 3: RuntimeError" in peer_msg

@@ -85,6 +85,39 @@ def test_bad_options_name_the_value(tmp_path, kw, match):
         CheckpointStore(str(tmp_path), **kw)
 
 
+@pytest.mark.parametrize("kw, match", [
+    ({"node_local": "false"}, "node_local='false': expected True or False"),
+    ({"reuse_staging": "no"}, "reuse_staging='no': expected True or False"),
+    ({"private": 1}, "private=1: expected True or False"),
+    ({"storage_options": 1}, "storage_options=1: expected a dict"),
+])
+def test_an_option_of_the_wrong_type_is_named(tmp_path, kw, match):
+    with pytest.raises(TypeError, match=match):
+        CheckpointStore(str(tmp_path), **kw)
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"blocking": "false"}, "blocking='false': expected True or False"),
+    ({"metadata": [1]}, r"metadata=\[1\]: expected a dict"),
+    ({"step": 2.0}, "step=2.0: expected an int"),
+    ({"step": True}, "step=True: expected an int"),
+])
+def test_a_save_argument_of_the_wrong_type_is_named(tmp_path, kw, match):
+    store = CheckpointStore(str(tmp_path / "ck"))
+    with pytest.raises(TypeError, match=match):
+        store.save({"w": torch.ones(1)}, **{"step": 1, **kw})
+    assert store.list() == []
+
+
+def test_a_numpy_step_is_an_int(tmp_path):
+    np = pytest.importorskip("numpy")
+    store = CheckpointStore(str(tmp_path / "ck"))
+    store.save({"w": torch.ones(1)}, step=np.int64(4))
+    assert [(i.step, type(i.step)) for i in store.list()] == [(4, int)]
+    with pytest.raises(ValueError, match=r"step=-1 must be an int in \[0, 10\*\*12\)"):
+        store.save({"w": torch.ones(1)}, step=np.int64(-1))
+
+
 def test_unknown_protocol_and_missing_extra_are_clear(tmp_path):
     with pytest.raises(ValueError, match="url='nope://x/y'.*unknown protocol 'nope'"):
         CheckpointStore("nope://x/y")
