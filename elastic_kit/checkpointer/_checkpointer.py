@@ -14,7 +14,7 @@ import operator
 import os
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import Any, Iterator
 
 import torch
 
@@ -30,11 +30,8 @@ from elastic_kit.checkpointer._store_like import StoreLike
 from elastic_kit.distributed import DistInfo, get_dist_info
 import elastic_kit.health as health
 from elastic_kit.snapshot import DEFAULT_BUDGET, SnapshotTier
-from elastic_kit.state import UNHEARD_AFTER_S, UNHEARD_MAX_S, EpochAudit
+from elastic_kit.state import UNHEARD_AFTER_S, UNHEARD_MAX_S, EpochAudit, TrainState
 from elastic_kit.store import LoadedCheckpoint
-
-if TYPE_CHECKING:
-    from elastic_kit.state import TrainState
 
 __all__ = ["Checkpointer", "StoreLike"]
 
@@ -98,8 +95,9 @@ class Checkpointer(Lifecycle):
                  snapshot_budget: float = DEFAULT_BUDGET,
                  heartbeat_timeout: float | None = health.DEFAULT_TIMEOUT_S,
                  handle_preemption: bool = True, info: DistInfo | None = None) -> None:
-        if not hasattr(state, "state_dict") or not hasattr(state, "load_state_dict"):
-            raise TypeError(f"state={state!r} must be an ek.TrainState (state_dict/load_state_dict)")
+        if not isinstance(state, TrainState):  # a model has state_dict too, but no sampler
+            raise TypeError(f"state={state!r:.200}: expected an ek.TrainState (the model, "
+                            f"optimizer and sampler together), got {type(state).__name__}")
         #: the options, validated (:class:`CheckpointerConfig`)
         given = locals()  # every option is a keyword of the same name
         self.config = config = CheckpointerConfig(

@@ -33,6 +33,10 @@ def open_store(store: StoreLike | str | os.PathLike[str] | None, info: DistInfo 
     from a path or URL with ``options``."""
     if isinstance(store, (str, os.PathLike)):
         return CheckpointStore(store, info=info, **options), True
+    if store is not None and not all(callable(getattr(store, name, None))
+                                     for name in ("save", "load", "wait", "close")):
+        raise TypeError(f"store={store!r:.200}: expected a path or URL (str), a "
+                        f"CheckpointStore or None, got {type(store).__name__}")
     return store, False
 
 

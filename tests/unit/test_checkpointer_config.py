@@ -68,6 +68,21 @@ def test_one_validator_names_the_bad_value_for_both_forms(options: dict, named: 
         ek.Checkpointer(state, None, **options)
 
 
+@pytest.mark.parametrize("store, named", [
+    (123, "store=123"), (b"/tmp/x", "store=b'/tmp/x'"), (object(), "store=<object"),
+])
+def test_a_store_that_is_none_of_path_url_or_store_is_named(store: object, named: str) -> None:
+    state = ek.TrainState(nn.Linear(2, 2), torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=1))
+    with pytest.raises(TypeError, match=named):
+        ek.Checkpointer(state, store, handle_signals=False)
+
+
+def test_a_state_that_is_not_a_train_state_is_named(tmp_path) -> None:
+    model = nn.Linear(2, 2)
+    with pytest.raises(TypeError, match=r"state=Linear\(.*expected an ek.TrainState"):
+        ek.Checkpointer(model, str(tmp_path), handle_signals=False)  # type: ignore[arg-type]
+
+
 def test_loop_config_refuses_a_checkpoint_that_is_not_a_checkpointer_config() -> None:
     with pytest.raises(TypeError, match="CheckpointerConfig"):
         ek.LoopConfig(global_batch_size=8, checkpoint={"every_steps": 5})  # type: ignore
