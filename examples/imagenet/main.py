@@ -303,6 +303,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     # checkpoint, so a crash while saving it never leaves a half-written "best".
     best_store = ek.CheckpointStore(url.rstrip("/") + "/best", keep_last=1,
                                  node_local=args.node_local_checkpoints)
+    # The best top-1 the best store holds: a validation after the run's last
+    # checkpoint (a --max-steps stop) raised it there, not in the checkpoint's extras.
+    kept_best = max((float(i.metadata.get("acc1", 0.0)) for i in best_store.list()),
+                    default=0.0)
     criterion = nn.CrossEntropyLoss(reduction="none")
     evals: dict[str, Any] = {"step": None, "top1": 0.0, "top5": 0.0}
     clock: dict[str, float | None] = {"t": None}
@@ -317,6 +321,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         evals.update(step=state.step, top1=top1, top5=top5)
         if info.is_main:
             log.info("validation at step %d: Acc@1 %.3f  Acc@5 %.3f", state.step, top1, top5)
+        state.extras["best_acc1"] = max(state.extras["best_acc1"], kept_best)
         if top1 > state.extras["best_acc1"]:
             state.extras["best_acc1"] = top1
             best_store.save({"model": ek.unwrap_model(state.model).state_dict(),

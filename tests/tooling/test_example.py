@@ -192,3 +192,33 @@ def test_dummy_runs_without_a_data_directory(tmp_path: Path) -> None:
     usage = subprocess.run([sys.executable, str(MAIN), "-a", "tinycnn"], capture_output=True,
                            text=True, timeout=120)
     assert usage.returncode == 2 and "DIR is required unless --dummy" in usage.stderr
+
+
+def test_the_best_model_survives_a_validation_after_the_last_checkpoint(tmp_path: Path) -> None:
+    """A run stopped by --max-steps mid-epoch validates after its last checkpoint; the
+    best model it kept must not be replaced by a worse one when the run is resumed."""
+    import json
+    import subprocess
+
+    from elastic_kit import CheckpointStore
+    from elastic_kit.testing import make_imagefolder
+
+    data = tmp_path / "data"
+    make_imagefolder(str(data), classes=8, per_class=8, val_per_class=4, size=16)
+    common = [sys.executable, str(MAIN), str(data), "-a", "tinycnn", "--image-size", "16",
+              "--epochs", "4", "-b", "8", "--global-batch-size", "8", "-j", "0",
+              "--snapshot-every", "0", "--checkpoint-every", "100", "--lr", "0.3",
+              "--checkpoint-dir", str(tmp_path / "ck")]
+    kept = []
+    for max_steps in (3, 8):
+        summary = tmp_path / f"summary-{max_steps}.json"
+        done = subprocess.run([*common, "--max-steps", str(max_steps), "--summary-json",
+                               str(summary)], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        best = CheckpointStore(str(tmp_path / "ck" / "best")).load()
+        report = json.loads(summary.read_text())
+        kept.append((best.metadata["acc1"], report["best_acc1"], report["final_top1"]))
+    (first_kept, first_best, first_final), (kept_now, best_now, final_now) = kept
+    assert first_kept == first_best == first_final  # the stop's own validation was kept
+    assert kept_now == best_now == max(first_kept, best_now, final_now)
+    assert kept_now >= first_kept
