@@ -164,7 +164,10 @@ class ElasticDistributedSampler(Sampler[int]):
     :meth:`load_state_dict`, they describe the pass an ``__iter__`` would deal now.
 
     Args:
-        dataset: anything with ``__len__``; its length is fixed at construction.
+        dataset: anything with ``__len__``; its length is fixed at construction and
+            must be at least 1 (torch's sampler deals nothing from an empty dataset;
+            this one refuses it with a ``ValueError``: an epoch with no sample to
+            count is a mistake the resume arithmetic would carry on silently).
         num_replicas: world size; ``None`` reads it from the process group or the
             torchrun environment.
         rank: this worker's rank in ``[0, num_replicas)``; ``None`` as above.
