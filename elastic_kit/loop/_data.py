@@ -37,10 +37,41 @@ class EpochKeyed(Dataset):
 
 
 def loader_dataset(dataset: Any) -> tuple[Any, bool]:
-    """The dataset the loop's ``DataLoader`` reads, and whether it takes epoch keys."""
+    """The dataset the loop's ``DataLoader`` reads, and whether it takes epoch keys.
+
+    Raises:
+        ValueError: a :class:`SeededDataset` inside another dataset (a ``Subset``, a
+            ``ConcatDataset``): it would get plain indices, and with them the epoch it
+            was built with, so every epoch would augment as the first did.
+    """
     if getattr(dataset, "takes_epoch_keys", False):
         return EpochKeyed(dataset), True
+    inner = _nested_seeded(dataset)
+    if inner is not None:
+        raise ValueError(
+            f"dataset={type(dataset).__name__} holds a SeededDataset "
+            f"({type(inner).__name__}) inside it: the loop gives the epoch only to an "
+            f"outermost SeededDataset, so wrap it outermost, e.g. "
+            f"SeededDataset(Subset(data, indices), transform=...)")
     return dataset, False
+
+
+def _nested_seeded(dataset: Any, depth: int = 0) -> Any:
+    """A dataset taking epoch keys among those ``dataset`` wraps (``.dataset``,
+    ``.datasets``: torch's ``Subset`` and ``ConcatDataset``), or None."""
+    if depth > 8:
+        return None
+    inner = getattr(dataset, "datasets", None)
+    children = list(inner) if isinstance(inner, (list, tuple)) else []
+    if isinstance(getattr(dataset, "dataset", None), Dataset):
+        children.append(dataset.dataset)
+    for child in children:
+        if getattr(child, "takes_epoch_keys", False):
+            return child
+        found = _nested_seeded(child, depth + 1)
+        if found is not None:
+            return found
+    return None
 
 
 class ScheduleBatchSampler:

@@ -88,6 +88,12 @@ class SeededDataset(Dataset):
     .. warning::
         Randomness drawn *outside* ``__getitem__`` (e.g. in a ``collate_fn``) is not
         covered.
+
+    .. warning::
+        Wrap it outermost (``SeededDataset(Subset(data, indices))``, not
+        ``Subset(SeededDataset(data), indices)``): a ``Subset`` or ``ConcatDataset``
+        hands it plain indices, so it would use :attr:`epoch` (refused by the loop;
+        in a loop of one's own, call :meth:`set_epoch` before each epoch's iterator).
     """
 
     #: ``dataset[(epoch, index)]`` works: an ElasticDistributedSampler deals such keys

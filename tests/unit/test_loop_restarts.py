@@ -134,6 +134,23 @@ def test_the_loop_gives_loss_fn_what_a_seeded_dataset_returns() -> None:
     assert sorted(torch.cat(seen).tolist()) == list(range(96))
 
 
+@pytest.mark.parametrize("wrap", [
+    lambda d: torch.utils.data.Subset(d, range(48)),
+    lambda d: torch.utils.data.ConcatDataset([_data(), torch.utils.data.Subset(d, range(8))]),
+])
+def test_a_seeded_dataset_inside_another_dataset_is_refused(wrap: Any) -> None:
+    """The loop gives epoch keys only to an outermost SeededDataset: one inside a Subset
+    would get plain indices and augment every epoch as epoch 0 did."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 2)
+    state = TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    cfg = LoopConfig(epochs=1, global_batch_size=12, micro_batch_size=12, log_every=0,
+                     progress_bar=False, checkpoint=CheckpointerConfig(handle_signals=False))
+    with pytest.raises(ValueError, match="SeededDataset.*outermost"):
+        ElasticLoop(state, wrap(ek.SeededDataset(_data())), loss_fn=_loss, config=cfg).run()
+    assert state.step == 0
+
+
 def test_a_run_that_fails_making_its_loader_leaves_no_hooks_behind(
         monkeypatch: pytest.MonkeyPatch) -> None:
     before = signal.getsignal(signal.SIGTERM)
