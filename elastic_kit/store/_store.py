@@ -32,8 +32,8 @@ import os
 import threading
 import time
 import uuid
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
-from datetime import timedelta
 from typing import Any, Callable, Iterable, Mapping
 
 import fsspec
@@ -41,6 +41,7 @@ import torch
 
 from elastic_kit.store._broadcast import agree_on_holder, broadcast_state, target_device
 from elastic_kit.store._fs import resolve_url
+from elastic_kit.store._handshake import handshake
 from elastic_kit.store._identity import ensure_identity, read_identity
 from elastic_kit.store._layout import Found, Layout, StepDir
 from elastic_kit.store._manifest import CHECKSUMS, Manifest
@@ -81,10 +82,10 @@ def _reset_token() -> None:
 
 os.register_at_fork(after_in_child=_reset_token)
 
-# How many load() calls this process made in each process group (by its group_id),
-# across stores: the handshake key of the n-th call is the same on every rank that
-# calls load() in the same order.
-_LOAD_SEQ: dict[str, int] = {}
+# How many load() calls this process made in each process group, across stores: the
+# handshake keys of the n-th call are the same on every rank that calls load() in the
+# same order.
+_LOAD_SEQ: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 _LOAD_LOCK = threading.Lock()
 # Background sharded saves exchange their entries under keys named after the store,
 # the step and how many background saves of that step (of that store) this process
@@ -833,36 +834,15 @@ class CheckpointStore:
                          "reading the store again", e.step, e)
 
     def _handshake(self, info: DistInfo) -> None:
-        """Fail clearly unless every rank is in this load() call (no collective used,
-        once the group's id is agreed: :func:`init_distributed` agrees it; a group
-        torch's ``init_process_group`` made agrees it here, in a collective). The
-        keys are the group's own: the job's store outlives a failed group, whose
-        leftovers (a rank that gave up waiting) would fail every later group's load."""
-        import torch.distributed as dist
-        from torch.distributed.distributed_c10d import _get_default_store
+        """Fail clearly unless every rank is in this load() call (no collective: see
+        :mod:`._handshake`, also for what keeps a failed group's keys from deciding)."""
+        from torch.distributed.distributed_c10d import _get_default_group, _get_default_store
 
-        group = group_id()
+        group = _get_default_group()
         with _LOAD_LOCK:
             seq = _LOAD_SEQ[group] = _LOAD_SEQ.get(group, 0) + 1
-            key = f"elastic_kit/checkpoint/load/{group}/{seq}"
-        kv = _get_default_store()
-        arrived = kv.add(f"{key}/arrived", 1)
-        if arrived >= info.world_size:
-            kv.set(f"{key}/all", "1")
-        try:
-            kv.wait([f"{key}/all"], timedelta(seconds=self.load_timeout))
-        except (dist.DistStoreError, RuntimeError) as e:
-            kv.set(f"{key}/abandoned", str(info.rank))
-            count = kv.add(f"{key}/arrived", 0)
-            raise CheckpointError(
-                f"load() is collective: call it on every rank. Rank {info.rank} waited "
-                f"{self.load_timeout:g} s (load_timeout) in load() call #{seq} on "
-                f"{self.url}, and only {count} of {info.world_size} ranks called it") from e
-        if kv.check([f"{key}/abandoned"]):
-            raise CheckpointError(
-                f"load() is collective: call it on every rank. Rank "
-                f"{kv.get(f'{key}/abandoned').decode()} gave up waiting in load() call "
-                f"#{seq} on {self.url} before this rank ({info.rank}) called it")
+        handshake(_get_default_store(), f"elastic_kit/checkpoint/load/{seq}", info.rank,
+                  info.world_size, self.load_timeout, f"load() call #{seq} on {self.url}")
 
     def _load_distributed(self, map_location: Any, into: Any,
                           below: int | None) -> LoadedCheckpoint | None:

@@ -114,6 +114,36 @@ def test_load_on_a_subset_of_ranks_fails_clearly_within_load_timeout(tmp_path):
     assert "load_timeout" in r0 and "only 1 of 2 ranks" in r0
 
 
+def _load_on_rank0_only_in_a_group_torch_made(root: str) -> tuple[str, float]:
+    """The script keeps torch's own init_process_group (no ek.init_distributed): rank
+    0 loads alone while rank 1 goes on to its gradient all-reduce."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=30))
+    rank = dist.get_rank()
+    outcome = "all-reduce only"
+    if rank == 0:
+        try:
+            load_checkpoint(None, CheckpointStore(root, load_timeout=2.0))
+            outcome = "loaded"
+        except CheckpointError as e:
+            outcome = str(e)
+    grad = torch.full((3,), float(rank + 1))
+    dist.all_reduce(grad)  # pairs with the peer's all-reduce, not with a load's collective
+    dist.destroy_process_group()
+    return outcome, grad[0].item()
+
+
+def test_load_on_a_subset_of_ranks_runs_no_collective_in_a_group_torch_made(tmp_path):
+    solo = CheckpointStore(str(tmp_path), info=__import__("elastic_kit").DistInfo())
+    solo.save({"w": torch.ones(2)}, step=1)
+    (r0, sum0), (r1, sum1) = spawn_multi_process(
+        2, _load_on_rank0_only_in_a_group_torch_made, str(tmp_path), timeout=60)
+    assert r0.startswith("load() is collective: call it on every rank"), r0
+    assert "only 1 of 2 ranks" in r0 and r1 == "all-reduce only"
+    assert sum0 == sum1 == 3.0
+
+
 def _writer_failure_job(root: str) -> str:
     info = init_distributed()
     store = CheckpointStore(root)  # a file, not a directory: the write fails
