@@ -16,16 +16,19 @@ provably this call's by a nonce its asker drew just now:
   publishes its own nonce under each value of that key it reads (an earlier group's
   value is answered too, harmlessly: nobody waits on it) and counts itself in there;
 - once every other rank counted itself in under ``N``, rank 0 answers each one under
-  that rank's own nonce (``N`` again), which only this call's rank 0 can have written;
-  it then looks whether a rank gave up, and commits (``ok`` or why not) under ``N``;
-- a rank whose ``load_timeout`` runs out marks that it gave up (under every ``N`` it
-  read), then looks once more for its answer: it either gave up before rank 0 looked
-  (rank 0 then aborts, and tells the others through the commit) or has its answer and
-  waits for the commit like the others. No rank enters the load's collectives unless
-  every rank does.
+  that rank's own nonce (``N`` again), which only this call's rank 0 can have written,
+  then commits ``ok`` under ``N``;
+- the commit is decided once, by whoever writes it first (``compare_set`` on an
+  absent key): rank 0's ``ok`` or its abort at its ``load_timeout``; the abort of a
+  rank whose ``load_timeout`` ran out before it was answered (written under every
+  ``N`` it read); the abort of a rank that was answered and then waited
+  ``load_timeout`` for a commit (rank 0 stalled or died). Every rank reads the one
+  commit, so no rank enters the load's collectives unless every rank does.
 
 The keys cost rank 0 a few reads and writes per rank, once per ``load()`` (a start or
-a restart); the others poll two keys with a backoff.
+a restart); the others poll their answer's key, then the commit's, with a backoff of
+at most 50 ms. A failure of the key-value store itself is a :class:`CheckpointError`
+naming the call.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ from __future__ import annotations
 import time
 import uuid
 from typing import Any
+
+from torch.distributed import DistError
 
 from elastic_kit.errors import CheckpointError
 
@@ -87,12 +92,17 @@ def handshake(kv: Any, prefix: str, rank: int, world_size: int, timeout: float,
         what: the call, for messages (``"load() call #2 on s3://b/run"``).
 
     Raises:
-        CheckpointError: a rank did not take part within ``timeout``, or gave up.
+        CheckpointError: a rank did not take part within ``timeout``, or gave up, or
+            the store failed.
     """
-    if rank == 0:
-        _lead(kv, prefix, world_size, timeout, what)
-    else:
-        _follow(kv, prefix, rank, timeout, what)
+    try:
+        if rank == 0:
+            _lead(kv, prefix, world_size, timeout, what)
+        else:
+            _follow(kv, prefix, rank, timeout, what)
+    except DistError as e:  # the store's host died, or the store timed out
+        raise CheckpointError(f"the process group's key-value store failed in {what} "
+                              f"(rank {rank}): {type(e).__name__}: {e}") from e
 
 
 def _lead(kv: Any, prefix: str, world_size: int, timeout: float, what: str) -> None:
@@ -105,29 +115,25 @@ def _lead(kv: Any, prefix: str, world_size: int, timeout: float, what: str) -> N
             verdict = (f"load() is collective: call it on every rank. Rank 0 waited "
                        f"{timeout:g} s (load_timeout) in {what}, and only {joined + 1} of "
                        f"{world_size} ranks called it")
-            _answer(kv, here, mine, world_size, verdict, what)
-            raise CheckpointError(verdict)
+            raise CheckpointError(_answer(kv, here, mine, world_size, verdict))
         poll.sleep()
-    verdict = _answer(kv, here, mine, world_size, _OK, what)
+    verdict = _answer(kv, here, mine, world_size, _OK)
     if verdict != _OK:
         raise CheckpointError(verdict)
 
 
-def _answer(kv: Any, here: str, mine: str, world_size: int, verdict: str, what: str) -> str:
-    """Answer every rank that joined under ``here``, then commit ``verdict`` (or, for
-    an ``ok``, why not where a rank gave up meanwhile); the verdict committed."""
+def _answer(kv: Any, here: str, mine: str, world_size: int, verdict: str) -> str:
+    """Answer every rank that joined under ``here``, then commit ``verdict`` unless a
+    rank committed its abort first; the verdict committed."""
     nonce_keys = [f"{here}/nonce/{r}" for r in range(1, world_size)]
     if verdict != _OK:  # a timeout: only some ranks joined
         nonce_keys = [k for k in nonce_keys if kv.check([k])]
     nonces = [n.decode() for n in _get_all(kv, nonce_keys)] if nonce_keys else []
     if nonces:
         _set_all(kv, [f"{here}/go/{n}" for n in nonces], [mine] * len(nonces))
-    if verdict == _OK and kv.check([f"{here}/gave-up"]):
-        verdict = (f"load() is collective: call it on every rank. Rank "
-                   f"{kv.get(f'{here}/gave-up').decode()} gave up waiting (load_timeout) "
-                   f"in {what} before every rank called it")
-    kv.set(f"{here}/commit", verdict)
-    return verdict
+    # the commit is decided once: rank 0's verdict, or the abort of a rank that gave
+    # up first (compare_set on an absent key: the first writer wins, every rank reads it)
+    return kv.compare_set(f"{here}/commit", "", verdict).decode()
 
 
 def _follow(kv: Any, prefix: str, rank: int, timeout: float, what: str) -> None:
@@ -147,8 +153,10 @@ def _follow(kv: Any, prefix: str, rank: int, timeout: float, what: str) -> None:
             reread_at = now + _REREAD_S
         lead = _answered(kv, prefix, joined, mine)
         if lead is None and poll.expired():
+            abort = (f"load() is collective: call it on every rank. Rank {rank} gave up "
+                     f"waiting (load_timeout) in {what} before every rank called it")
             for value in joined:  # under every value read: one of them may be this call's
-                kv.set(f"{prefix}/{value}/gave-up", str(rank))
+                kv.compare_set(f"{prefix}/{value}/commit", "", abort)
             lead = _answered(kv, prefix, joined, mine)  # rank 0 may have answered since
             if lead is None:
                 raise CheckpointError(
@@ -160,11 +168,13 @@ def _follow(kv: Any, prefix: str, rank: int, timeout: float, what: str) -> None:
     commit = f"{prefix}/{lead}/commit"
     poll = _Poll(timeout)  # rank 0 commits right after answering: only its death delays it
     while not kv.check([commit]):
-        if poll.expired():
-            raise CheckpointError(f"rank 0 answered in {what} but did not commit it within "
-                                  f"{timeout:g} s (load_timeout)")
+        if poll.expired():  # decide it, unless rank 0 did meanwhile: every rank reads one
+            verdict = kv.compare_set(commit, "", f"rank 0 answered in {what} but did not "
+                                     f"commit it within {timeout:g} s (load_timeout)").decode()
+            break
         poll.sleep()
-    verdict = kv.get(commit).decode()
+    else:
+        verdict = kv.get(commit).decode()
     if verdict != _OK:
         raise CheckpointError(verdict)
 

@@ -1,7 +1,7 @@
 """Helpers for unit tests of distributed code, for this library and its users.
 
 :func:`spawn_multi_process` runs a function on N gloo ranks on the CPU, each in its
-own process with a private free port, and returns what each rank returned. Tests
+own process, and returns what each rank returned. Tests
 then assert on those values in the parent, where pytest's reporting works. The ranks
 do not see the machine's GPUs unless asked (``cuda=True``), so a test written for the
 CPU runs the same on a GPU workstation.
@@ -26,6 +26,7 @@ import traceback
 from multiprocessing import forkserver
 from typing import Any, Callable, TypeVar
 
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 __all__ = ["free_port", "spawn_multi_process", "torchrun_env", "MultiProcessError"]
@@ -41,11 +42,14 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def torchrun_env(rank: int, world_size: int, port: int, *, local_world_size: int | None = None,
-                 run_id: str = "test", restart_count: int = 0) -> dict[str, str]:
+                 run_id: str = "test", restart_count: int = 0,
+                 agent_store: bool = False) -> dict[str, str]:
     """The environment variables torchrun gives a worker, for ``rank`` of ``world_size``.
 
     With ``local_world_size`` the ranks are grouped into nodes of that many workers,
     so node-local behaviour (one writer per node) can be tested in one machine.
+    With ``agent_store`` a store already listens at ``127.0.0.1:port`` (as torchrun's
+    agent hosts one) and every rank connects to it; otherwise rank 0 starts it there.
     """
     lws = local_world_size or world_size
     if world_size % lws:
@@ -63,12 +67,14 @@ def torchrun_env(rank: int, world_size: int, port: int, *, local_world_size: int
         "TORCHELASTIC_RUN_ID": run_id,
         "TORCHELASTIC_RESTART_COUNT": str(restart_count),
         "TORCHELASTIC_MAX_RESTARTS": "0",
+        "TORCHELASTIC_USE_AGENT_STORE": str(agent_store),
     }
 
 
 def _worker(rank: int, world_size: int, port: int, local_world_size: int | None, cuda: bool,
             fn: Callable[..., Any], args: tuple[Any, ...], queue: Any) -> None:
-    os.environ.update(torchrun_env(rank, world_size, port, local_world_size=local_world_size))
+    os.environ.update(torchrun_env(rank, world_size, port, local_world_size=local_world_size,
+                                   agent_store=True))
     if not cuda:
         # The forkserver these ranks come from started without GPUs (see _context);
         # this also hides them from the processes the rank starts.
@@ -82,8 +88,6 @@ def _worker(rank: int, world_size: int, port: int, local_world_size: int | None,
         queue.put((rank, False, traceback.format_exc()))
         raise
     finally:
-        import torch.distributed as dist
-
         if dist.is_available() and dist.is_initialized():
             if ok:
                 _wait_for_every_rank(world_size)
@@ -202,7 +206,12 @@ def spawn_multi_process(
         raise ValueError(f"world_size={world_size} must be >= 1")
     ctx = _context(cuda)
     queue = ctx.SimpleQueue()
-    port = free_port()
+    # The group's store listens before any rank starts, on a port the kernel gave it,
+    # as torchrun's agent hosts it: a port chosen free and bound later by rank 0 can
+    # be taken in between (another test's group, in a parallel worker), and a rank
+    # would then join whatever listens there.
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    port = int(store.port)
     procs = [
         ctx.Process(target=_worker,
                     args=(r, world_size, port, local_world_size, cuda, fn, args, queue),
@@ -245,6 +254,7 @@ def spawn_multi_process(
             if p.is_alive():
                 p.kill()
                 p.join()
+        del store
     if failures:
         raise MultiProcessError(world_size, failures)
     if len(results) < world_size:

@@ -104,3 +104,26 @@ def _quick_rank_stays() -> bool | int:
 
 def test_spawn_keeps_a_rank_that_returned_until_every_rank_returned() -> None:
     assert spawn_multi_process(2, _quick_rank_stays) == [True, 0]
+
+
+def _sum_of_ranks() -> float:
+    info = ekd.init_distributed()
+    t = torch.tensor([float(info.rank)])
+    torch.distributed.all_reduce(t)
+    return float(t.item())
+
+
+def test_spawn_group_is_not_broken_by_a_port_taken_after_it_was_free(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A port found free and bound later by rank 0 can be taken in between (by
+    another test's group in a parallel worker): the group's store is listening
+    before any rank starts, so what free_port would say does not matter."""
+    import socket
+
+    from elastic_kit.testing import _spawn
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        monkeypatch.setattr(_spawn, "free_port", lambda host="127.0.0.1": taken.getsockname()[1])
+        assert spawn_multi_process(2, _sum_of_ranks, timeout=60) == [1.0, 1.0]

@@ -107,3 +107,61 @@ def test_a_rank_that_gave_up_before_rank_0_came_fails_the_call_everywhere(
     assert "Rank 1 waited 0.2 s" in out[1][0] and "rank 0 did not answer" in out[1][0]
     assert "only 2 of 3 ranks" in out[0][0]
     assert out[2][0] == out[0][0]
+
+
+class _StallBeforeCommit:
+    """A store client whose writes of a commit key wait first (rank 0 stalled by a
+    GC pause, swapping or a slow store between answering and committing)."""
+
+    def __init__(self, kv: Any, stall_s: float) -> None:
+        self._kv, self._stall_s = kv, stall_s
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._kv, name)
+
+    def set(self, key: str, value: str) -> None:
+        if key.endswith("/commit"):
+            time.sleep(self._stall_s)
+        self._kv.set(key, value)
+
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        if key.endswith("/commit"):
+            time.sleep(self._stall_s)
+        return self._kv.compare_set(key, expected, desired)
+
+
+def test_rank_0_stalled_past_the_timeout_before_committing_fails_every_rank_alike(
+        server: Any) -> None:
+    """The others stop waiting for the commit and decide it themselves; rank 0, late,
+    reads their verdict instead of entering the collectives alone."""
+    out: dict[int, str] = {}
+
+    def rank(r: int) -> None:
+        kv = _client(server)
+        if r == 0:
+            kv = _StallBeforeCommit(kv, 1.5)
+        try:
+            handshake(kv, PREFIX, r, 3, 0.5, "load() call #1 on x")
+            out[r] = "ok"
+        except CheckpointError as e:
+            out[r] = str(e)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert out[0] != "ok" and "did not commit it within 0.5 s" in out[0], out
+    assert out[1] == out[2] == out[0]
+
+
+def test_a_store_whose_host_died_is_a_checkpoint_error_naming_the_call() -> None:
+    host = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                         timeout=timedelta(seconds=5))
+    kv = dist.TCPStore("127.0.0.1", host.port, is_master=False,
+                       timeout=timedelta(seconds=2))
+    kv.set("x", "1")
+    del host  # the server stops with its last reference
+    with pytest.raises(CheckpointError, match=r"key-value store failed in load\(\) call #1 "
+                                              r"on x \(rank 1\): Dist\w*Error"):
+        handshake(kv, PREFIX, 1, 2, 5.0, "load() call #1 on x")
