@@ -375,6 +375,18 @@ class ElasticDistributedSampler(Sampler[int]):
         return self._pass_start
 
     @property
+    def pass_dealt(self) -> bool:
+        """Whether ``__iter__`` dealt a pass since the position was last set from
+        outside (construction, :meth:`set_epoch` to a new epoch, :meth:`load_state_dict`).
+
+        While it is False nothing iterates this sampler: a training step advanced
+        through it then trained on samples of some other order (a DataLoader given
+        ``shuffle=True`` or another sampler), which :class:`~elastic_kit.Checkpointer`
+        refuses.
+        """
+        return self._pass_dealt
+
+    @property
     def num_samples(self) -> int:
         """Indices this rank yields in the current pass (``DistributedSampler``'s meaning)."""
         return len(self)

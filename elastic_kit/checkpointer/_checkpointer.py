@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import operator
 import os
 import threading
@@ -24,7 +25,7 @@ from elastic_kit.checkpointer._config import CheckpointerConfig
 from elastic_kit.checkpointer._departure import Departure
 from elastic_kit.checkpointer._hooks import Hooks
 from elastic_kit.checkpointer._lifecycle import Lifecycle
-from elastic_kit.checkpointer._progress import Progress
+from elastic_kit.checkpointer._progress import _UNSTEPPED_CAUSE, Progress, check_step
 from elastic_kit.checkpointer._step_end import StepEnd
 from elastic_kit.checkpointer._store_like import StoreLike
 from elastic_kit.distributed import DistInfo, get_dist_info
@@ -34,6 +35,8 @@ from elastic_kit.state import UNHEARD_AFTER_S, UNHEARD_MAX_S, EpochAudit, TrainS
 from elastic_kit.store import LoadedCheckpoint
 
 __all__ = ["Checkpointer", "StoreLike"]
+
+log = logging.getLogger(__name__)
 
 
 class Checkpointer(Lifecycle):
@@ -139,6 +142,8 @@ class Checkpointer(Lifecycle):
         self._leave_lock = threading.Lock()
         self._last_step_at: float | None = None  # when record_step last ran (monotonic)
         self._pausing = False  # inside a block kept out of the step time (_not_training)
+        self._restored = False  # restore() ran: the loop's calls need what it sets up
+        self._warned_unstepped = False
 
     def restore(self, *, map_location: Any = None) -> int:
         """Load the newest checkpoint into the state; return the epoch to start.
@@ -205,6 +210,7 @@ class Checkpointer(Lifecycle):
         self._heartbeat = health.start_heartbeat(info, timeout_s=self.config.heartbeat_timeout,
                                                  on_silent=self._leave_silent)
         self._departure.start(info)
+        self._restored = True
         return int(state.epoch)
 
     def sample_weights(self, n: int, *, device: Any = None,
@@ -235,7 +241,17 @@ class Checkpointer(Lifecycle):
         an epoch's last step :meth:`end_epoch` takes, with the epoch closed. It is
         :meth:`record_step` then :meth:`after_step`; a loop that reports the step in
         between (as :class:`~elastic_kit.ElasticLoop` does) calls the two itself.
+
+        Raises:
+            RuntimeError: nothing iterated ``state.sampler`` since its epoch was set
+                (the DataLoader must be given it as its sampler).
+            ValueError: ``n`` is negative, or the step goes past the end of the pass
+                the sampler dealt (``step()`` called twice per step, or with the
+                global batch size).
         """
+        n = operator.index(n)
+        if n > 0 and self.state.sampler is not None:
+            check_step(self.state.sampler, n)
         self.record_step(n)
         self.after_step()
 
@@ -247,6 +263,7 @@ class Checkpointer(Lifecycle):
     def record_step(self, n: int) -> None:
         """The first half of :meth:`step`: count the step, advance the sampler by its
         real samples over all ranks and feed the audit. No collective, no save."""
+        self._require_restored("step")
         n = operator.index(n)
         if n < 0:
             raise ValueError(f"step(n={n}): n must be >= 0 (this rank's samples in the step)")
@@ -321,10 +338,26 @@ class Checkpointer(Lifecycle):
         Raises:
             SampleAuditError: ``audit="error"`` and the epoch missed or repeated a sample.
         """
+        self._require_restored("end_epoch")
         with self._not_training():
             self._end_epoch()
 
+    def _require_restored(self, what: str) -> None:
+        if not self._restored:
+            raise RuntimeError(
+                f"{what}() before restore(): start the loop with `for epoch in "
+                f"range(ckpt.restore(), epochs)`. restore() loads the newest checkpoint "
+                f"and installs the SIGTERM handler; without it a restart trains from "
+                f"scratch beside its checkpoints, and a SIGTERM loses every step")
+
     def _end_epoch(self) -> None:
+        unstepped = self._progress.unstepped()
+        if unstepped and not self._warned_unstepped and self.info.is_main:
+            self._warned_unstepped = True
+            log.warning("end_epoch(): %d of epoch %d's %d samples were never stepped, and "
+                        "are not trained this epoch (%s; logged once)", unstepped,
+                        self.state.epoch, self.state.sampler.dataset_length,
+                        _UNSTEPPED_CAUSE)
         self.finish_audit()
         stop = self._cadence.agreed_stop()
         self._progress.next_epoch()

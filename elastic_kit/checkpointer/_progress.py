@@ -25,9 +25,35 @@ if TYPE_CHECKING:
     from elastic_kit.sampler import ElasticDistributedSampler
     from elastic_kit.state import TrainState
 
-__all__ = ["Progress"]
+__all__ = ["Progress", "check_step"]
 
 log = logging.getLogger(__name__)
+
+_UNSTEPPED_CAUSE = ("a DataLoader with drop_last=True drops the epoch's last partial "
+                    "batch: give it drop_last=False, sample_weights() weights the short "
+                    "step; a loop that leaves the epoch early leaves the rest")
+
+
+def check_step(sampler: ElasticDistributedSampler, n: int) -> None:
+    """Refuse a step of ``n`` samples per rank that the sampler cannot have dealt in
+    a script's own loop: its accounting (the resume position, the loss weights, the
+    audit) would silently describe other samples. (The loop schedules its steps from
+    the sampler's indices itself, and does not iterate it.)"""
+    if not sampler.pass_dealt:
+        raise RuntimeError(
+            f"step(n={n}): state.sampler dealt no samples since epoch {sampler.epoch} was "
+            f"set at position {sampler.consumed}: the DataLoader must iterate it "
+            f"(DataLoader(dataset, sampler=state.sampler, ...), not shuffle=True or "
+            f"another sampler), or the resume position and loss weights describe "
+            f"samples that were not trained")
+    j0 = (sampler.consumed - sampler.pass_start) // sampler.num_replicas
+    if j0 + n > len(sampler):
+        raise ValueError(
+            f"step(n={n}) goes past the end of the pass state.sampler dealt: this "
+            f"rank's share of epoch {sampler.epoch} from position {sampler.pass_start} "
+            f"has {len(sampler)} samples and earlier steps took {j0}. Call step() once "
+            f"per optimizer step with this rank's batch size (len(x), not the global "
+            f"batch), and iterate state.sampler in the DataLoader")
 
 
 class Progress:
@@ -80,6 +106,18 @@ class Progress:
             self._pass_key = key
             self._pass = indices, s.real_mask(0, len(indices), position=s.pass_start)
         return self._pass
+
+    def unstepped(self) -> int:
+        """Samples of the current epoch the sampler would still deal: none once its
+        last step was taken (with the sampler's own ``drop_last``, the tail it drops
+        is not counted)."""
+        sampler = self.state.sampler
+        if sampler is None:
+            return 0
+        left = len(sampler.local_padding_mask())  # this pass's positions per rank, from here
+        if not left:
+            return 0
+        return left * sampler.num_replicas if sampler.drop_last else sampler.remaining
 
     def next_epoch(self) -> None:
         """Move the state and the sampler to the next epoch, position 0."""
@@ -171,10 +209,15 @@ class Progress:
         state.audit.sync(epoch)
         self._covered, self._sum = self._position_now(), None
         if not audit.finish(sampler.dataset_length):
+            message = audit.message
+            unstepped = self.unstepped()
+            if unstepped:
+                message += (f"; {unstepped} samples were never stepped before the epoch "
+                            f"ended ({_UNSTEPPED_CAUSE})")
             if is_main:
-                log.error("SAMPLE AUDIT FAILED: %s", audit.message)
+                log.error("SAMPLE AUDIT FAILED: %s", message)
             if mode == "error":
-                raise SampleAuditError(audit.message)
+                raise SampleAuditError(message)
         elif is_main:
             say(log, "sample audit: %s", audit.message)
         return audit

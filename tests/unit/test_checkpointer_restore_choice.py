@@ -35,9 +35,15 @@ def _checkpointer(state: ek.TrainState, store: str, **options: object) -> ek.Che
 
 def _train(state: ek.TrainState, ck: ek.Checkpointer, n: int,
            weights: dict[int, torch.Tensor] | None = None) -> None:
-    """``n`` optimizer steps; ``weights[step]``: the model's weight after each."""
+    """``n`` optimizer steps on batches the sampler deals; ``weights[step]``: the
+    model's weight after each."""
     model, opt = state.model, state.optimizer
+    batches = (iter(torch.utils.data.DataLoader(range(N), batch_size=BATCH,
+                                                sampler=state.sampler))
+               if state.sampler is not None else None)
     for _ in range(n):
+        if batches is not None:
+            next(batches)
         model(torch.randn(BATCH, 8)).sum().backward()
         opt.step()
         opt.zero_grad()

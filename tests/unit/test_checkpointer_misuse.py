@@ -1,0 +1,133 @@
+"""A script's own loop that uses the checkpointer wrongly is told so, naming the fix,
+instead of training on samples its accounting does not describe."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+import elastic_kit as ek
+
+N, BATCH = 10, 4
+
+
+def _setup(tmp_path, **options: object) -> tuple[ek.TrainState, ek.Checkpointer]:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 1)
+    sampler = ek.ElasticDistributedSampler(range(N), num_replicas=1, rank=0, seed=1)
+    state = ek.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1), sampler=sampler)
+    ck = ek.Checkpointer(state, str(tmp_path / "ck"), handle_signals=False,
+                         heartbeat_timeout=0, handle_preemption=False, snapshot_every=None,
+                         **options)
+    return state, ck
+
+
+def test_a_loader_that_does_not_iterate_the_sampler_is_refused(tmp_path) -> None:
+    state, ck = _setup(tmp_path)
+    ck.restore()
+    loader = DataLoader(range(N), batch_size=BATCH, shuffle=True)  # not state.sampler
+    batch = next(iter(loader))
+    with pytest.raises(RuntimeError, match=r"step\(n=4\): state.sampler dealt no samples "
+                                           r"since epoch 0 was set at position 0"):
+        ck.step(len(batch))
+    assert state.step == 0 and state.sampler.consumed == 0
+    ck.close()
+
+
+def test_a_second_step_call_per_step_is_refused_at_the_end_of_the_pass(tmp_path) -> None:
+    state, ck = _setup(tmp_path)
+    ck.restore()
+    calls = 0
+    with pytest.raises(ValueError, match=r"step\(n=4\) goes past the end of the pass "
+                                         r"state.sampler dealt: .* has 10 samples and "
+                                         r"earlier steps took 8"):
+        for x in DataLoader(range(N), batch_size=BATCH, sampler=state.sampler):
+            ck.step(len(x))
+            calls += 1
+            ck.step(len(x))  # twice per step: the second half of the epoch at weight 0
+            calls += 1
+    assert calls == 2 and state.sampler.consumed == 8  # the first batch twice: the next refused
+    ck.close()
+
+
+def test_the_global_batch_size_for_n_is_refused(tmp_path) -> None:
+    state, ck = _setup(tmp_path)
+    ck.restore()
+    x = next(iter(DataLoader(range(N), batch_size=BATCH, sampler=state.sampler)))
+    with pytest.raises(ValueError, match=r"this rank's batch size \(len\(x\), not the global"):
+        ck.step(len(x) * 3)
+    ck.close()
+
+
+def test_a_correct_loop_steps_through_the_epoch(tmp_path) -> None:
+    state, ck = _setup(tmp_path)
+    for epoch in range(ck.restore(), 2):
+        state.sampler.set_epoch(epoch)
+        for x in DataLoader(range(N), batch_size=BATCH, sampler=state.sampler):
+            ck.step(len(x))
+        ck.end_epoch()
+    assert (state.step, state.epoch) == (6, 2)
+    ck.close()
+
+
+@pytest.mark.parametrize("call", ["step", "end_epoch"])
+def test_the_loop_before_restore_is_refused(tmp_path, call: str) -> None:
+    state, ck = _setup(tmp_path)
+    x = next(iter(DataLoader(range(N), batch_size=BATCH, sampler=state.sampler)))
+    with pytest.raises(RuntimeError, match=rf"{call}\(\) before restore\(\): start the loop "
+                                           r"with `for epoch in range\(ckpt.restore\(\)"):
+        ck.step(len(x)) if call == "step" else ck.end_epoch()
+    assert state.step == 0 and state.epoch == 0
+    ck.close()
+
+
+def test_a_loader_dropping_the_last_batch_is_named_at_the_epochs_end(
+        tmp_path, caplog: pytest.LogCaptureFixture) -> None:
+    state, ck = _setup(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="elastic_kit"):
+        for epoch in range(ck.restore(), 2):
+            state.sampler.set_epoch(epoch)
+            for x in DataLoader(range(N), batch_size=BATCH, sampler=state.sampler,
+                                drop_last=True):
+                ck.step(len(x))
+            ck.end_epoch()
+    warned = [r.getMessage() for r in caplog.records if "never stepped" in r.getMessage()]
+    assert warned == ["end_epoch(): 2 of epoch 0's 10 samples were never stepped, and are "
+                      "not trained this epoch (a DataLoader with drop_last=True drops the "
+                      "epoch's last partial batch: give it drop_last=False, sample_weights() "
+                      "weights the short step; a loop that leaves the epoch early leaves "
+                      "the rest; logged once)"]
+    ck.close()
+
+
+def test_the_audit_names_a_dropped_last_batch(tmp_path) -> None:
+    state, ck = _setup(tmp_path, audit="error")
+    ck.restore()
+    for x in DataLoader(range(N), batch_size=BATCH, sampler=state.sampler, drop_last=True):
+        ck.step(len(x))
+    with pytest.raises(ek.SampleAuditError, match=r"2 samples were never stepped before the "
+                                                  r"epoch ended \(a DataLoader with "
+                                                  r"drop_last=True"):
+        ck.end_epoch()
+    ck.close()
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_the_samplers_own_drop_last_tail_is_not_unstepped(drop_last: bool) -> None:
+    from elastic_kit.checkpointer._progress import Progress
+
+    model = torch.nn.Linear(2, 1)
+    sampler = ek.ElasticDistributedSampler(range(N), num_replicas=3, rank=1, seed=1,
+                                           drop_last=drop_last)
+    progress = Progress(ek.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                      sampler=sampler))
+    batches = [len(x) for x in DataLoader(range(N), batch_size=2, sampler=sampler)]
+    assert batches == ([2, 1] if drop_last else [2, 2])
+    progress.advance(batches[0], audited=False)
+    assert progress.unstepped() == (N - 6 if not drop_last else 3)
+    progress.advance(batches[1], audited=False)
+    assert progress.unstepped() == 0
+    assert sampler.remaining == (1 if drop_last else 0)  # the tail the sampler drops
