@@ -47,6 +47,14 @@ from torch.utils.data import DataLoader, Dataset
 import elastic_kit as ek
 
 
+def _steps(text: str, auto: bool = True) -> int | str:
+    """A number of steps >= 0 on the command line (0: off), or ``auto`` where allowed."""
+    if not (text.isascii() and text.isdigit() or auto and text == "auto"):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a number of steps >= 0"
+                                         + (" or 'auto'" if auto else ""))
+    return text if text == "auto" else int(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="A small transformer LM with FSDP2, own loop")
     p.add_argument("--samples", type=int, default=480, help="generated sequences per epoch")
@@ -62,9 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--checkpoint-dir", default=None, metavar="URL",
                    help="checkpoint store: a directory or fsspec URL (shared by every node)")
-    p.add_argument("--checkpoint-every", type=int, default=10, metavar="STEPS")
-    p.add_argument("--snapshot-every", default="auto", metavar="STEPS",
-                   type=lambda v: v if v == "auto" else int(v),
+    p.add_argument("--checkpoint-every", type=lambda t: _steps(t, auto=False), default=10,
+                   metavar="STEPS",
+                   help="durable checkpoints every STEPS steps (0: only at epoch ends)")
+    p.add_argument("--snapshot-every", default="auto", metavar="STEPS", type=_steps,
                    help="in-memory snapshots of every rank's shards in /dev/shm every STEPS "
                         "steps, streamed to the next node ('auto': within 1%% of training "
                         "time under torchrun; 0: off)")
@@ -175,7 +184,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     sampler = ek.ElasticDistributedSampler(data, shuffle=True, seed=args.seed)
     loader = DataLoader(data, batch_size=args.global_batch // world, sampler=sampler)
     state = ek.TrainState(model, optimizer, sampler=sampler)
-    ckpt = ek.Checkpointer(state, args.checkpoint_dir, every_steps=args.checkpoint_every,
+    ckpt = ek.Checkpointer(state, args.checkpoint_dir,
+                           every_steps=args.checkpoint_every or None,  # 0: at epoch ends
                            audit=args.audit, snapshot_every=args.snapshot_every)
     criterion = nn.CrossEntropyLoss(reduction="none")
 

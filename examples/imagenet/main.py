@@ -83,17 +83,12 @@ IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
-def _snapshot_every(text: str) -> int | str:
-    """``--snapshot-every``: ``auto`` or a number of steps >= 0 (0: off)."""
-    if text == "auto":
-        return text
-    try:
-        steps = int(text)
-    except ValueError:
-        steps = -1
-    if steps < 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected 'auto' or a number of steps >= 0")
-    return steps
+def _steps(text: str, auto: bool = True) -> int | str:
+    """A number of steps >= 0 on the command line (0: off), or ``auto`` where allowed."""
+    if not (text.isascii() and text.isdigit() or auto and text == "auto"):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a number of steps >= 0"
+                                         + (" or 'auto'" if auto else ""))
+    return text if text == "auto" else int(text)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -125,9 +120,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="checkpoint store: any fsspec URL (local, NFS, s3://, gs://, az://); "
                         "wins over --checkpoint-file; default "
                         "~/.cache/elastic_kit/imagenet/<TORCHELASTIC_RUN_ID>")
-    p.add_argument("--checkpoint-every", default=100, type=int, metavar="STEPS",
-                   help="checkpoint every STEPS optimizer steps (and at every epoch end)")
-    p.add_argument("--snapshot-every", default="auto", type=_snapshot_every, metavar="STEPS",
+    p.add_argument("--checkpoint-every", default=100, type=lambda t: _steps(t, auto=False),
+                   metavar="STEPS",
+                   help="checkpoint every STEPS optimizer steps (and at every epoch end; "
+                        "0: only there)")
+    p.add_argument("--snapshot-every", default="auto", type=_steps, metavar="STEPS",
                    help="in-memory snapshots in /dev/shm every STEPS steps, which survive a "
                         "worker-group restart ('auto': within 1%% of training time; 0: off)")
     p.add_argument("--global-batch-size", default=256, type=int, metavar="N",
@@ -349,7 +346,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                                else None),
             micro_batch_size=args.batch_size, batch_policy=args.batch_policy,
             max_steps=args.max_steps,
-            checkpoint=ek.CheckpointerConfig(every_steps=args.checkpoint_every,
+            checkpoint=ek.CheckpointerConfig(every_steps=args.checkpoint_every or None,
                                              snapshot_every=args.snapshot_every),
             log_every=args.print_freq, seed=args.seed, num_workers=args.workers,
             persistent_workers=args.workers > 0, progress_bar=False,

@@ -39,7 +39,7 @@ def main() -> None:
     parser.add_argument("--max-steps", type=int, default=None)
     parser.add_argument("--global-batch", type=int, default=12)
     parser.add_argument("--micro-batch", type=int, default=4)
-    parser.add_argument("--checkpoint-every", type=int, default=4, help="steps")
+    parser.add_argument("--checkpoint-every", type=int, default=4, help="steps (0: epoch ends)")
     parser.add_argument("--blocking", action="store_true", help="synchronous checkpoints")
     parser.add_argument("--step-sleep", type=float, default=0.0, help="(tests) slow steps")
     args = parser.parse_args()
@@ -72,7 +72,8 @@ def main() -> None:
         config=ek.LoopConfig(epochs=args.epochs, global_batch_size=args.global_batch,
                              micro_batch_size=args.micro_batch, max_steps=args.max_steps,
                              checkpoint=ek.CheckpointerConfig(
-                                 every_steps=args.checkpoint_every, blocking=args.blocking),
+                                 every_steps=args.checkpoint_every or None,
+                                 blocking=args.blocking),
                              log_every=4),
     )
     loop.run()

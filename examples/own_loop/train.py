@@ -52,6 +52,14 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 import elastic_kit as ek
 
 
+def _steps(text: str, auto: bool = True) -> int | str:
+    """A number of steps >= 0 on the command line (0: off), or ``auto`` where allowed."""
+    if not (text.isascii() and text.isdigit() or auto and text == "auto"):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a number of steps >= 0"
+                                         + (" or 'auto'" if auto else ""))
+    return text if text == "auto" else int(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="Image classification, own training loop")
     p.add_argument("data", nargs="?", metavar="DIR",
@@ -73,8 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ema-decay", type=float, default=0.99)
     p.add_argument("--checkpoint-dir", default=None, metavar="URL",
                    help="checkpoint store: a directory or fsspec URL (s3://, gs://, ...)")
-    p.add_argument("--checkpoint-every", type=int, default=100, metavar="STEPS")
-    p.add_argument("--snapshot-every", default="auto", metavar="STEPS",
+    p.add_argument("--checkpoint-every", type=lambda t: _steps(t, auto=False), default=100,
+                   metavar="STEPS",
+                   help="durable checkpoints every STEPS steps (0: only at epoch ends)")
+    p.add_argument("--snapshot-every", type=_steps, default="auto", metavar="STEPS",
                    help="in-memory snapshots that survive a restart, every STEPS steps "
                         "('auto': within 1%% of the training time; 0: off)")
     p.add_argument("--audit", action=argparse.BooleanOptionalAction, default=False,
@@ -211,9 +221,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     scaler = torch.amp.GradScaler(device.type, enabled=device.type == "cuda")
     state = ek.TrainState(model, optimizer, scheduler=scheduler, scaler=scaler, sampler=sampler,
                           extras={"ema": ema, "best_acc1": 0.0})
-    ckpt = ek.Checkpointer(state, args.checkpoint_dir, every_steps=args.checkpoint_every,
-                           audit=args.audit, snapshot_every=(
-                               "auto" if args.snapshot_every == "auto" else int(args.snapshot_every)))
+    ckpt = ek.Checkpointer(state, args.checkpoint_dir,
+                           every_steps=args.checkpoint_every or None,  # 0: at epoch ends
+                           audit=args.audit, snapshot_every=args.snapshot_every)
 
     for epoch in range(ckpt.restore(), args.epochs):  # the newest checkpoint, if any
         sampler.set_epoch(epoch)  # keeps a restored position inside the epoch

@@ -136,3 +136,11 @@ def test_sigterm_mid_epoch_saves_exits_143_and_the_rerun_ends_with_identical_wei
     assert s["audit"] == reference["audit"] == full_audit(size)
     assert s["param_sha256"] == reference["param_sha256"]
     assert s["ema_sha256"] == reference["ema_sha256"]
+
+
+def test_checkpoint_every_0_saves_at_epoch_ends_only(tmp_path: Path) -> None:
+    _, s = run_train(tmp_path / "ckpt", tmp_path / "s.json", every=0)
+    assert s["steps"] == EPOCHS * STEPS_PER_EPOCH and s["audit"] == full_audit(SIZE)
+    saved = sorted(int(p.name.split("-")[-1]) for p in (tmp_path / "ckpt").iterdir()
+                   if p.name.startswith("step-"))
+    assert saved == [STEPS_PER_EPOCH * e for e in range(1, EPOCHS + 1)]
