@@ -214,6 +214,9 @@ def _groups_job(root: str, ports: list[int]) -> dict:
     store_module.SHARDED_EXCHANGE_TIMEOUT = 0.75  # stands for the default, scaled down
     rank = int(os.environ["RANK"])
     os.environ["TORCHELASTIC_RESTART_COUNT"] = str(1 - rank)
+    # each group's store is rank 0's, at its own port (as torchrun's with
+    # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), not the harness's agent store
+    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"
     ids, committed = [], {}
     for group, port in enumerate(ports):
         os.environ["MASTER_PORT"] = str(port)
