@@ -47,7 +47,9 @@ def test_the_unheard_signal_grace_follows_the_step_time(monkeypatch) -> None:
     model = torch.nn.Linear(2, 2)
     ck = ek.Checkpointer(ek.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1)),
                          None, handle_signals=False, snapshot_every=None,
+                         heartbeat_timeout=0, handle_preemption=False,
                          info=ek.DistInfo(run_id="j"))
+    ck.restore()
     clock = iter([100.0, 101.0, 110.0, 113.0])
     monkeypatch.setattr(mod.time, "monotonic", lambda: next(clock))
     flag = ck._hooks.stop
@@ -59,3 +61,5 @@ def test_the_unheard_signal_grace_follows_the_step_time(monkeypatch) -> None:
     assert flag.unheard_after_s == 15.0      # 9 s steps: two would be 18 s, capped
     ck.record_step(1)
     assert flag.unheard_after_s == 6.0       # 3 s steps
+    monkeypatch.undo()
+    ck.close()
