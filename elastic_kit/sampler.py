@@ -387,6 +387,12 @@ class ElasticDistributedSampler(Sampler[int]):
         return self._pass_dealt
 
     @property
+    def pass_length(self) -> int:
+        """This rank's share of the pass from :attr:`pass_start`, padding included:
+        ``len()`` of the pass being iterated, however far it was advanced."""
+        return self._local_length(self._pass_start)
+
+    @property
     def num_samples(self) -> int:
         """Indices this rank yields in the current pass (``DistributedSampler``'s meaning)."""
         return len(self)

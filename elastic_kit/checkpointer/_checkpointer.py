@@ -25,7 +25,7 @@ from elastic_kit.checkpointer._config import CheckpointerConfig
 from elastic_kit.checkpointer._departure import Departure
 from elastic_kit.checkpointer._hooks import Hooks
 from elastic_kit.checkpointer._lifecycle import Lifecycle
-from elastic_kit.checkpointer._progress import _UNSTEPPED_CAUSE, Progress, check_step
+from elastic_kit.checkpointer._progress import _UNSTEPPED_CAUSE, Progress, check_dealt
 from elastic_kit.checkpointer._step_end import StepEnd
 from elastic_kit.checkpointer._store_like import StoreLike
 from elastic_kit.distributed import DistInfo, get_dist_info
@@ -243,15 +243,17 @@ class Checkpointer(Lifecycle):
         between (as :class:`~elastic_kit.ElasticLoop` does) calls the two itself.
 
         Raises:
-            RuntimeError: nothing iterated ``state.sampler`` since its epoch was set
-                (the DataLoader must be given it as its sampler).
-            ValueError: ``n`` is negative, or the step goes past the end of the pass
-                the sampler dealt (``step()`` called twice per step, or with the
+            RuntimeError: :meth:`restore` was not called, or nothing iterated
+                ``state.sampler`` since its epoch was set (the DataLoader must be
+                given it as its sampler, and its iterator made after the restore).
+            ValueError: ``n`` is negative, or the step starts past the end of the
+                pass the sampler dealt (``step()`` called twice per step, or with the
                 global batch size).
         """
+        self._require_restored("step")
         n = operator.index(n)
         if n > 0 and self.state.sampler is not None:
-            check_step(self.state.sampler, n)
+            check_dealt(self.state.sampler, n)
         self.record_step(n)
         self.after_step()
 
@@ -262,7 +264,11 @@ class Checkpointer(Lifecycle):
 
     def record_step(self, n: int) -> None:
         """The first half of :meth:`step`: count the step, advance the sampler by its
-        real samples over all ranks and feed the audit. No collective, no save."""
+        real samples over all ranks and feed the audit. No collective, no save.
+
+        Unlike :meth:`step` it does not check that a loader iterates the sampler
+        (:class:`~elastic_kit.ElasticLoop` schedules from its indices instead); a step
+        that starts past the end of the pass is refused (``ValueError``) by both."""
         self._require_restored("step")
         n = operator.index(n)
         if n < 0:

@@ -25,35 +25,46 @@ if TYPE_CHECKING:
     from elastic_kit.sampler import ElasticDistributedSampler
     from elastic_kit.state import TrainState
 
-__all__ = ["Progress", "check_step"]
+__all__ = ["Progress", "check_dealt", "check_overrun"]
 
 log = logging.getLogger(__name__)
 
 _UNSTEPPED_CAUSE = ("a DataLoader with drop_last=True drops the epoch's last partial "
                     "batch: give it drop_last=False, sample_weights() weights the short "
-                    "step; a loop that leaves the epoch early leaves the rest")
+                    "step; step(n) given fewer samples than the batch held, such as len() "
+                    "of an (x, y) pair or of a dict, undercounts every step; a loop that "
+                    "leaves the epoch early leaves the rest")
 
 
-def check_step(sampler: ElasticDistributedSampler, n: int) -> None:
-    """Refuse a step of ``n`` samples per rank that the sampler cannot have dealt in
-    a script's own loop: its accounting (the resume position, the loss weights, the
-    audit) would silently describe other samples. (The loop schedules its steps from
-    the sampler's indices itself, and does not iterate it.)"""
+def check_dealt(sampler: ElasticDistributedSampler, n: int) -> None:
+    """Refuse a step of a script's own loop when nothing iterated the sampler since
+    its position was set: the loader then dealt samples of some other order, and the
+    resume position, loss weights and audit would describe samples not trained. (The
+    loop schedules its steps from the sampler's indices, and does not iterate it.)"""
     if not sampler.pass_dealt:
         raise RuntimeError(
             f"step(n={n}): state.sampler dealt no samples since epoch {sampler.epoch} was "
             f"set at position {sampler.consumed}: the DataLoader must iterate it "
             f"(DataLoader(dataset, sampler=state.sampler, ...), not shuffle=True or "
-            f"another sampler), or the resume position and loss weights describe "
-            f"samples that were not trained")
+            f"another sampler), and its iterator must be made after restore() and "
+            f"set_epoch() (a loader with workers deals its first batches when the "
+            f"iterator is made). An IterableDataset that iterates it in loader workers "
+            f"iterates copies: call iter(state.sampler) at each epoch's start too")
+
+
+def check_overrun(sampler: ElasticDistributedSampler, n: int) -> None:
+    """Refuse a step that starts past the end of the pass the sampler dealt (``step()``
+    twice per step, or the global batch for ``n``: the extra steps would count as
+    padding, at zero weight, unseen by the audit). The last step may ask for more than
+    is left (``step(batch_size)``): its overshoot is padding."""
     j0 = (sampler.consumed - sampler.pass_start) // sampler.num_replicas
-    if j0 + n > len(sampler):
+    if n > 0 and j0 >= sampler.pass_length:
         raise ValueError(
-            f"step(n={n}) goes past the end of the pass state.sampler dealt: this "
+            f"step(n={n}) starts past the end of the pass state.sampler dealt: this "
             f"rank's share of epoch {sampler.epoch} from position {sampler.pass_start} "
-            f"has {len(sampler)} samples and earlier steps took {j0}. Call step() once "
-            f"per optimizer step with this rank's batch size (len(x), not the global "
-            f"batch), and iterate state.sampler in the DataLoader")
+            f"has {sampler.pass_length} samples, and earlier steps took them all. Call "
+            f"step() once per optimizer step with this rank's batch size (len(x), not "
+            f"the global batch), and iterate state.sampler in the DataLoader")
 
 
 class Progress:
@@ -91,6 +102,7 @@ class Progress:
         state, sampler = self.state, self.state.sampler
         if sampler is None:
             return
+        check_overrun(sampler, n)
         j0, n_real, _ = self._position(sampler, n)
         if audited and n_real:
             indices, real = self._pass_indices(sampler)

@@ -41,24 +41,69 @@ def test_a_second_step_call_per_step_is_refused_at_the_end_of_the_pass(tmp_path)
     state, ck = _setup(tmp_path)
     ck.restore()
     calls = 0
-    with pytest.raises(ValueError, match=r"step\(n=4\) goes past the end of the pass "
-                                         r"state.sampler dealt: .* has 10 samples and "
-                                         r"earlier steps took 8"):
+    with pytest.raises(ValueError, match=r"step\(n=4\) starts past the end of the pass "
+                                         r"state.sampler dealt: .* has 10 samples, and "
+                                         r"earlier steps took them all"):
         for x in DataLoader(range(N), batch_size=BATCH, sampler=state.sampler):
             ck.step(len(x))
             calls += 1
             ck.step(len(x))  # twice per step: the second half of the epoch at weight 0
             calls += 1
-    assert calls == 2 and state.sampler.consumed == 8  # the first batch twice: the next refused
+    assert calls == 3 and state.sampler.consumed == N  # 4, 4, then 4 (2 left): the 4th refused
+    ck.close()
+
+
+def test_record_step_twice_per_step_is_refused_too(tmp_path) -> None:
+    state, ck = _setup(tmp_path)
+    ck.restore()
+    with pytest.raises(ValueError, match=r"step\(n=4\) starts past the end"):
+        for x in DataLoader(range(N), batch_size=BATCH, sampler=state.sampler):
+            for _ in range(2):
+                ck.record_step(len(x))
+                ck.after_step()
     ck.close()
 
 
 def test_the_global_batch_size_for_n_is_refused(tmp_path) -> None:
     state, ck = _setup(tmp_path)
     ck.restore()
-    x = next(iter(DataLoader(range(N), batch_size=BATCH, sampler=state.sampler)))
+    loader = iter(DataLoader(range(N), batch_size=BATCH, sampler=state.sampler))
+    ck.step(len(next(loader)) * 3)  # "the global batch" of three ranks: the pass is gone
     with pytest.raises(ValueError, match=r"this rank's batch size \(len\(x\), not the global"):
-        ck.step(len(x) * 3)
+        ck.step(len(next(loader)) * 3)
+    ck.close()
+
+
+def test_the_nominal_batch_size_for_the_short_last_step_is_taken(tmp_path) -> None:
+    """``step(batch_size)`` where the last batch held fewer: the overshoot is padding."""
+    state, ck = _setup(tmp_path, audit="error")
+    for epoch in range(ck.restore(), 2):
+        state.sampler.set_epoch(epoch)
+        for _ in DataLoader(range(N), batch_size=BATCH, sampler=state.sampler):
+            ck.step(BATCH)
+        audit = ck.finish_audit()
+        assert audit is not None and audit.ok
+        ck.end_epoch()
+    assert (state.step, state.epoch) == (6, 2)
+    ck.close()
+
+
+def test_a_loader_iterator_made_before_restore_is_named(tmp_path) -> None:
+    state, ck = _setup(tmp_path)
+    ck.restore()
+    loader = DataLoader(range(N), batch_size=BATCH, sampler=state.sampler)
+    for x in loader:
+        ck.step(len(x))
+        break
+    ck.save()
+    ck.close()
+    state, ck = _setup(tmp_path)
+    batches = iter(DataLoader(range(N), batch_size=BATCH, sampler=state.sampler))
+    next(batches)  # what a loader with workers does when its iterator is made
+    ck.restore()   # the position is set: the iterator's pass is not the epoch's rest
+    with pytest.raises(RuntimeError, match=r"since epoch 0 was set at position 4: .* its "
+                                           r"iterator must be made after restore\(\)"):
+        ck.step(len(next(batches)))
     ck.close()
 
 
@@ -80,6 +125,9 @@ def test_the_loop_before_restore_is_refused(tmp_path, call: str) -> None:
     with pytest.raises(RuntimeError, match=rf"{call}\(\) before restore\(\): start the loop "
                                            r"with `for epoch in range\(ckpt.restore\(\)"):
         ck.step(len(x)) if call == "step" else ck.end_epoch()
+    state.sampler.set_epoch(1)  # nothing iterated the sampler since: still the restore
+    with pytest.raises(RuntimeError, match=r"step\(\) before restore\(\)"):
+        ck.step(4)
     assert state.step == 0 and state.epoch == 0
     ck.close()
 
@@ -98,8 +146,9 @@ def test_a_loader_dropping_the_last_batch_is_named_at_the_epochs_end(
     assert warned == ["end_epoch(): 2 of epoch 0's 10 samples were never stepped, and are "
                       "not trained this epoch (a DataLoader with drop_last=True drops the "
                       "epoch's last partial batch: give it drop_last=False, sample_weights() "
-                      "weights the short step; a loop that leaves the epoch early leaves "
-                      "the rest; logged once)"]
+                      "weights the short step; step(n) given fewer samples than the batch "
+                      "held, such as len() of an (x, y) pair or of a dict, undercounts every "
+                      "step; a loop that leaves the epoch early leaves the rest; logged once)"]
     ck.close()
 
 
