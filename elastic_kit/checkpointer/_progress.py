@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from elastic_kit.sampler import ElasticDistributedSampler
     from elastic_kit.state import TrainState
 
-__all__ = ["Progress", "check_dealt", "check_overrun"]
+__all__ = ["Progress", "check_dealt"]
 
 log = logging.getLogger(__name__)
 
@@ -52,19 +52,17 @@ def check_dealt(sampler: ElasticDistributedSampler, n: int) -> None:
             f"iterates copies: call iter(state.sampler) at each epoch's start too")
 
 
-def check_overrun(sampler: ElasticDistributedSampler, n: int) -> None:
-    """Refuse a step that starts past the end of the pass the sampler dealt (``step()``
-    twice per step, or the global batch for ``n``: the extra steps would count as
-    padding, at zero weight, unseen by the audit). The last step may ask for more than
-    is left (``step(batch_size)``): its overshoot is padding."""
-    j0 = (sampler.consumed - sampler.pass_start) // sampler.num_replicas
-    if n > 0 and j0 >= sampler.pass_length:
-        raise ValueError(
-            f"step(n={n}) starts past the end of the pass state.sampler dealt: this "
-            f"rank's share of epoch {sampler.epoch} from position {sampler.pass_start} "
-            f"has {sampler.pass_length} samples, and earlier steps took them all. Call "
-            f"step() once per optimizer step with this rank's batch size (len(x), not "
-            f"the global batch), and iterate state.sampler in the DataLoader")
+def _overrun(sampler: ElasticDistributedSampler, n: int) -> ValueError:
+    """A step that starts past the end of the pass the sampler dealt (``step()`` twice
+    per step, or the global batch for ``n``: the extra steps would count as padding, at
+    zero weight, unseen by the audit). The last step may ask for more than is left
+    (``step(batch_size)``): its overshoot is padding, and is not refused."""
+    return ValueError(
+        f"step(n={n}) starts past the end of the pass state.sampler dealt: this "
+        f"rank's share of epoch {sampler.epoch} from position {sampler.pass_start} "
+        f"has {sampler.pass_length} samples, and earlier steps took them all. Call "
+        f"step() once per optimizer step with this rank's batch size (len(x), not "
+        f"the global batch), and iterate state.sampler in the DataLoader")
 
 
 class Progress:
@@ -102,8 +100,9 @@ class Progress:
         state, sampler = self.state, self.state.sampler
         if sampler is None:
             return
-        check_overrun(sampler, n)
         j0, n_real, _ = self._position(sampler, n)
+        if n > 0 and j0 >= sampler.pass_length:
+            raise _overrun(sampler, n)
         if audited and n_real:
             indices, real = self._pass_indices(sampler)
             self._span.note(state.audit, sampler.epoch, indices, real, j0, j0 + n)
@@ -121,15 +120,13 @@ class Progress:
 
     def unstepped(self) -> int:
         """Samples of the current epoch the sampler would still deal: none once its
-        last step was taken (with the sampler's own ``drop_last``, the tail it drops
-        is not counted)."""
+        last step was taken (with the sampler's own ``drop_last``, the tail of fewer
+        than ``num_replicas`` samples it drops is not counted)."""
         sampler = self.state.sampler
         if sampler is None:
             return 0
-        left = len(sampler.local_padding_mask())  # this pass's positions per rank, from here
-        if not left:
-            return 0
-        return left * sampler.num_replicas if sampler.drop_last else sampler.remaining
+        left = sampler.remaining
+        return left - left % sampler.num_replicas if sampler.drop_last else left
 
     def next_epoch(self) -> None:
         """Move the state and the sampler to the next epoch, position 0."""
