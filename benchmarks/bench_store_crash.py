@@ -175,9 +175,10 @@ def _trial(ctx: Any, url: str, opts: dict[str, Any] | None, kind: str, first: in
 
 
 def _start_moto() -> tuple[subprocess.Popen[bytes], str]:
-    from elastic_kit.testing import free_port
+    from elastic_kit.testing import reserve_port
 
-    port = free_port()
+    held = reserve_port()  # held while moto starts; moto then listens there
+    port = held.port
     env = {**os.environ, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p",
                              str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -187,10 +188,12 @@ def _start_moto() -> tuple[subprocess.Popen[bytes], str]:
     while True:
         try:
             urllib.request.urlopen(endpoint + "/moto-api/", timeout=1).close()
+            held.close()
             return proc, endpoint
         except OSError:
             if time.monotonic() > deadline or proc.poll() is not None:
                 proc.kill()
+                held.close()
                 raise RuntimeError("moto server did not start") from None
             time.sleep(0.1)
 

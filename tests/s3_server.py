@@ -32,7 +32,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from elastic_kit.testing import free_port
+from elastic_kit.testing import ReservedPort, reserve_port
 
 __all__ = ["S3Server", "start_s3_server", "s3_server", "s3_bucket"]
 
@@ -43,6 +43,7 @@ class S3Server:
 
     endpoint_url: str
     process: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+    port: ReservedPort | None = field(default=None, repr=False)
 
     @property
     def storage_options(self) -> dict[str, Any]:
@@ -75,20 +76,29 @@ class S3Server:
                 self.process.kill()
                 self.process.wait()
         self.process = None
+        if self.port is not None:
+            self.port.close()
+            self.port = None
 
 
 def start_s3_server(timeout: float = 60.0) -> S3Server:
-    """Start ``python -m moto.server`` on 127.0.0.1:<free port>; wait until it answers."""
-    port = free_port()
+    """Start ``python -m moto.server`` on 127.0.0.1:<free port>; wait until it answers.
+
+    The port is held until :meth:`S3Server.stop`: another test's server cannot take it
+    while moto starts, nor answer in its place.
+    """
+    held = reserve_port()
+    port = held.port
     env = {**os.environ, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
     )
-    server = S3Server(f"http://127.0.0.1:{port}", proc)
+    server = S3Server(f"http://127.0.0.1:{port}", proc, held)
     deadline = time.monotonic() + timeout
     while True:
         if proc.poll() is not None:
+            server.stop()
             raise RuntimeError(f"moto server exited with code {proc.returncode} before answering")
         try:
             urllib.request.urlopen(server.endpoint_url + "/moto-api/", timeout=1).close()

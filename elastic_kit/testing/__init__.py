@@ -5,7 +5,8 @@ extra dependencies (psutil to walk process trees, Pillow for the image folder) c
 with ``pip install elastic_kit[testing]``; ``import elastic_kit`` needs none of them.
 
 - :func:`spawn_multi_process` runs a function on N gloo ranks on the CPU and returns
-  each rank's result (:func:`free_port`, :func:`torchrun_env`, :class:`MultiProcessError`).
+  each rank's result (:func:`free_port`, :func:`torchrun_env`, :class:`MultiProcessError`);
+  :func:`reserve_port` holds a port for a server another process starts later.
 - :class:`LocalCluster` / :class:`Agent`: several torchrun agents on one machine, each one
   "node"; :class:`EtcdServer`: a throw-away etcd for the ``etcd-v2`` rendezvous.
 - :class:`FakeMetadataServer`: a GCE, AWS or Azure metadata service on 127.0.0.1 that
@@ -59,6 +60,7 @@ from __future__ import annotations
 from elastic_kit.testing._spawn import (
     MultiProcessError, free_port, spawn_multi_process, torchrun_env,
 )
+from elastic_kit.testing._ports import ReservedPort, reserve_port
 from elastic_kit.testing._proc import MARKER_ENV, kill_process_tree, wait_for
 from elastic_kit.testing._cluster import Agent, LocalCluster
 from elastic_kit.testing._etcd import EtcdServer
@@ -68,6 +70,7 @@ from elastic_kit.testing._metadata import FakeMetadataServer
 
 __all__ = [
     "spawn_multi_process", "MultiProcessError", "free_port", "torchrun_env",
+    "reserve_port", "ReservedPort",
     "Agent", "LocalCluster", "EtcdServer", "wait_for", "kill_process_tree", "MARKER_ENV",
     "make_imagefolder", "FaultFileSystem", "FakeMetadataServer",
 ]

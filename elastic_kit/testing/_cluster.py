@@ -17,7 +17,7 @@ from typing import IO, Any, Mapping, Sequence
 from elastic_kit.testing._proc import (
     MARKER_ENV, _descendants, _port_open, _psutil, kill_process_tree, signal_pending, wait_for,
 )
-from elastic_kit.testing._spawn import free_port
+from elastic_kit.testing._ports import ReservedPort, reserve_port
 
 __all__ = ["Agent", "LocalCluster"]
 
@@ -83,7 +83,10 @@ class LocalCluster:
         nnodes: torchrun's ``--nnodes`` (``"MIN:MAX"`` for an elastic job).
         nproc_per_node: workers per agent.
         rdzv_backend: ``"c10d"`` or ``"etcd-v2"`` (then give the etcd endpoint).
-        rdzv_endpoint: ``HOST:PORT``; a free port on 127.0.0.1 when None.
+        rdzv_endpoint: ``HOST:PORT``; when None, a port on 127.0.0.1 that the cluster
+            holds (:func:`reserve_port`) until :meth:`close`, so that no other socket
+            takes it before the first agent's store binds it, or while that agent is
+            down (the c10d backend would join whatever store it found there).
         rdzv_id: the job id; a fresh uuid when None (a finished run closes its
             rendezvous, so ids must not be reused).
         max_restarts: torchrun's ``--max-restarts`` (failures and scale-downs count).
@@ -144,7 +147,11 @@ class LocalCluster:
         self.nnodes = nnodes
         self.nproc_per_node = nproc_per_node
         self.rdzv_backend = rdzv_backend
-        self.rdzv_endpoint = rdzv_endpoint or f"127.0.0.1:{free_port()}"
+        self._rdzv_port: ReservedPort | None = None
+        if rdzv_endpoint is None:
+            self._rdzv_port = reserve_port()
+            rdzv_endpoint = self._rdzv_port.endpoint
+        self.rdzv_endpoint = rdzv_endpoint
         self.rdzv_id = rdzv_id or uuid.uuid4().hex
         self.max_restarts = max_restarts
         self.rdzv_conf = rdzv_conf
@@ -433,6 +440,8 @@ class LocalCluster:
             if agent._log_file is not None:
                 agent._log_file.close()
                 agent._log_file = None
+        if self._rdzv_port is not None:
+            self._rdzv_port.close()
 
     def __enter__(self) -> LocalCluster:
         return self

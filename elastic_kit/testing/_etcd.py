@@ -13,7 +13,7 @@ from types import TracebackType
 from typing import IO
 
 from elastic_kit.testing._proc import wait_for
-from elastic_kit.testing._spawn import free_port
+from elastic_kit.testing._ports import ReservedPort, reserve_port
 
 __all__ = ["EtcdServer"]
 
@@ -25,6 +25,10 @@ class EtcdServer:
 
     For torchrun's ``etcd-v2`` rendezvous backend, where the rendezvous does not live
     inside an agent, so that any agent (the first one too) may die.
+
+    Both ports are held (:func:`reserve_port`) from before etcd starts until
+    :meth:`stop`, so no other socket can take them while etcd starts, and its health
+    check cannot be answered by another test's etcd.
 
     Args:
         binary: the etcd executable (looked up on PATH).
@@ -52,6 +56,7 @@ class EtcdServer:
         self.proc: subprocess.Popen[bytes] | None = None
         self._log_file: IO[bytes] | None = None
         self._tmp: str | None = None
+        self._ports: list[ReservedPort] = []
 
     @property
     def endpoint(self) -> str:
@@ -75,9 +80,8 @@ class EtcdServer:
             self._tmp = tempfile.mkdtemp(prefix="elastic_kit_etcd_")
             self.data_dir = Path(self._tmp) / "data"
         log_path = self.log_path or self.data_dir.parent / "etcd.log"
-        self.client_port, self.peer_port = free_port(), free_port()
-        while self.peer_port == self.client_port:
-            self.peer_port = free_port()
+        self._ports = [reserve_port(), reserve_port()]  # two held ports always differ
+        self.client_port, self.peer_port = (p.port for p in self._ports)
         client = f"http://127.0.0.1:{self.client_port}"
         peer = f"http://127.0.0.1:{self.peer_port}"
         cmd = [
@@ -119,6 +123,9 @@ class EtcdServer:
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
+        for port in self._ports:
+            port.close()
+        self._ports = []
         if self._tmp is not None:
             shutil.rmtree(self._tmp, ignore_errors=True)
             self._tmp = None

@@ -35,7 +35,11 @@ T = TypeVar("T")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port on ``host`` that was free a moment ago."""
+    """A TCP port on ``host`` that was free a moment ago.
+
+    Anything may take it afterwards: for a server that another process starts later,
+    hold the port with :func:`reserve_port` instead.
+    """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])

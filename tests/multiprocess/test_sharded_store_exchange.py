@@ -236,10 +236,11 @@ def _groups_job(root: str, ports: list[int]) -> dict:
 
 def test_sharded_saves_pair_up_whatever_each_agent_counts_and_each_group_its_own_keys(
         tmp_path) -> None:
-    from elastic_kit.testing import free_port
+    from elastic_kit.testing import reserve_port
 
     root = tmp_path / "ck"
-    got = spawn_multi_process(2, _groups_job, str(root), [free_port(), free_port()])
+    with reserve_port() as a, reserve_port() as b:  # held while rank 0 hosts each group
+        got = spawn_multi_process(2, _groups_job, str(root), [a.port, b.port])
     assert got[0]["ids"] == got[1]["ids"]
     assert len(set(got[0]["ids"])) == 2 and all(len(i) == 32 for i in got[0]["ids"])
     for r in got:

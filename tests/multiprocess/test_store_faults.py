@@ -495,19 +495,20 @@ def test_cli_unreachable_endpoint_and_bad_options_exit_2_without_a_traceback(tmp
     import subprocess
     import sys
 
-    from elastic_kit.testing import free_port
+    from elastic_kit.testing import reserve_port
 
-    opts = json.dumps({"key": "k", "secret": "s", "client_kwargs": {
-        "endpoint_url": f"http://127.0.0.1:{free_port()}", "region_name": "us-east-1"}})
-    for argv in (["ls", "s3://bucket/run", "--storage-options", opts],
-                 ["verify", "s3://bucket/run", "--storage-options", '{"no_such_option": 1}'],
-                 ["prune", "s3://bucket/run", "--keep", "1", "--storage-options",
-                  '{"client_kwargs": {"endpoint_url": "nope"}}']):
-        run = subprocess.run([sys.executable, "-m", "elastic_kit", *argv], capture_output=True,
-                             text=True, timeout=300)
-        assert run.returncode == EXIT_USAGE, (argv, run.stdout, run.stderr)
-        assert "Traceback" not in run.stderr, run.stderr
-        assert run.stderr.splitlines()[-1].startswith("error: "), run.stderr
+    with reserve_port() as hole:  # held, never listening: nothing can answer there
+        opts = json.dumps({"key": "k", "secret": "s", "client_kwargs": {
+            "endpoint_url": f"http://{hole.endpoint}", "region_name": "us-east-1"}})
+        for argv in (["ls", "s3://bucket/run", "--storage-options", opts],
+                     ["verify", "s3://bucket/run", "--storage-options", '{"no_such_option": 1}'],
+                     ["prune", "s3://bucket/run", "--keep", "1", "--storage-options",
+                      '{"client_kwargs": {"endpoint_url": "nope"}}']):
+            run = subprocess.run([sys.executable, "-m", "elastic_kit", *argv], capture_output=True,
+                                 text=True, timeout=300)
+            assert run.returncode == EXIT_USAGE, (argv, run.stdout, run.stderr)
+            assert "Traceback" not in run.stderr, run.stderr
+            assert run.stderr.splitlines()[-1].startswith("error: "), run.stderr
 
 
 def test_pathlib_paths_are_accepted_by_every_entry_point(tmp_path):

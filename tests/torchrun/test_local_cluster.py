@@ -6,8 +6,10 @@ sessions included, and that nothing a cluster started outlives ``close()``.
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -22,6 +24,7 @@ from elastic_kit.testing import (  # noqa: E402
     EtcdServer,
     LocalCluster,
     kill_process_tree,
+    reserve_port,
     wait_for,
 )
 from elastic_kit.testing._proc import signal_pending  # noqa: E402
@@ -93,16 +96,111 @@ def test_command_carries_every_torchrun_option(tmp_path: Path) -> None:
         assert opt in cmd, (opt, cmd)
     assert cmd[-3:] == ["train.py", "--lr", "0.1"]
     assert c.rdzv_endpoint.startswith("127.0.0.1:")
-    assert LocalCluster(["-m", "pkg.train"], log_dir=tmp_path).command()[-2:] == ["--module",
-                                                                                   "pkg.train"]
+    with LocalCluster(["-m", "pkg.train"], log_dir=tmp_path) as m:
+        assert m.command()[-2:] == ["--module", "pkg.train"]
     env = c._agent_env({"X": "1"})
     assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1" and env["X"] == "1"
     assert env[MARKER_ENV] == c.marker
+    c.close()
 
 
 def test_fresh_ids_and_ports_per_cluster(tmp_path: Path) -> None:
-    a, b = LocalCluster(["t.py"], log_dir=tmp_path), LocalCluster(["t.py"], log_dir=tmp_path)
-    assert a.rdzv_id != b.rdzv_id and a.marker != b.marker
+    with LocalCluster(["t.py"], log_dir=tmp_path) as a, \
+            LocalCluster(["t.py"], log_dir=tmp_path) as b:
+        assert a.rdzv_id != b.rdzv_id and a.marker != b.marker
+        assert a.rdzv_endpoint != b.rdzv_endpoint
+
+
+def _taken(port: int) -> bool:
+    """Whether a plain bind (no SO_REUSEADDR, as most sockets) of ``port`` is refused."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError as e:
+            assert e.errno == errno.EADDRINUSE, e
+            return True
+        return False
+
+
+def test_a_reserved_port_is_refused_to_others_and_free_once_closed() -> None:
+    port = reserve_port()
+    assert port.held and port.endpoint == f"127.0.0.1:{port.port}"
+    assert _taken(port.port)
+    port.close()
+    port.close()  # idempotent
+    assert not port.held and not _taken(port.port)
+
+
+def test_a_server_that_reuses_addresses_listens_on_a_reserved_port() -> None:
+    """What every server the helpers start does (torch's TCPStore, etcd, http.server)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    with reserve_port() as port:
+        for libuv in (True, False):
+            store = dist.TCPStore("127.0.0.1", port.port, 1, True, use_libuv=libuv,
+                                  timeout=timedelta(seconds=30))
+            store.set("k", "v")
+            assert store.get("k") == b"v"
+            del store
+
+
+def test_the_rendezvous_port_is_the_clusters_from_construction_until_close(
+        tmp_path: Path) -> None:
+    """The first agent binds its store seconds after the port is chosen (it imports
+    torch first); a socket that took the port meanwhile would have made torchrun's c10d
+    backend join whatever store listened there. Nothing else may take it."""
+    cluster = LocalCluster(["t.py"], log_dir=tmp_path)
+    port = int(cluster.rdzv_endpoint.rpartition(":")[2])
+    assert _taken(port)
+    cluster.close()
+    assert not _taken(port)
+
+
+# A stand-in for etcd: reports whether its client port could have been taken by anyone
+# else while it started, then answers the health check.
+_FAKE_ETCD = textwrap.dedent("""
+    import errno, socket, sys
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+    from pathlib import Path
+    args = sys.argv[1:]
+    port = int(args[args.index("--listen-client-urls") + 1].rpartition(":")[2])
+    data = Path(args[args.index("--data-dir") + 1])
+    data.mkdir(parents=True, exist_ok=True)
+    s = socket.socket()
+    try:
+        s.bind(("127.0.0.1", port))
+        seen = "free"
+    except OSError as e:
+        seen = "taken" if e.errno == errno.EADDRINUSE else repr(e)
+    s.close()
+    (data / "client-port").write_text(seen)
+
+    class Health(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b'{"health":"true"}')
+
+        def log_message(self, *a):
+            pass
+
+    HTTPServer(("127.0.0.1", port), Health).serve_forever()
+""")
+
+
+def test_etcd_ports_are_held_while_etcd_starts(tmp_path: Path) -> None:
+    fake = tmp_path / "fake-etcd"
+    fake.write_text(f"#!{sys.executable}\n{_FAKE_ETCD}")
+    fake.chmod(0o700)
+    etcd = EtcdServer(binary=str(fake), data_dir=tmp_path / "data",
+                      log_path=tmp_path / "etcd.log")
+    with etcd:
+        assert (tmp_path / "data" / "client-port").read_text() == "taken"
+        assert _taken(etcd.peer_port)
+        peer = etcd.peer_port
+    assert not _taken(peer)
 
 
 @pytest.mark.parametrize("kwargs, message", [

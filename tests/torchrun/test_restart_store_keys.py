@@ -27,7 +27,7 @@ import pytest
 import torch
 
 import elastic_kit as ek
-from elastic_kit.testing import free_port, kill_process_tree
+from elastic_kit.testing import kill_process_tree, reserve_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -76,13 +76,13 @@ def test_a_load_the_failed_group_gave_up_on_does_not_fail_the_restarted_one(
     solo.save({"w": torch.ones(2)}, step=1)
     script = tmp_path / "job.py"
     script.write_text(_SCRIPT)
-    port = free_port()
+    port = reserve_port()  # held until the test ends: the agent hosts its store there
     log = tmp_path / "torchrun.log"
-    with open(log, "w") as f:
+    with port, open(log, "w") as f:
         agent = subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
              "--nproc-per-node=2", "--rdzv-backend=c10d",
-             f"--rdzv-endpoint=127.0.0.1:{port}", "--max-restarts=1",
+             f"--rdzv-endpoint={port.endpoint}", "--max-restarts=1",
              "--monitor-interval=0.2", str(script), str(root), str(out)],
             stdout=f, stderr=subprocess.STDOUT,
             env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1",

@@ -38,6 +38,15 @@ pytestmark = pytest.mark.integration
 
 _REPO = Path(__file__).resolve().parents[3]
 
+
+@pytest.fixture
+def master_port():
+    """A loopback port held for rank 0's store (bound in a child) until the test ends."""
+    from elastic_kit.testing import reserve_port
+
+    with reserve_port() as port:
+        yield port.port
+
 _CHILD = textwrap.dedent("""
     import sys, time
     import torch
@@ -114,10 +123,8 @@ _GLOO_CHILD = textwrap.dedent("""
 
 
 def test_exit_with_a_collective_in_flight_on_a_dead_peer_keeps_the_exit_status(
-        tmp_path: Path) -> None:
-    from elastic_kit.testing import free_port
-
-    env = {**_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+        tmp_path: Path, master_port: int) -> None:
+    env = {**_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port),
            "WORLD_SIZE": "2", "PYTHONFAULTHANDLER": "1"}
     procs = [subprocess.Popen([sys.executable, "-c", _GLOO_CHILD, str(tmp_path)], cwd=_REPO,
                               env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
@@ -163,14 +170,13 @@ _BUSY_CHILD = textwrap.dedent("""
 """)
 
 
-def test_exit_lets_a_thread_busy_outside_the_gil_finish_first(tmp_path: Path) -> None:
+def test_exit_lets_a_thread_busy_outside_the_gil_finish_first(tmp_path: Path,
+                                                             master_port: int) -> None:
     """The exit handler waits (boundedly) until no other thread is running: a thread
     in native code at exit would otherwise be ended as soon as it asks for the GIL
     during interpreter shutdown, in the middle of whatever it was doing."""
-    from elastic_kit.testing import free_port
-
     marker = tmp_path / "marker"
-    env = {**_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+    env = {**_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port),
            "WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0"}
     proc = subprocess.run([sys.executable, "-c", _BUSY_CHILD, str(marker)], cwd=_REPO,
                           env=env, capture_output=True, text=True, timeout=120)
