@@ -84,8 +84,9 @@ def test_without_a_process_group_the_device_follows_the_same_rule(
 def test_local_cluster_hides_gpus_from_its_agents_unless_cuda_is_true(tmp_path: Any) -> None:
     from elastic_kit.testing import LocalCluster
 
-    hidden = LocalCluster(["t.py"], log_dir=tmp_path)._agent_env({"CUDA_VISIBLE_DEVICES": "0"})
+    with LocalCluster(["t.py"], log_dir=tmp_path) as c:
+        hidden = c._agent_env({"CUDA_VISIBLE_DEVICES": "0"})
     assert hidden["CUDA_VISIBLE_DEVICES"] == ""
-    shown = LocalCluster(["t.py"], log_dir=tmp_path, cuda=True)._agent_env(
-        {"CUDA_VISIBLE_DEVICES": "1"})
+    with LocalCluster(["t.py"], log_dir=tmp_path, cuda=True) as c:
+        shown = c._agent_env({"CUDA_VISIBLE_DEVICES": "1"})
     assert shown["CUDA_VISIBLE_DEVICES"] == "1"

@@ -5,30 +5,31 @@ second once refused), through real sockets on loopback."""
 from __future__ import annotations
 
 import socket
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 
 import elastic_kit as ek
 from elastic_kit import distributed
+from elastic_kit.testing import reserve_port
 
 
 @pytest.fixture
-def master(monkeypatch: pytest.MonkeyPatch) -> tuple[int, list[Any]]:
-    """A free loopback port in MASTER_ADDR/MASTER_PORT, and the record of the probes'
-    connection attempts (each one's outcome)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(port))
-    return port, []
+def master(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[int, list[Any]]]:
+    """A loopback port in MASTER_ADDR/MASTER_PORT, held for the test (nothing else may
+    listen there), and the record of the probes' connection attempts (each one's
+    outcome)."""
+    with reserve_port() as held:
+        monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+        monkeypatch.setenv("MASTER_PORT", str(held.port))
+        yield held.port, []
 
 
 def test_the_wait_ends_at_the_first_connection_the_store_accepts(
         master: tuple[int, list[Any]], monkeypatch: pytest.MonkeyPatch) -> None:
     port, attempts = master
     listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as a store does
     connect = socket.create_connection
 
     def counted(address: Any, *args: Any, **kwargs: Any) -> Any:
