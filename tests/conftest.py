@@ -60,7 +60,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # scripts/test runs the suite on two pytest-xdist workers (--dist loadgroup): the
+    # scripts/test runs the suite on pytest-xdist workers (--dist loadgroup): the
     # real-torchrun scenarios under tests/torchrun/scenarios share one session fixture (the
     # never-interrupted reference run), so they stay together on one worker.
     for item in items:
