@@ -59,13 +59,24 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ[SNAPSHOT_ENV] = _snapshot_root
 
 
+def _uses_a_module_fixture(item: pytest.Item) -> bool:
+    info = getattr(item, "_fixtureinfo", None)
+    return info is not None and any(
+        d.scope == "module" for defs in info.name2fixturedefs.values() for d in defs)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # scripts/test runs the suite on pytest-xdist workers (--dist loadgroup): the
-    # real-torchrun scenarios under tests/torchrun/scenarios share one session fixture (the
-    # never-interrupted reference run), so they stay together on one worker.
+    # scripts/test runs the suite on pytest-xdist workers (--dist loadgroup). A fixture
+    # of module or session scope is computed once per worker that runs a test using it,
+    # and some are whole torchrun runs (a never-interrupted reference run): the
+    # real-torchrun scenarios under tests/torchrun/scenarios share session fixtures, so
+    # they stay together on one worker, and the tests of a module that share a module
+    # fixture stay on one worker too.
     for item in items:
         if item.nodeid.startswith("tests/torchrun/scenarios/"):
             item.add_marker(pytest.mark.xdist_group("integration"))
+        elif _uses_a_module_fixture(item):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
