@@ -18,6 +18,10 @@ inside a stranger's rendezvous.
 
 So the port stays ours from the moment it is chosen until the test ends, across a
 server that dies and is started again on the same port (a killed host agent).
+
+This guards against accidents, not against another local user: Linux does not compare
+owners for ``SO_REUSEADDR``, so a process that sets it and binds this exact port could
+still listen there first (as it could take a :func:`free_port` port, with less effort).
 """
 
 from __future__ import annotations
