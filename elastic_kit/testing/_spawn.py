@@ -140,6 +140,8 @@ class MultiProcessError(RuntimeError):
 
 
 _CTX: Any = None
+#: What the CPU ranks' forkserver imports before forking them (see :func:`_context`).
+_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "elastic_kit")
 
 
 def _context(cuda: bool) -> Any:
@@ -150,9 +152,13 @@ def _context(cuda: bool) -> Any:
     (seconds each on a small machine); a forkserver that preloaded them forks ready
     ranks in milliseconds, while still starting each rank from a clean,
     single-threaded process (unlike a plain ``fork`` of the test process, which may
-    hold threads). The forkserver itself is started with ``CUDA_VISIBLE_DEVICES=""``:
-    whatever its imports ask CUDA (a device count is cached for the process's life,
-    and its forks inherit it), the answer is no GPU.
+    hold threads). It also preloads ``torch._dynamo`` (its import starts no thread):
+    DDP's constructor and an optimizer's first ``step()`` import it, 1.5 s of CPU in
+    each rank on a 2-core machine otherwise, most of a small test rank's own work (as
+    ``python -m elastic_kit.run`` does for forked torchrun workers). The forkserver
+    itself is started with ``CUDA_VISIBLE_DEVICES=""``: whatever its imports ask CUDA
+    (a device count is cached for the process's life, and its forks inherit it), the
+    answer is no GPU.
 
     Ranks that see the GPUs are spawned: a fresh interpreter, whose CUDA state
     nothing before it has touched.
@@ -162,7 +168,7 @@ def _context(cuda: bool) -> Any:
     global _CTX
     if _CTX is None:
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "elastic_kit"])
+        ctx.set_forkserver_preload(list(_PRELOAD))
         saved = os.environ.get("CUDA_VISIBLE_DEVICES")
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
         try:

@@ -127,3 +127,20 @@ def test_spawn_group_is_not_broken_by_a_port_taken_after_it_was_free(
         taken.listen()
         monkeypatch.setattr(_spawn, "free_port", lambda host="127.0.0.1": taken.getsockname()[1])
         assert spawn_multi_process(2, _sum_of_ranks, timeout=60) == [1.0, 1.0]
+
+
+def _what_a_rank_starts_with() -> tuple[bool, int]:
+    import sys
+
+    return "torch._dynamo" in sys.modules, len(os.listdir("/proc/self/task"))
+
+
+def test_spawned_ranks_start_with_dynamo_imported_and_no_threads_of_the_parent() -> None:
+    """DDP's constructor and an optimizer's first step import ``torch._dynamo`` (1.5 s
+    of CPU per rank on a 2-core machine): the ranks' forkserver has imported it, and
+    a forked rank still holds only its own threads (the forkserver's import started
+    none; a thread of the parent would be a dead copy here)."""
+    started = spawn_multi_process(2, _what_a_rank_starts_with, timeout=60)
+    assert [dynamo for dynamo, _ in started] == [True, True]
+    # the main thread and torch's one pool thread at most (as a fresh `import torch`)
+    assert all(threads <= 2 for _, threads in started), started
