@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from elastic_kit.store._into import load_into
 from elastic_kit.store._store import CheckpointStore, LoadedCheckpoint
 
 __all__ = ["save_checkpoint", "load_checkpoint"]
@@ -61,11 +62,20 @@ def load_checkpoint(state: Any, url_or_store: str | os.PathLike[str] | Checkpoin
                     **kw: Any) -> LoadedCheckpoint | None:
     """Load the newest verified checkpoint into ``state`` and return it (None if none).
 
-    ``state`` is updated with ``load_state_dict`` when it has one, with ``dict.update``
-    when it is a dict, and left alone when None. Collective, like
-    :meth:`CheckpointStore.load`; ``kw`` holds store options and ``map_location``. A
-    sharded checkpoint is loaded into ``state``'s own layout (the DTensors of an FSDP2
-    model's :class:`~elastic_kit.TrainState`, or of a dict).
+    ``state`` is updated with ``load_state_dict`` when it has one, and left alone when
+    None. A dict is loaded in place, as ``torch.distributed.checkpoint.load`` does:
+    each loaded tensor is copied into the tensor the dict holds at the same key path
+    (so ``{"model": model.state_dict()}`` loads into the model's own parameters,
+    converted to their dtype and device), after every shape was checked; any other
+    value, and a key the dict lacks, is set as ``dict.update`` would. Collective,
+    like :meth:`CheckpointStore.load`; ``kw`` holds store options and
+    ``map_location``. A sharded checkpoint is loaded into ``state``'s own layout (the
+    DTensors of an FSDP2 model's :class:`~elastic_kit.TrainState`, or of a dict).
+
+    Raises:
+        CheckpointMismatchError: (a ``ValueError``) a checkpoint tensor's shape
+            differs from the tensor ``state`` holds at its key path; nothing was
+            loaded into ``state``.
 
     Example::
 
@@ -88,7 +98,7 @@ def load_checkpoint(state: Any, url_or_store: str | os.PathLike[str] | Checkpoin
         if hasattr(state, "load_state_dict"):
             state.load_state_dict(loaded.state)
         elif isinstance(state, dict):
-            state.update(loaded.state)
+            load_into(state, loaded.state)
         else:
             raise TypeError(f"state of type {type(state).__qualname__} has no load_state_dict() "
                             "and is not a dict; pass None to only get the LoadedCheckpoint")

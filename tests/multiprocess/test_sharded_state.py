@@ -472,3 +472,40 @@ def test_a_sharded_checkpoint_loads_whole_without_a_target_layout(tmp_path) -> N
     weights = {f"model/{k}": (v.dtype.__repr__(), v.tolist())
                for k, v in loaded.state["model"].items()}
     assert weights == {k: v for k, v in reference.items() if k.startswith("model/")}
+
+
+def _load_into_a_dict_of_dtensors(url: str, sharded: bool) -> dict:
+    """The DCP pattern on FSDP2: ``{"model": model.state_dict()}`` holds DTensors that
+    share storage with the parameters; loading into it reaches the model."""
+    import elastic_kit as ek
+
+    info = ek.init_distributed()
+    if sharded:  # every rank writes its shards
+        saved = _model(3)
+        ek.save_checkpoint({"model": saved.state_dict(), "epoch": 2}, url, step=5)
+    else:  # a plain model's state, written by rank 0 alone
+        torch.manual_seed(3)
+        plain = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Linear(7, 4),
+                                    torch.nn.Linear(4, 2))
+        if info.rank == 0:
+            ek.save_checkpoint({"model": plain.state_dict(), "epoch": 2}, url, step=5)
+        torch.distributed.barrier()
+    model = _model(4)  # other weights: all must come from the checkpoint
+    state = {"model": model.state_dict(), "epoch": 0}
+    loaded = ek.load_checkpoint(state, url)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    return {"step": loaded.step, "epoch": state["epoch"], "full": _full(model, opt),
+            "rank": info.rank}
+
+
+@pytest.mark.parametrize("sharded", [True, False], ids=["sharded", "whole"])
+def test_a_dict_of_fsdp_state_dicts_loads_into_the_model_itself(tmp_path, sharded) -> None:
+    res = spawn_multi_process(2, _load_into_a_dict_of_dtensors, str(tmp_path / "ck"), sharded)
+    torch.manual_seed(3)
+    plain = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Linear(7, 4),
+                                torch.nn.Linear(4, 2))
+    expected = {f"model/{k}": (v.dtype.__repr__(), v.tolist())
+                for k, v in plain.state_dict().items()}
+    full = next(r["full"] for r in res if r["rank"] == 0)
+    assert {k: v for k, v in full.items() if k.startswith("model/")} == expected
+    assert [(r["step"], r["epoch"]) for r in res] == [(5, 2), (5, 2)]

@@ -1,0 +1,100 @@
+"""Loading a checkpoint into a dict the caller holds: tensors in place, as DCP does.
+
+``load_checkpoint(state_dict, url)`` with ``state_dict = {"model": model.state_dict(),
+...}`` is the pattern of ``torch.distributed.checkpoint.load``, which copies into the
+tensors it is given. Those tensors share their storage with the live parameters and
+buffers (a module's ``state_dict()`` detaches, it does not copy; an optimizer's holds
+its state tensors), so the load reaches the model and the optimizer. Replacing the
+dict's values instead (``dict.update``) would leave the model with the weights it had
+before while the step and epoch came from the checkpoint: a silently wrong resume.
+
+:func:`load_into` therefore copies every loaded tensor into the tensor the dict holds
+at the same key path, after checking every pair first (nothing is copied when one
+shape differs), and sets everything else as ``dict.update`` would: new keys, values
+that are not tensors, a tensor where the dict held none.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from elastic_kit.errors import CheckpointMismatchError
+from elastic_kit.store._tree import is_dtensor
+
+__all__ = ["load_into"]
+
+_DICT_TYPES = (dict,)  # with isinstance: OrderedDict and Counter too
+
+
+def load_into(target: dict[Any, Any], loaded: dict[Any, Any]) -> None:
+    """Load ``loaded`` into ``target`` in place (see the module docstring).
+
+    Dicts present on both sides are entered; lists of the same length on both sides
+    are entered item by item; a tensor of ``loaded`` whose place in ``target`` holds a
+    tensor is copied into it (converted to its dtype and device, as
+    ``Module.load_state_dict`` does; a DTensor receives its own box of a whole tensor);
+    any other value replaces what ``target`` held there.
+
+    Raises:
+        CheckpointMismatchError: (a ``ValueError``) a loaded tensor's shape differs
+            from the shape of the tensor ``target`` holds at its path; nothing was
+            loaded.
+    """
+    if not isinstance(loaded, _DICT_TYPES):
+        raise TypeError(f"the checkpoint holds a {type(loaded).__qualname__}, not a dict; "
+                        "pass state=None and read LoadedCheckpoint.state instead")
+    copies: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+    sets: list[tuple[Any, Any, Any]] = []
+    _plan(target, loaded, "", copies, sets)
+    for path, dst, src in copies:
+        if tuple(dst.shape) != tuple(src.shape):
+            raise CheckpointMismatchError(
+                f"checkpoint tensor {path} has shape {list(src.shape)}, the tensor the "
+                f"state holds there has {list(dst.shape)}; nothing was loaded")
+    with torch.no_grad():
+        for _, dst, src in copies:
+            _copy(dst, src)
+    for container, key, value in sets:
+        container[key] = value
+
+
+def _plan(target: Any, loaded: Any, path: str,
+          copies: list[tuple[str, torch.Tensor, torch.Tensor]],
+          sets: list[tuple[Any, Any, Any]]) -> None:
+    """Collect the copies and assignments that load ``loaded`` into ``target``."""
+    items = (loaded.items() if isinstance(loaded, _DICT_TYPES)
+             else enumerate(loaded))
+    for key, value in items:
+        sub = f"{path}[{key!r}]"
+        if isinstance(target, _DICT_TYPES):
+            has, current = key in target, target.get(key)
+        else:
+            has, current = True, target[key]
+        if not has:
+            sets.append((target, key, value))
+        elif isinstance(current, _DICT_TYPES) and isinstance(value, _DICT_TYPES):
+            _plan(current, value, sub, copies, sets)
+        elif (type(current) is list and type(value) is list
+              and len(current) == len(value)):
+            _plan(current, value, sub, copies, sets)
+        elif (isinstance(current, torch.Tensor) and isinstance(value, torch.Tensor)
+              and (is_dtensor(current) or not is_dtensor(value))):
+            # (a DTensor is loaded only where the state holds one: read_sharded)
+            if current is not value:
+                copies.append((sub, current, value))
+        else:
+            sets.append((target, key, value))
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)``; a DTensor ``dst`` takes its own box of a whole ``src``."""
+    if is_dtensor(dst) and not is_dtensor(src):
+        from elastic_kit.store._sharded import local_box
+
+        shape, offsets, _ = local_box(dst)
+        box = src[tuple(slice(o, o + n) for o, n in zip(offsets, shape))]
+        dst.to_local().copy_(box)
+    else:
+        dst.copy_(src)

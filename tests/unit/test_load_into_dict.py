@@ -1,0 +1,78 @@
+"""``load_checkpoint(a_dict, url)`` loads tensors in place, as DCP's ``load`` does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from elastic_kit import CheckpointMismatchError, load_checkpoint, save_checkpoint
+
+
+def _trained(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(8, 4)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def test_a_dict_of_state_dicts_loads_into_the_model_and_optimizer_themselves(tmp_path):
+    """The DCP pattern: the dict holds the live state dicts, and no load_state_dict
+    follows. A dict.update would leave the model's weights as they were while the
+    step came from the checkpoint."""
+    saved_model, saved_opt = _trained(0)
+    save_checkpoint({"model": saved_model.state_dict(), "optim": saved_opt.state_dict(),
+                     "epoch": 3}, tmp_path, step=7)
+    model, opt = _trained(1)  # other weights, other optimizer moments
+    weight = model[0].weight
+    state = {"model": model.state_dict(), "optim": opt.state_dict(), "epoch": 0}
+    loaded = load_checkpoint(state, tmp_path)
+    assert loaded.step == 7 and state["epoch"] == 3
+    assert model[0].weight is weight  # the same Parameter, now holding the saved values
+    for name, t in saved_model.state_dict().items():
+        assert torch.equal(model.state_dict()[name], t), name
+    exp_avg = opt.state[model[0].weight]["exp_avg"]
+    assert torch.equal(exp_avg, saved_opt.state[saved_model[0].weight]["exp_avg"])
+    assert state["optim"]["state"][0]["exp_avg"] is exp_avg
+
+
+def test_a_parameter_in_the_dict_stays_that_parameter(tmp_path):
+    save_checkpoint({"scale": torch.nn.Parameter(torch.full((2,), 5.0))}, tmp_path, step=1)
+    scale = torch.nn.Parameter(torch.zeros(2))
+    state = {"scale": scale}
+    load_checkpoint(state, tmp_path)
+    assert state["scale"] is scale and scale.requires_grad
+    assert scale.tolist() == [5.0, 5.0]
+
+
+def test_values_are_converted_to_the_dtype_the_dict_holds(tmp_path):
+    save_checkpoint({"w": torch.tensor([1.5, 2.25], dtype=torch.float64)}, tmp_path, step=1)
+    w = torch.zeros(2, dtype=torch.bfloat16)
+    state = {"w": w}
+    load_checkpoint(state, tmp_path)
+    assert state["w"] is w and w.dtype == torch.bfloat16 and w.tolist() == [1.5, 2.25]
+
+
+def test_other_values_and_new_keys_are_set_as_dict_update_would(tmp_path):
+    save_checkpoint({"w": torch.ones(2), "note": "saved", "new": torch.arange(3),
+                     "groups": [{"lr": 0.5}], "pair": (1, 2), "was_none": torch.ones(1)},
+                    tmp_path, step=1)
+    state = {"note": "fresh", "groups": [{"lr": 0.1}], "pair": (0, 0), "was_none": None,
+             "kept": 4}
+    load_checkpoint(state, tmp_path)
+    assert state["note"] == "saved" and state["groups"] == [{"lr": 0.5}]
+    assert state["pair"] == (1, 2) and state["kept"] == 4
+    assert state["new"].tolist() == [0, 1, 2] and state["was_none"].tolist() == [1.0]
+    assert state["w"].tolist() == [1.0, 1.0]
+
+
+def test_a_shape_mismatch_names_the_path_and_loads_nothing(tmp_path):
+    save_checkpoint({"a": torch.ones(2), "m": {"b": torch.ones(3)}, "epoch": 9},
+                    tmp_path, step=1)
+    a, b = torch.zeros(2), torch.zeros(4)
+    state = {"a": a, "m": {"b": b}, "epoch": 0}
+    with pytest.raises(CheckpointMismatchError, match=r"\['m'\]\['b'\].*\[3\].*\[4\]"):
+        load_checkpoint(state, tmp_path)
+    assert a.tolist() == [0.0, 0.0] and state["epoch"] == 0 and state["m"]["b"] is b
+    assert isinstance(CheckpointMismatchError("x"), ValueError)
