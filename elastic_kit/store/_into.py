@@ -35,7 +35,8 @@ def load_into(target: dict[Any, Any], loaded: dict[Any, Any]) -> None:
     are entered item by item; a tensor of ``loaded`` whose place in ``target`` holds a
     tensor is copied into it (converted to its dtype and device, as
     ``Module.load_state_dict`` does; a DTensor receives its own box of a whole tensor);
-    any other value replaces what ``target`` held there.
+    any other value replaces what ``target`` held there, a tensor on the meta device
+    included (it has no memory to copy into).
 
     Raises:
         CheckpointMismatchError: (a ``ValueError``) a loaded tensor's shape differs
@@ -80,8 +81,9 @@ def _plan(target: Any, loaded: Any, path: str,
               and len(current) == len(value)):
             _plan(current, value, sub, copies, sets)
         elif (isinstance(current, torch.Tensor) and isinstance(value, torch.Tensor)
-              and (is_dtensor(current) or not is_dtensor(value))):
-            # (a DTensor is loaded only where the state holds one: read_sharded)
+              and not current.is_meta and (is_dtensor(current) or not is_dtensor(value))):
+            # (a meta tensor holds no memory to copy into: it is replaced, as any value;
+            # a DTensor is loaded only where the state holds one: read_sharded)
             if current is not value:
                 copies.append((sub, current, value))
         else:

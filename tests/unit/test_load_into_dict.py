@@ -76,3 +76,12 @@ def test_a_shape_mismatch_names_the_path_and_loads_nothing(tmp_path):
         load_checkpoint(state, tmp_path)
     assert a.tolist() == [0.0, 0.0] and state["epoch"] == 0 and state["m"]["b"] is b
     assert isinstance(CheckpointMismatchError("x"), ValueError)
+
+
+def test_a_meta_tensor_in_the_dict_is_replaced_not_copied_into(tmp_path):
+    """A copy into a meta tensor does nothing and raises nothing: the loaded tensor
+    takes its place, as before any in-place loading."""
+    save_checkpoint({"w": torch.full((2,), 3.0)}, tmp_path, step=1)
+    state = {"w": torch.empty(2, device="meta")}
+    load_checkpoint(state, tmp_path)
+    assert state["w"].device.type == "cpu" and state["w"].tolist() == [3.0, 3.0]
