@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 
 from elastic_kit.snapshot._private import check_root, is_private_entry, private_dir, user_dir_name
-from elastic_kit.snapshot._slots import pid_alive, slot_pid
+from elastic_kit.snapshot._slots import pid_alive, slot_owner_alive, slot_pid
 
 __all__ = ["SnapshotRun", "host_node_name", "host_node_pid", "snapshot_runs",
            "remove_idle_runs"]
@@ -93,7 +93,7 @@ def _survey(path: str) -> SnapshotRun:
             if name in filenames:
                 run.size_bytes += st.st_size
             pid = slot_pid(name)
-            if pid is not None and pid not in run.writers and pid_alive(pid):
+            if pid is not None and pid not in run.writers and slot_owner_alive(name):
                 run.writers.append(pid)
     return run
 

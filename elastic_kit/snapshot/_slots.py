@@ -38,7 +38,8 @@ from elastic_kit.snapshot._cuda_host import register as host_register
 from elastic_kit.snapshot._cuda_host import unregister as host_unregister
 from elastic_kit.store import FlatPlan, map_file, plan_flat, tensor_views, zero_bytes
 
-__all__ = ["PARKED", "SLOT_PREFIX", "Slot", "Slots", "mapped_files", "pid_alive", "remove_dead_slots",
+__all__ = ["PARKED", "SLOT_PREFIX", "Slot", "Slots", "mapped_files", "pid_alive", "process_start",
+           "owner_alive", "slot_owner", "slot_owner_alive", "remove_dead_slots",
            "reusable"]
 
 _OPEN_FLAGS = os.O_RDWR | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
@@ -61,29 +62,81 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def slot_pid(name: str) -> int | None:
-    """The pid of the process whose slot file is named ``name``; None for another name."""
+def process_start(pid: int) -> int | None:
+    """When process ``pid`` started, in clock ticks since boot (``/proc/<pid>/stat``);
+    None where that cannot be read (gone, hidden by ``hidepid``, not Linux).
+
+    With the pid it names one process for good: a pid is reused by a later process
+    (always so in a container restarted in its pod, whose processes get the same pids
+    again, while its ``/dev/shm`` volume lives on), a start time never is."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat_line = f.read()
+        # the command name (field 2) may hold spaces and parentheses: split after it
+        return int(stat_line.rpartition(b")")[2].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+_OWN_START: tuple[int, int | None] | None = None
+
+
+def _own_owner() -> str:
+    """This process's part of its slot names: ``<pid>`` and, where known, ``.<start>``."""
+    global _OWN_START
+    pid = os.getpid()
+    if _OWN_START is None or _OWN_START[0] != pid:  # (a forked child is another process)
+        _OWN_START = (pid, process_start(pid))
+    start = _OWN_START[1]
+    return f"{pid}" if start is None else f"{pid}.{start}"
+
+
+def slot_owner(name: str) -> tuple[int, int | None] | None:
+    """``(pid, start)`` of the process whose slot file is named ``name`` (``start``:
+    see :func:`process_start`; None in a name without it); None for another name."""
     if not name.startswith(SLOT_PREFIX):
         return None
-    pid = name[len(SLOT_PREFIX):].split("-", 1)[0]
-    return int(pid) if pid.isdigit() else None
+    pid, _, start = name[len(SLOT_PREFIX):].split("-", 1)[0].partition(".")
+    if not pid.isdigit() or not (start.isdigit() or not start):
+        return None
+    return int(pid), int(start) if start else None
+
+
+def slot_pid(name: str) -> int | None:
+    """The pid of the process whose slot file is named ``name``; None for another name."""
+    owner = slot_owner(name)
+    return None if owner is None else owner[0]
+
+
+def owner_alive(pid: int, start: int | None) -> bool:
+    """Whether the process that started at ``start`` with ``pid`` still runs: a live
+    process that reuses a dead one's pid is not it. Without a start time (or where it
+    cannot be read) only the pid is asked."""
+    if not pid_alive(pid):
+        return False
+    if start is None:
+        return True
+    now = process_start(pid)
+    return now is None or now == start
+
+
+def slot_owner_alive(name: str) -> bool:
+    """Whether the process whose slot file is named ``name`` is alive (False for a
+    name that is not a slot's)."""
+    owner = slot_owner(name)
+    return owner is not None and owner_alive(*owner)
 
 
 def _dead_slots(node_dir: str) -> list[str]:
     """The names of the slot files in ``node_dir`` whose processes are gone (a killed
-    worker's), sorted; a live process's are left out (another tier of it may use them)."""
+    worker's, its pid perhaps taken by another process since), sorted; a live
+    process's are left out (another tier of it may use them)."""
     try:
         names = sorted(os.listdir(node_dir))
     except OSError:
         return []
-    out = []
-    for name in names:
-        if not name.startswith(SLOT_PREFIX):
-            continue
-        pid = slot_pid(name)
-        if pid is None or not pid_alive(pid):
-            out.append(name)
-    return out
+    return [name for name in names
+            if name.startswith(SLOT_PREFIX) and not slot_owner_alive(name)]
 
 
 def mapped_files() -> set[tuple[int, int]]:
@@ -397,7 +450,7 @@ class Slots:
         """A new name in the node directory for a file to take over as a spare."""
         with self._lock:
             self._n += 1
-            return os.path.join(self.node_dir, f"{SLOT_PREFIX}{os.getpid()}-{self._tag}"
+            return os.path.join(self.node_dir, f"{SLOT_PREFIX}{_own_owner()}-{self._tag}"
                                                f"-spare{self._n}")
 
     def add_spare(self, path: str) -> None:
@@ -408,7 +461,7 @@ class Slots:
 
     def _new(self, plan: FlatPlan) -> Slot:
         self._n += 1
-        path = os.path.join(self.node_dir, f"{SLOT_PREFIX}{os.getpid()}-{self._tag}-{self._n}")
+        path = os.path.join(self.node_dir, f"{SLOT_PREFIX}{_own_owner()}-{self._tag}-{self._n}")
         with self._lock:
             spare = self._spares.pop() if self._spares else None
         slot = Slot(path, plan, pin=self.pin, reuse=spare)
