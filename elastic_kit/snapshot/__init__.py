@@ -16,9 +16,9 @@ buffers (a newer one replaces it), so training never waits for a write.
 
 Layout, on every host (per user: directories 0700, files 0600)::
 
-    /dev/shm/elastic_kit-<uid>/<run id>-<store key>/<host>-<agent pid>/step-<n>/{tensors.bin,state.pt,manifest.json}
-    /dev/shm/elastic_kit-<uid>/<run id>-<store key>/<host>-<agent pid>/.slot-<pid>.<start>-...   (the next snapshot's file)
-    /dev/shm/elastic_kit-<uid>/<run id>-<store key>/<host>-<agent pid>/replicas/<peer node>/step-<n>/...
+    /dev/shm/elastic_kit-<uid>/<run id>-<store key>/<host>-<agent pid>_<start>/step-<n>/{tensors.bin,state.pt,manifest.json}
+    /dev/shm/elastic_kit-<uid>/<run id>-<store key>/<host>-<agent pid>_<start>/.slot-<pid>.<start>-...   (the next snapshot's file)
+    /dev/shm/elastic_kit-<uid>/<run id>-<store key>/<host>-<agent pid>_<start>/replicas/<peer node>/step-<n>/...
 
 Each snapshot is a checkpoint of the store's format (:func:`elastic_kit.store.commit_flat`):
 the tensors' raw bytes in one tensor file, the rest (ints, RNG state, the sampler's

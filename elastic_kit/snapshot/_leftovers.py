@@ -21,10 +21,10 @@ import time
 from dataclasses import dataclass, field
 
 from elastic_kit.snapshot._private import check_root, is_private_entry, private_dir, user_dir_name
-from elastic_kit.snapshot._slots import pid_alive, slot_owner_alive, slot_pid
+from elastic_kit.snapshot._slots import owner_alive, process_start, slot_owner_alive, slot_pid
 
-__all__ = ["SnapshotRun", "host_node_name", "host_node_pid", "snapshot_runs",
-           "remove_idle_runs"]
+__all__ = ["SnapshotRun", "host_node_alive", "host_node_name", "host_node_owner", "host_node_pid",
+           "snapshot_runs", "remove_idle_runs"]
 
 
 def _safe(name: str) -> str:
@@ -33,16 +33,38 @@ def _safe(name: str) -> str:
 
 def host_node_name(agent_pid: int) -> str:
     """A node directory's name where ``$ELASTIC_KIT_SNAPSHOT_NODE`` does not set one:
-    this host's name and the pid of the node's agent (the workers' parent, which
-    outlives the restarts it drives)."""
-    return _safe(f"{socket.gethostname()[:120]}-{agent_pid}")
+    this host's name, the pid of the node's agent (the workers' parent, which outlives
+    the restarts it drives) and, where it can be read, the agent's start time
+    (``<host>-<pid>_<start>``, see :func:`~elastic_kit.snapshot._slots.process_start`):
+    a pid alone names a later process too once the agent is gone (a container
+    restarted in its pod gets the same pids again)."""
+    start = process_start(agent_pid)
+    owner = f"{agent_pid}" if start is None else f"{agent_pid}_{start}"
+    return _safe(f"{socket.gethostname()[:120]}-{owner}")
+
+
+def host_node_owner(name: str) -> tuple[int, int | None] | None:
+    """``(pid, start)`` of the agent in a node directory's name made on this host by
+    :func:`host_node_name` (``start`` None in a name without it), else None."""
+    m = re.fullmatch(re.escape(_safe(socket.gethostname()[:120])) + r"-([0-9]+)(?:_([0-9]+))?",
+                     name)
+    if not m:
+        return None
+    return int(m.group(1)), int(m.group(2)) if m.group(2) else None
 
 
 def host_node_pid(name: str) -> int | None:
     """The agent's pid in a node directory's name made on this host by
     :func:`host_node_name`, else None."""
-    m = re.fullmatch(re.escape(_safe(socket.gethostname()[:120])) + r"-([0-9]+)", name)
-    return int(m.group(1)) if m else None
+    owner = host_node_owner(name)
+    return None if owner is None else owner[0]
+
+
+def host_node_alive(name: str) -> bool:
+    """Whether the agent a node directory on this host is named after still runs (the
+    same process, not a later one with its pid); False for another name."""
+    owner = host_node_owner(name)
+    return owner is not None and owner_alive(*owner)
 
 
 @dataclass
@@ -81,7 +103,7 @@ def _survey(path: str) -> SnapshotRun:
     run = SnapshotRun(path=path, newest=os.lstat(path).st_mtime)
     for name in sorted(os.listdir(path)):
         agent = host_node_pid(name)
-        if agent is not None and pid_alive(agent):
+        if agent is not None and host_node_alive(name):
             run.agents.append(agent)
     for dirpath, dirnames, filenames in os.walk(path, followlinks=False):
         for name in dirnames + filenames:

@@ -40,9 +40,9 @@ from elastic_kit.snapshot._shards import (
     part_dir_name, part_source,
 )
 from elastic_kit.snapshot._slots import (
-    Slot, Slots, mapped_files, pid_alive, remove_dead_slots, reusable,
+    Slot, Slots, mapped_files, remove_dead_slots, reusable,
 )
-from elastic_kit.snapshot._leftovers import host_node_name, host_node_pid
+from elastic_kit.snapshot._leftovers import host_node_alive, host_node_name, host_node_pid
 from elastic_kit.snapshot._mirror import DeviceMirror, MirrorCopy
 from elastic_kit.snapshot._relay import DeviceRelay, max_bytes_from_env
 from elastic_kit.snapshot._staging import DeviceStall, FileTarget, storage_keys
@@ -57,7 +57,7 @@ log = logging.getLogger(__name__)
 #: Environment variable naming the shared-memory directory (default ``/dev/shm``).
 ROOT_ENV = "ELASTIC_KIT_SNAPSHOT_DIR"
 #: Environment variable naming this node's snapshot directory inside the run's
-#: (default ``<host>-<agent pid>``); for several "nodes" that share one parent process.
+#: (default ``<host>-<agent pid>_<agent start>``); for several "nodes" that share one parent process.
 NODE_ENV = "ELASTIC_KIT_SNAPSHOT_NODE"
 #: Free space a node needs, as a multiple of the state's size: two slots (the
 #: committed snapshot stays until the next one is committed) plus a margin.
@@ -997,7 +997,7 @@ class SnapshotTier:
         for name in sorted(os.listdir(self.run_dir)):
             agent = host_node_pid(name)
             path = os.path.join(self.run_dir, name)
-            if agent is not None and name != own and not pid_alive(agent) \
+            if agent is not None and name != own and not host_node_alive(name) \
                     and is_private_entry(path):
                 out.append(path)
         return out

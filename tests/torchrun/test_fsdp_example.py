@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from elastic_kit.testing import LocalCluster, wait_for
-from tests.snapshot_tree import left_in
+from tests.snapshot_tree import left_in, replica_step_dirs
 
 pytestmark = pytest.mark.integration
 
@@ -226,8 +226,6 @@ def test_node_sigkilled_resumes_from_memory_at_the_new_world_size(
 
 def _replica_steps(shm: Path, agent_pid: int) -> list[int]:
     """The steps of the peers' parts committed (manifest written) in the shared memory
-    of the node whose agent is ``agent_pid``:
-    ``<root>/<user>/<run>/<host>-<agent pid>/replicas/<peer part>/step-<n>/manifest.json``."""
-    return sorted(int(m.group(1)) for p in shm.glob(
-        f"*/*/*-{agent_pid}/replicas/*/step-*/manifest.json")
-        if (m := _STEP_DIR.match(p.parent.name)))
+    of the node whose agent is ``agent_pid``."""
+    return sorted(int(m.group(1)) for d in replica_step_dirs(shm, agent_pid)
+                  if (d / "manifest.json").exists() and (m := _STEP_DIR.match(d.name)))

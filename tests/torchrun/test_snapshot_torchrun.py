@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from elastic_kit.testing import EtcdServer, LocalCluster, wait_for
-from tests.snapshot_tree import left_in
+from tests.snapshot_tree import left_in, replica_step_dirs
 
 pytestmark = pytest.mark.integration
 
@@ -142,8 +142,8 @@ def test_etcd_worker_kill_then_loss_of_rank_0_node_each_cost_at_most_one_step(
                  what=f"{kill_after} steps after the restart", abort_if=cluster.all_exited)
         survivor = agents[1 - agents.index(main)]
         # the survivor's memory holds a replica the main node streamed there
-        replica = f"elastic_kit-*/*/*-{survivor.pid}/replicas/*-{main.pid}/step-*"
-        wait_for(lambda: any(shm.glob(replica)), 60, interval=0.01,
+        wait_for(lambda: bool(replica_step_dirs(shm, survivor.pid, main.pid)), 60,
+                 interval=0.01,
                  what="a replica of the main node's snapshot on the survivor",
                  abort_if=cluster.all_exited)
         cluster.kill_agent(main)  # the node of global rank 0: agent and worker

@@ -92,3 +92,39 @@ def test_a_replica_stream_never_follows_a_tree_planted_after_it_was_made(
         assert os.listdir(victim) == [] and (victim.stat().st_mode & 0o777) == 0o755
     finally:
         r.close()
+
+
+def test_a_gone_agents_node_directory_is_stale_though_its_pid_was_reused(
+        shm: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A container restarted in its pod gets the same pids again while its /dev/shm
+    lives on: a node directory names its agent by pid and start time, so one whose
+    pid a later process holds is still an earlier launch's (a restore source, then
+    removed), not a live node's kept forever."""
+    from elastic_kit.snapshot._leftovers import host_node_alive, host_node_owner
+    from elastic_kit.snapshot._slots import process_start
+
+    pid, start = os.getpid(), process_start(os.getpid())
+    assert start is not None
+    own = host_node_name(pid)
+    assert host_node_owner(own) == (pid, start) and host_node_alive(own)
+    earlier = own.rsplit("_", 1)[0] + f"_{start - 1}"  # same pid, an earlier process
+    assert host_node_owner(earlier) == (pid, start - 1) and not host_node_alive(earlier)
+    assert host_node_owner(own.rsplit("_", 1)[0]) == (pid, None)  # a name without it
+
+    monkeypatch.setenv("ELASTIC_KIT_SNAPSHOT_NODE", earlier)
+    first = _tier(shm)
+    first.save({"w": torch.full((100,), 5.0)}, step=3, metadata={})
+    assert first.wait(timeout=60)
+    first.close(remove=False)
+    old = Path(first.node_dir)
+    monkeypatch.delenv("ELASTIC_KIT_SNAPSHOT_NODE")
+    again = _tier(shm)
+    try:
+        assert Path(again.node_dir).name != old.name
+        loaded = again.load()
+        assert loaded is not None and loaded.step == 3 and again.loaded_own
+        again.save({"w": torch.full((100,), 6.0)}, step=4, metadata={})
+        assert again.wait(timeout=60)
+        assert not old.exists()
+    finally:
+        again.close(remove=True)
