@@ -67,8 +67,8 @@ def process_start(pid: int) -> int | None:
     None where that cannot be read (gone, hidden by ``hidepid``, not Linux).
 
     With the pid it names one process for good: a pid is reused by a later process
-    (always so in a container restarted in its pod, whose processes get the same pids
-    again, while its ``/dev/shm`` volume lives on), a start time never is."""
+    (routinely in a container restarted in its pod, whose processes tend to get the
+    same pids again while its ``/dev/shm`` volume lives on), a start time is not."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat_line = f.read()
