@@ -78,16 +78,11 @@ def process_start(pid: int) -> int | None:
         return None
 
 
-_OWN_START: tuple[int, int | None] | None = None
-
-
 def _own_owner() -> str:
-    """This process's part of its slot names: ``<pid>`` and, where known, ``.<start>``."""
-    global _OWN_START
+    """This process's part of its slot names: ``<pid>`` and, where known, ``.<start>``
+    (read each time: slots are made a few times per process, never on a hot path)."""
     pid = os.getpid()
-    if _OWN_START is None or _OWN_START[0] != pid:  # (a forked child is another process)
-        _OWN_START = (pid, process_start(pid))
-    start = _OWN_START[1]
+    start = process_start(pid)
     return f"{pid}" if start is None else f"{pid}.{start}"
 
 

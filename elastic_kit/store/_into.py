@@ -25,9 +25,6 @@ from elastic_kit.store._tree import is_dtensor
 
 __all__ = ["load_into"]
 
-_DICT_TYPES = (dict,)  # with isinstance: OrderedDict and Counter too
-
-
 def load_into(target: dict[Any, Any], loaded: dict[Any, Any]) -> None:
     """Load ``loaded`` into ``target`` in place (see the module docstring).
 
@@ -43,7 +40,7 @@ def load_into(target: dict[Any, Any], loaded: dict[Any, Any]) -> None:
             from the shape of the tensor ``target`` holds at its path; nothing was
             loaded.
     """
-    if not isinstance(loaded, _DICT_TYPES):
+    if not isinstance(loaded, dict):
         raise TypeError(f"the checkpoint holds a {type(loaded).__qualname__}, not a dict; "
                         "pass state=None and read LoadedCheckpoint.state instead")
     copies: list[tuple[str, torch.Tensor, torch.Tensor]] = []
@@ -65,17 +62,17 @@ def _plan(target: Any, loaded: Any, path: str,
           copies: list[tuple[str, torch.Tensor, torch.Tensor]],
           sets: list[tuple[Any, Any, Any]]) -> None:
     """Collect the copies and assignments that load ``loaded`` into ``target``."""
-    items = (loaded.items() if isinstance(loaded, _DICT_TYPES)
+    items = (loaded.items() if isinstance(loaded, dict)
              else enumerate(loaded))
     for key, value in items:
         sub = f"{path}[{key!r}]"
-        if isinstance(target, _DICT_TYPES):
+        if isinstance(target, dict):
             has, current = key in target, target.get(key)
         else:
             has, current = True, target[key]
         if not has:
             sets.append((target, key, value))
-        elif isinstance(current, _DICT_TYPES) and isinstance(value, _DICT_TYPES):
+        elif isinstance(current, dict) and isinstance(value, dict):
             _plan(current, value, sub, copies, sets)
         elif (type(current) is list and type(value) is list
               and len(current) == len(value)):
