@@ -9,6 +9,7 @@ store lives (fixture ``target``): local paths and ``memory://`` in
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from typing import Any, Callable
@@ -53,6 +54,29 @@ def _flip(data: bytes) -> bytes:
     b = bytearray(data)
     b[len(b) // 2] ^= 0xFF
     return bytes(b)
+
+
+def _damage_newest(store: CheckpointStore, damage: str) -> None:
+    """Damage the newest checkpoint of ``store`` one way (a name of the parameters)."""
+    info = store.list()[-1]
+    newest = info.path
+    fs, manifest = store.fs, f"{newest}/{MANIFEST_NAME}"
+    payload = f"{newest}/{info.manifest.payload}"  # fresh per save on an object store
+    if damage == "truncate":
+        fs.pipe_file(payload, _truncate(fs.cat_file(payload)))
+    elif damage == "flip":
+        fs.pipe_file(payload, _flip(fs.cat_file(payload)))
+    elif damage == "no_manifest":
+        fs.rm(manifest)
+    elif damage == "no_payload":
+        fs.rm(payload)
+    elif damage == "bad_manifest":
+        fs.pipe_file(manifest, b'{"format": "elastic_kit.checkpoint/1", "step": ')
+    elif damage == "newer_format":
+        fs.pipe_file(manifest, json.dumps({"format": "elastic_kit.checkpoint/99",
+                                           "step": info.step}).encode())
+    else:  # pragma: no cover - a test's typo
+        raise ValueError(damage)
 
 
 class StoreContract:
@@ -172,20 +196,7 @@ class StoreContract:
         store = make(keep_last=5)
         store.save(make_state(1), step=1)
         store.save(make_state(2), step=2)
-        info = store.list()[-1]
-        newest = info.path
-        fs, manifest = store.fs, f"{newest}/{MANIFEST_NAME}"
-        payload = f"{newest}/{info.manifest.payload}"  # fresh per save on an object store
-        if damage == "truncate":
-            fs.pipe_file(payload, _truncate(fs.cat_file(payload)))
-        elif damage == "flip":
-            fs.pipe_file(payload, _flip(fs.cat_file(payload)))
-        elif damage == "no_manifest":
-            fs.rm(manifest)
-        elif damage == "no_payload":
-            fs.rm(payload)
-        else:
-            fs.pipe_file(manifest, b'{"format": "elastic_kit.checkpoint/1", "step": ')
+        _damage_newest(store, damage)
         with caplog.at_level(logging.WARNING, logger=LOG):
             loaded = make().load()
         assert loaded is not None and loaded.step == 1
@@ -194,6 +205,25 @@ class StoreContract:
         assert any(step_dir_name(2) in m and reason in m for m in warned), warned
         problems = {step: p for step, _, p in store.verify()}
         assert problems[1] is None and reason in problems[2]
+
+    @pytest.mark.parametrize("damage", ["truncate", "flip", "no_manifest", "no_payload",
+                                        "bad_manifest", "newer_format"])
+    def test_a_damaged_step_is_replaced_by_the_next_save_of_that_step(self, make, damage):
+        """A job that resumed from the step before a damaged one reaches that step again
+        and saves it: the save replaces the damage (a manifest that does not validate
+        is no other writer's commit)."""
+        store = make(keep_last=5)
+        store.save(make_state(1), step=1)
+        store.save(make_state(0), step=2)
+        _damage_newest(store, damage)
+        resumed = make(keep_last=5)
+        assert resumed.load().step == 1
+        resumed.save(make_state(2), step=2)
+        resumed.wait()
+        loaded = make().load()
+        assert loaded is not None and loaded.step == 2
+        assert_state_is(loaded.state, 2)
+        assert {step: p for step, _, p in make().verify()} == {1: None, 2: None}
 
     def test_unfinished_save_is_invisible_and_cleaned_by_the_next_save(self, make):
         store = make(keep_last=5, stale_after_s=0)  # leftovers older than 0 s are stale

@@ -369,12 +369,13 @@ def commit_flat(layout: Layout, *, step: int, flat_path: str, plan: FlatPlan,
     layout.check_root()
     d = layout.dir_of(step)
     old = layout.committed_manifest(d)
-    suffix = "" if old is None else "." + uuid.uuid4().hex[:12]
+    replacing = layout.replacing(d, old)
+    suffix = "." + uuid.uuid4().hex[:12] if replacing else ""
     name, payload_name = f"tensors{suffix}.bin", f"state{suffix}.pt"
-    if old is None:
+    if not replacing:
         assert name == FLAT_NAME and payload_name == PAYLOAD_NAME
     backend = layout.backend
-    staging = backend.begin_parts(d.path, replacing=old is not None)
+    staging = backend.begin_parts(d.path, replacing=replacing)
     moved = False
     written: list[str] = []
     try:
@@ -396,7 +397,7 @@ def commit_flat(layout: Layout, *, step: int, flat_path: str, plan: FlatPlan,
                             epoch=epoch if type(epoch) is int and epoch >= 0 else None,
                             world_size=world_size, writer=layout.writer_id,
                             sharded=_index(plan, hashes, name))
-        backend.finish_parts(staging, d.path, manifest, replacing=old is not None)
+        backend.finish_parts(staging, d.path, manifest, replacing=replacing)
     except BaseException:
         if moved:
             try:
@@ -404,7 +405,7 @@ def commit_flat(layout: Layout, *, step: int, flat_path: str, plan: FlatPlan,
                 written.remove(name)
             except OSError as e:
                 log.warning("cannot move %s back after a failed commit: %r", flat_path, e)
-        backend.abort_parts(staging, written, replacing=old is not None)
+        backend.abort_parts(staging, written, replacing=replacing)
         raise
     if old is not None:  # only now is the replaced step's content unreferenced
         for n in set(old.files) - set(manifest.files):

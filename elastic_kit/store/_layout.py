@@ -360,6 +360,20 @@ class Layout:
         """The manifest of ``d`` when it is committed, else None."""
         return self._committed_manifest(d)
 
+    def replacing(self, d: StepDir, old: Manifest | None) -> bool:
+        """Whether a save of ``d`` goes beside what is there and switches the manifest
+        last (the re-save path): ``d`` is committed (``old``), or holds a manifest that
+        does not validate (damage, a newer release's format). Such a manifest is no
+        other writer's commit: the save replaces it, as it replaces a committed one,
+        instead of failing as though the step had been committed meanwhile."""
+        if old is not None:
+            return True
+        try:
+            self._manifest_text(d)
+        except Exception:
+            return False  # none there (or unreadable: the first-save path decides)
+        return True
+
     def _manifest_missing(self, d: StepDir) -> bool:
         """Whether ``d`` has no manifest at all: a save that did not finish. One that is
         there but does not validate (a format of a newer release, damage) is not a
@@ -388,10 +402,11 @@ class Layout:
         self.check_root()
         d = self.dir_of(step)
         old = self._committed_manifest(d)
+        replacing = self.replacing(d, old)
         # A re-save's payload gets a fresh name: the old one stays intact (and named by
         # the manifest in place) until the backend switches the manifest. So does every
         # save where files are written in place (an object store): see its backend.
-        fresh = old is not None or getattr(self.backend, "in_place", False)
+        fresh = replacing or getattr(self.backend, "in_place", False)
         name = f"state.{uuid.uuid4().hex[:12]}.pt" if fresh else PAYLOAD_NAME
         if old is not None and name in old.files:  # pragma: no cover - 48 random bits
             raise AssertionError(name)
@@ -402,7 +417,7 @@ class Layout:
         def seal(name: str, entry: FileEntry) -> Manifest:
             return self._manifest_for(step, name, entry, checksum, metadata, world_size)
 
-        manifest = self.backend.commit(d.path, name, replacing=old is not None, write=write,
+        manifest = self.backend.commit(d.path, name, replacing=replacing, write=write,
                                        seal=seal)
         if old is not None:  # only now is the replaced payload unreferenced
             for old_name in set(old.files) - set(manifest.files):

@@ -304,9 +304,10 @@ def save_sharded(layout: Layout, state: Any, *, step: int, checksum: str,
         try:
             layout.check_root()
             old = layout.committed_manifest(d)
-            staging = backend.begin_parts(d.path, replacing=old is not None)
-            fresh = old is not None or getattr(backend, "in_place", False)
-            header = {"ok": True, "staging": staging, "replacing": old is not None,
+            replacing = layout.replacing(d, old)
+            staging = backend.begin_parts(d.path, replacing=replacing)
+            fresh = replacing or getattr(backend, "in_place", False)
+            header = {"ok": True, "staging": staging, "replacing": replacing,
                       "suffix": "." + uuid.uuid4().hex[:12] if fresh else "",
                       "step": step, "save": uuid.uuid4().hex}
         except Exception as e:
