@@ -212,15 +212,19 @@ class ElasticDistributedSampler(Sampler[int]):
         :meth:`load_state_dict`.
 
     .. warning::
-        Call :meth:`set_epoch` at the start of every epoch. A script that forgets it
-        (torchvision's reference calls it only when distributed) and iterates again
+        Call :meth:`set_epoch` at the start of every epoch. A script that never calls
+        it (torchvision's reference calls it only when distributed) and iterates again
         after advancing to the end of an epoch would get an empty pass every epoch.
-        Instead the sampler logs a warning ("set_epoch() was not called ...;
-        starting epoch e+1") once and starts the next epoch at position 0 with that
-        epoch's fresh permutation, so each epoch is still seen exactly once. A pass
-        that starts at the end of an epoch right after :meth:`load_state_dict` or
-        :meth:`set_epoch` (a checkpoint saved after the epoch's last step) is
-        legitimately empty: the loop goes on to its end-of-epoch work.
+        Instead, on a sampler whose epochs :meth:`set_epoch` never named, the sampler
+        logs a warning ("set_epoch() was not called ...; starting epoch e+1") once and
+        starts the next epoch at position 0 with that epoch's fresh permutation, so
+        each epoch is still seen exactly once. Once :meth:`set_epoch` was called, a
+        pass after the epoch's end deals the epoch's share again and moves nothing
+        (an evaluation over the training loader before the next ``set_epoch``), as
+        ``DistributedSampler`` does. A pass that starts at the end of an epoch right
+        after :meth:`load_state_dict` or :meth:`set_epoch` (a checkpoint saved after
+        the epoch's last step) is legitimately empty: the loop goes on to its
+        end-of-epoch work.
     """
 
     def __init__(
@@ -297,6 +301,9 @@ class ElasticDistributedSampler(Sampler[int]):
         self._end_reached: bool = False
         self._warned_rollover: bool = False
         self._warned_same_epoch: bool = False
+        # True once set_epoch() named an epoch: the script (or the checkpointer) moves
+        # epochs, so a pass after an epoch's end repeats it instead of starting the next.
+        self._epochs_named: bool = False
 
     # -- position ---------------------------------------------------------------------
 
@@ -332,6 +339,7 @@ class ElasticDistributedSampler(Sampler[int]):
                 )
         self._end_reached = False
         self._start_pending = False
+        self._epochs_named = True
 
     def advance(self, n: SupportsIndex) -> None:
         """Record that ``n`` more samples of this epoch were consumed over all ranks.
@@ -629,9 +637,22 @@ class ElasticDistributedSampler(Sampler[int]):
         ``takes_epoch_keys`` attribute (:class:`~elastic_kit.SeededDataset`).
 
         Records the pass (:attr:`pass_start`, ``len()``). Iterating again at the end
-        of an epoch this sampler consumed itself starts the next epoch (see the class
-        warning about :meth:`set_epoch`).
+        of an epoch this sampler consumed itself deals that epoch's whole share again
+        (as ``DistributedSampler`` does: an evaluation over the training loader),
+        position unchanged; on a sampler whose epochs :meth:`set_epoch` never named,
+        it starts the next epoch instead (see the class warning).
         """
+        if self._rollover_due() and self._epochs_named:
+            # the epoch again, from its start: nothing to advance through (a step on
+            # this pass moves past the epoch's end and is refused)
+            self._pass_start = 0
+            self._pass_dealt = True
+            log.debug("a pass after epoch %d was consumed: its share again", self.epoch)
+            indices = self.local_indices(position=0)
+            if self._epoch_keys:
+                epoch = self.epoch
+                return iter([(epoch, i) for i in indices.tolist()])  # type: ignore[misc]
+            return iter(indices.tolist())
         if self._rollover_due():
             if not self._warned_rollover:
                 self._warned_rollover = True

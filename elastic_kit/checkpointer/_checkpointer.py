@@ -273,9 +273,9 @@ class Checkpointer(Lifecycle):
         n = operator.index(n)
         if n < 0:
             raise ValueError(f"step(n={n}): n must be >= 0 (this rank's samples in the step)")
-        self.state.step += 1
         self._hooks.follow(self.state.optimizer)  # a new optimizer since the restore
-        self._progress.advance(n, audited=self.audit != "off")
+        self._progress.advance(n, audited=self.audit != "off")  # may refuse the step
+        self.state.step += 1
         self._step_end.record()
         # an unheard SIGTERM waits two steps' time (5-15 s): one long backward pass is
         # one call, in which the training thread cannot hear a signal either

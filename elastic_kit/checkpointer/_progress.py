@@ -56,13 +56,17 @@ def _overrun(sampler: ElasticDistributedSampler, n: int) -> ValueError:
     """A step that starts past the end of the pass the sampler dealt (``step()`` twice
     per step, or the global batch for ``n``: the extra steps would count as padding, at
     zero weight, unseen by the audit). The last step may ask for more than is left
-    (``step(batch_size)``): its overshoot is padding, and is not refused."""
+    (``step(batch_size)``): its overshoot is padding, and is not refused. Training
+    a pass dealt after the epoch's end (the epoch again: ``end_epoch()`` forgotten)
+    is refused the same way."""
     return ValueError(
         f"step(n={n}) starts past the end of the pass state.sampler dealt: this "
         f"rank's share of epoch {sampler.epoch} from position {sampler.pass_start} "
         f"has {sampler.pass_length} samples, and earlier steps took them all. Call "
         f"step() once per optimizer step with this rank's batch size (len(x), not "
-        f"the global batch), and iterate state.sampler in the DataLoader")
+        f"the global batch), iterate state.sampler in the DataLoader, and call "
+        f"end_epoch() after each epoch (a pass after the epoch's end deals the "
+        f"epoch again)")
 
 
 class Progress:

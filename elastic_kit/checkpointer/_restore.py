@@ -75,6 +75,12 @@ def resume(state: TrainState, info: DistInfo, loaded: LoadedCheckpoint | None,
         if sampler.remaining == 0 or len(sampler) == 0:
             close_exhausted_epoch(state, info, finish_audit)
         state.epoch = sampler.epoch
+    if sampler is not None:
+        # The checkpointer names the sampler's epochs from here on (end_epoch() moves
+        # it to the next): a pass after an epoch's end, before end_epoch() (an
+        # evaluation over the training loader), repeats the epoch, never starts the
+        # next one. The position stays: set_epoch() keeps it for the same epoch.
+        sampler.set_epoch(sampler.epoch)
     log_restore(state, info, loaded, restored_from, tier)
 
 
