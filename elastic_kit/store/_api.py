@@ -66,15 +66,19 @@ def load_checkpoint(state: Any, url_or_store: str | os.PathLike[str] | Checkpoin
     None. A dict is loaded in place, as ``torch.distributed.checkpoint.load`` does:
     each loaded tensor is copied into the tensor the dict holds at the same key path
     (so ``{"model": model.state_dict()}`` loads into the model's own parameters,
-    converted to their dtype and device), after every shape was checked; any other
-    value, and a key the dict lacks, is set as ``dict.update`` would. Collective,
+    converted to their dtype and device), after every shape was checked and every
+    tensor the dict holds was found in the checkpoint; any other value, and a key the
+    dict lacks, is set as ``dict.update`` would (into the dict: an optimizer's learning
+    rate lands in ``state["optim"]``, so call its ``load_state_dict`` after, as with
+    DCP). Collective,
     like :meth:`CheckpointStore.load`; ``kw`` holds store options and
     ``map_location``. A sharded checkpoint is loaded into ``state``'s own layout (the
     DTensors of an FSDP2 model's :class:`~elastic_kit.TrainState`, or of a dict).
 
     Raises:
         CheckpointMismatchError: (a ``ValueError``) a checkpoint tensor's shape
-            differs from the tensor ``state`` holds at its key path; nothing was
+            differs from the tensor ``state`` holds at its key path, or a dict
+            ``state`` holds a tensor at a key path the checkpoint lacks; nothing was
             loaded into ``state``.
 
     Example::

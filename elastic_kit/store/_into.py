@@ -11,7 +11,11 @@ before while the step and epoch came from the checkpoint: a silently wrong resum
 :func:`load_into` therefore copies every loaded tensor into the tensor the dict holds
 at the same key path, after checking every pair first (nothing is copied when one
 shape differs), and sets everything else as ``dict.update`` would: new keys, values
-that are not tensors, a tensor where the dict held none.
+that are not tensors, a tensor where the dict held none. A tensor the dict holds at a
+path the checkpoint lacks fails the load, as it does in DCP and in a module's strict
+``load_state_dict``: a bare ``model.state_dict()`` loaded into ``{"model": ...}``, or
+a DDP ``module.`` prefix on one side only, would otherwise load nothing and say
+nothing while the model trained on from the weights it had.
 """
 
 from __future__ import annotations
@@ -37,15 +41,26 @@ def load_into(target: dict[Any, Any], loaded: dict[Any, Any]) -> None:
 
     Raises:
         CheckpointMismatchError: (a ``ValueError``) a loaded tensor's shape differs
-            from the shape of the tensor ``target`` holds at its path; nothing was
-            loaded.
+            from the shape of the tensor ``target`` holds at its path, or ``target``
+            holds a tensor at a path the checkpoint lacks; nothing was loaded.
     """
     if not isinstance(loaded, dict):
         raise TypeError(f"the checkpoint holds a {type(loaded).__qualname__}, not a dict; "
                         "pass state=None and read LoadedCheckpoint.state instead")
     copies: list[tuple[str, torch.Tensor, torch.Tensor]] = []
     sets: list[tuple[Any, Any, Any]] = []
-    _plan(target, loaded, "", copies, sets)
+    missing: list[str] = []
+    _plan(target, loaded, "", copies, sets, missing)
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more"
+                                          if len(missing) > 5 else "")
+        top = sorted(map(repr, loaded))
+        keys = ", ".join(top[:8]) + (" ..." if len(top) > 8 else "")
+        raise CheckpointMismatchError(
+            f"the checkpoint has no tensor for {len(missing)} of the tensors the state "
+            f"holds: {shown}; its top-level keys are {keys}. Nothing was loaded (expected the same key paths: a checkpoint of a "
+            f"bare model.state_dict() or with a DDP 'module.' prefix differs; to load "
+            f"part of it, pass state=None and pick from LoadedCheckpoint.state)")
     for path, dst, src in copies:
         if tuple(dst.shape) != tuple(src.shape):
             raise CheckpointMismatchError(
@@ -60,10 +75,15 @@ def load_into(target: dict[Any, Any], loaded: dict[Any, Any]) -> None:
 
 def _plan(target: Any, loaded: Any, path: str,
           copies: list[tuple[str, torch.Tensor, torch.Tensor]],
-          sets: list[tuple[Any, Any, Any]]) -> None:
-    """Collect the copies and assignments that load ``loaded`` into ``target``."""
+          sets: list[tuple[Any, Any, Any]], missing: list[str]) -> None:
+    """Collect the copies and assignments that load ``loaded`` into ``target``, and
+    the paths of the tensors ``target`` holds where ``loaded`` has nothing."""
     items = (loaded.items() if isinstance(loaded, dict)
              else enumerate(loaded))
+    if isinstance(target, dict) and isinstance(loaded, dict):
+        for key, value in target.items():
+            if key not in loaded:
+                _tensor_paths(value, f"{path}[{key!r}]", missing)
     for key, value in items:
         sub = f"{path}[{key!r}]"
         if isinstance(target, dict):
@@ -73,10 +93,10 @@ def _plan(target: Any, loaded: Any, path: str,
         if not has:
             sets.append((target, key, value))
         elif isinstance(current, dict) and isinstance(value, dict):
-            _plan(current, value, sub, copies, sets)
+            _plan(current, value, sub, copies, sets, missing)
         elif (type(current) is list and type(value) is list
               and len(current) == len(value)):
-            _plan(current, value, sub, copies, sets)
+            _plan(current, value, sub, copies, sets, missing)
         elif (isinstance(current, torch.Tensor) and isinstance(value, torch.Tensor)
               and not current.is_meta and (is_dtensor(current) or not is_dtensor(value))):
             # (a meta tensor holds no memory to copy into: it is replaced, as any value;
@@ -85,6 +105,19 @@ def _plan(target: Any, loaded: Any, path: str,
                 copies.append((sub, current, value))
         else:
             sets.append((target, key, value))
+
+
+def _tensor_paths(value: Any, path: str, out: list[str]) -> None:
+    """The key paths of the tensors in ``value`` (entered through dicts, lists and
+    tuples), appended to ``out``."""
+    if isinstance(value, torch.Tensor):
+        out.append(path)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _tensor_paths(v, f"{path}[{k!r}]", out)
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _tensor_paths(v, f"{path}[{i}]", out)
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:

@@ -85,3 +85,33 @@ def test_a_meta_tensor_in_the_dict_is_replaced_not_copied_into(tmp_path):
     state = {"w": torch.empty(2, device="meta")}
     load_checkpoint(state, tmp_path)
     assert state["w"].device.type == "cpu" and state["w"].tolist() == [3.0, 3.0]
+
+
+@pytest.mark.parametrize("saved_as", ["bare", "ddp_prefix"])
+def test_a_tensor_the_checkpoint_lacks_fails_the_load_naming_it(tmp_path, saved_as):
+    """Key paths that do not match would load nothing: DCP and a module's strict
+    load_state_dict raise, and so does this."""
+    saved, _ = _trained(0)
+    sd = saved.state_dict()
+    if saved_as == "ddp_prefix":
+        sd = {f"module.{k}": v for k, v in sd.items()}
+        save_checkpoint({"model": sd, "epoch": 3}, tmp_path, step=10)
+    else:
+        save_checkpoint(sd, tmp_path, step=10)
+    model, _ = _trained(1)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    state = {"model": model.state_dict(), "epoch": 0}
+    with pytest.raises(CheckpointMismatchError,
+                       match=r"no tensor for 7 of the tensors the state holds: "
+                             r"\['model'\]\['0.weight'\], \['model'\]\['0.bias'\]"):
+        load_checkpoint(state, tmp_path)
+    assert state["epoch"] == 0 and set(state) == {"model", "epoch"}
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+
+
+def test_keys_the_checkpoint_lacks_that_hold_no_tensor_are_left_alone(tmp_path):
+    save_checkpoint({"w": torch.ones(2)}, tmp_path, step=1)
+    state = {"w": torch.zeros(2), "note": "mine", "groups": [{"lr": 0.1}]}
+    load_checkpoint(state, tmp_path)
+    assert state == {"w": state["w"], "note": "mine", "groups": [{"lr": 0.1}]}
+    assert state["w"].tolist() == [1.0, 1.0]
