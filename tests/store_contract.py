@@ -225,6 +225,24 @@ class StoreContract:
         assert_state_is(loaded.state, 2)
         assert {step: p for step, _, p in make().verify()} == {1: None, 2: None}
 
+    def test_retention_does_not_count_a_step_a_load_found_corrupt(self, make):
+        """keep_last=2 after a load skipped a damaged step 2: the good step 1 stays
+        beside the new step 3 (the damaged one is not counted, and stays while newer
+        than the oldest kept step); once two newer steps load, both old ones go."""
+        store = make(keep_last=2)
+        store.save(make_state(1), step=1)
+        store.save(make_state(2), step=2)
+        _damage_newest(store, "truncate")
+        resumed = make(keep_last=2)
+        assert resumed.load().step == 1
+        resumed.save(make_state(3), step=3)
+        resumed.wait()
+        assert {step: p is None for step, _, p in make().verify()} == {
+            1: True, 2: False, 3: True}
+        resumed.save(make_state(4), step=4)
+        resumed.wait()
+        assert [(step, p) for step, _, p in make().verify()] == [(3, None), (4, None)]
+
     def test_unfinished_save_is_invisible_and_cleaned_by_the_next_save(self, make):
         store = make(keep_last=5, stale_after_s=0)  # leftovers older than 0 s are stale
         store.save(make_state(1, n=10), step=1)

@@ -144,6 +144,8 @@ class Layout:
             LocalBackend(root, url=url, writer_id=self.writer_id, private=private)
             if is_local(fs) else ObjectBackend(fs, root, url=url, read=self._read))
         self._warned_older = False  # a save older than the newest committed was logged
+        # steps a load of this layout skipped as corrupt: retention does not count them
+        self.found_corrupt: set[int] = set()
 
     # ------------------------------------------------------------------ helpers
     def _read(self, fn: Callable[[], Any], what: str,
@@ -331,6 +333,7 @@ class Layout:
                         break
                     log.warning("skipping checkpoint %s, falling back to an older one: %s",
                                 d.path, e)
+                    self.found_corrupt.add(d.step)
             if not rescan:
                 return None
         raise CheckpointError(f"checkpoints in {self.url} kept changing while being read "
@@ -446,7 +449,13 @@ class Layout:
         newest step this store wrote or fully verified: a newer one that a read error
         hid is still the real newest); anything another store committed since
         ``started`` (then :class:`CheckpointConflictError` reports the second writer).
+
+        A step a load of this layout found corrupt (:attr:`found_corrupt`) and nobody
+        has saved again since is not counted: it stays while newer than the oldest kept
+        step (as :meth:`prune` keeps one) and goes once older, so ``keep_last`` steps
+        that load are kept, never a damaged one in place of the last good one.
         """
+        self.found_corrupt.discard(just_written)
         committed = list(self.committed())
         foreign = [(d, m) for d, m in committed
                    if m.writer and m.writer != self.writer_id and m.time > started]
@@ -460,7 +469,10 @@ class Layout:
         counted = sorted((d for d, _ in committed
                           if d.step <= max(newest_verified, just_written)),
                          key=lambda d: d.step, reverse=True)
-        kept = {d.step for d in counted[:keep_last]} | {just_written}
+        bad = self.found_corrupt
+        kept = {d.step for d in [d for d in counted if d.step not in bad][:keep_last]}
+        kept.add(just_written)
+        oldest_kept = min(kept)
         newer = [d.step for d, _ in committed if d.step > just_written]
         if newer and not self._warned_older:
             self._warned_older = True  # once per store: a restarted loop saves many
@@ -469,7 +481,8 @@ class Layout:
                         just_written, max(newer), self.url, keep_last)
         deleted = []
         for d in counted:
-            if d.step in kept or d.step > just_written:
+            if d.step in kept or d.step > just_written or (d.step in bad
+                                                           and d.step > oldest_kept):
                 continue
             log.info("retention (keep_last=%d): deleting checkpoint step %d", keep_last, d.step)
             self.delete(d)

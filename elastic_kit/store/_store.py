@@ -130,7 +130,8 @@ class CheckpointStore:
             test its own "local disk".
         keep_last: committed checkpoints to keep (``None``: keep all). Older ones are
             deleted only after a newer one is committed, and never one newer than the
-            newest this store wrote or verified.
+            newest this store wrote or verified. A step this store's load skipped as
+            corrupt is not counted (so ``keep_last`` loadable ones stay).
         node_local: every node writes its own directory (local disks); on load the
             newest step held anywhere is broadcast from its holder.
         storage_options: passed to fsspec (credentials, endpoint_url, ...).
@@ -820,6 +821,7 @@ class CheckpointStore:
             except _ShardsCorrupt as e:
                 log.warning("skipping checkpoint step %d, falling back to an older one: %s",
                             e.step, e.__cause__)
+                self._layout.found_corrupt.add(e.step)
                 below = e.step
             except ShardsVanished as e:
                 # deleted or saved again while its shards were read (on every rank
