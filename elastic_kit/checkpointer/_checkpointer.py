@@ -213,23 +213,46 @@ class Checkpointer(Lifecycle):
         self._restored = True
         return int(state.epoch)
 
-    def sample_weights(self, n: int, *, device: Any = None,
+    def sample_weights(self, n: int, *, offset: int = 0, device: Any = None,
                        dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Per-sample loss weights for this rank's next batch of ``n`` samples.
 
         ``W / n_real`` for real samples and 0 for the padding that fills the epoch's
-        last step (``n_real``: real samples of the whole step, over all ranks), so
-        that ``(per_sample_loss * weights).sum()`` under DDP (which averages the
-        ranks' gradients) is the mean loss over exactly the step's real samples:
-        every sample counts once, and the last, partial step is not biased by
-        repeated ones. Call it before :meth:`step` for the same batch.
+        last step (``n_real``: real samples of the batch, over all ranks), so that
+        ``(per_sample_loss * weights).sum()`` under DDP (which averages the ranks'
+        gradients) is the mean loss over exactly the batch's real samples: every
+        sample counts once, and the last, partial step is not biased by repeated
+        ones. Call it before :meth:`step` for the same batch.
+
+        With gradient accumulation (several micro-batches, then one
+        :meth:`step` with their total), give each micro-batch its place in the step:
+        ``offset`` is this rank's samples in the step's earlier micro-batches. Each
+        micro-batch's weights average over its own real samples; divide its loss by
+        the number of micro-batches as usual. A step whose micro-batches were all
+        weighed at offset 0 is refused by :meth:`step` (every one would have the
+        first one's padding mask).
 
         Example::
 
             criterion = nn.CrossEntropyLoss(reduction="none")
             loss = (criterion(model(x), y) * ckpt.sample_weights(len(x), device=x.device)).sum()
+
+            done = 0                                  # accumulating micro-batches
+            for x, y in micro_batches:
+                w = ckpt.sample_weights(len(x), offset=done, device=x.device)
+                ((criterion(model(x), y) * w).sum() / len(micro_batches)).backward()
+                done += len(x)
+            optimizer.step()
+            ckpt.step(done)
+
+        Raises:
+            ValueError: ``n`` or ``offset`` is negative.
         """
-        return self._progress.weights(operator.index(n), device=device, dtype=dtype)
+        n, offset = operator.index(n), operator.index(offset)
+        if n < 0 or offset < 0:
+            raise ValueError(f"sample_weights(n={n}, offset={offset}): both must be >= 0 "
+                             f"(this rank's samples in the batch, and before it in the step)")
+        return self._progress.weights(n, offset=offset, device=device, dtype=dtype)
 
     def step(self, n: int) -> None:
         """Record one optimizer step in which this rank trained ``n`` samples.
@@ -248,7 +271,8 @@ class Checkpointer(Lifecycle):
                 given it as its sampler, and its iterator made after the restore).
             ValueError: ``n`` is negative, or the step starts past the end of the
                 pass the sampler dealt (``step()`` called twice per step, or with the
-                global batch size).
+                global batch size), or its micro-batches were all weighed at offset 0
+                (see :meth:`sample_weights`).
         """
         self._require_restored("step")
         n = operator.index(n)

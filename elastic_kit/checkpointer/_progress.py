@@ -81,27 +81,50 @@ class Progress:
         # with where its totals will end
         self._covered: tuple[int, int] = (-1, 0)
         self._sum: tuple[AuditSum, tuple[int, int]] | None = None
+        # (offset, n) of every weights() call since the last step
+        self._weighed: list[tuple[int, int]] = []
 
-    def _position(self, sampler: ElasticDistributedSampler, n: int) -> tuple[int, int, int]:
-        """``(j0, n_real, W)``: this rank's local offset in the pass, the real samples
-        over all ranks of a step of ``n`` per rank from there, and the world size."""
+    def _position(self, sampler: ElasticDistributedSampler, n: int,
+                  offset: int = 0) -> tuple[int, int, int]:
+        """``(j0, n_real, W)``: this rank's local offset in the pass (``offset`` local
+        samples into the next step), the real samples over all ranks of ``n`` per rank
+        from there, and the world size."""
         w, r0 = sampler.num_replicas, sampler.dataset_length - sampler.pass_start
-        j0 = (sampler.consumed - sampler.pass_start) // w
+        j0 = (sampler.consumed - sampler.pass_start) // w + offset
         return j0, max(0, min(r0 - j0 * w, n * w)), w
 
-    def weights(self, n: int, *, device: Any, dtype: torch.dtype) -> torch.Tensor:
-        """``W / n_real`` for the next ``n`` local samples that are real, 0 for padding."""
+    def weights(self, n: int, *, offset: int = 0, device: Any,
+                dtype: torch.dtype) -> torch.Tensor:
+        """``W / n_real`` for the ``n`` local samples from ``offset`` into the next
+        step that are real, 0 for padding."""
+        self._weighed.append((offset, n))
         sampler = self.state.sampler
         if sampler is None:
             return torch.full((n,), 1.0 / max(n, 1), dtype=dtype, device=device)
-        j0, n_real, w = self._position(sampler, n)
+        j0, n_real, w = self._position(sampler, n, offset)
         real = sampler.real_mask(j0, j0 + n, position=sampler.pass_start)
         return real.to(device=device, dtype=dtype).mul_(w / max(n_real, 1))
+
+    def _check_weighed(self, n: int) -> None:
+        """Refuse a step whose micro-batches were all weighed as its first: the later
+        ones got the first one's padding mask (a padding sample of the epoch's last
+        step trained at full weight)."""
+        weighed, self._weighed = self._weighed, []
+        if len(weighed) > 1 and all(o == 0 for o, _ in weighed) and sum(
+                m for _, m in weighed) == n:
+            sizes = [m for _, m in weighed]
+            raise ValueError(
+                f"step(n={n}): sample_weights() was called for {len(weighed)} micro-batches "
+                f"of this step ({sizes} samples), each at offset 0, so every one got the "
+                f"first micro-batch's weights; pass each one's position in the step: "
+                f"sample_weights(len(x), offset=samples of the step's earlier "
+                f"micro-batches)")
 
     def advance(self, n: int, *, audited: bool) -> None:
         """A step of ``n`` samples per rank: advance the sampler by its real samples
         over all ranks and, when ``audited``, note them for the audit."""
         state, sampler = self.state, self.state.sampler
+        self._check_weighed(n)
         if sampler is None:
             return
         j0, n_real, _ = self._position(sampler, n)

@@ -107,6 +107,49 @@ def test_sample_weights_count_every_real_sample_once_on_the_last_partial_step() 
     assert sum(sum(w) for w in last) == pytest.approx(3.0)
 
 
+def _accumulated_weights(offsets: bool) -> list[tuple[int, float]]:
+    """7 samples over 2 ranks, micro-batches of 2, two per optimizer step: (sample,
+    weight) of every sample; rank 1's last position is padding, in the step's second
+    micro-batch."""
+    ek.init_distributed()
+    data = TensorDataset(torch.arange(7))
+    sampler = ek.ElasticDistributedSampler(data, seed=1)
+    model = nn.Linear(1, 1)
+    state = ek.TrainState(model, torch.optim.SGD(model.parameters(), 0.1), sampler=sampler)
+    ckpt = ek.Checkpointer(state, None, handle_signals=False)
+    ckpt.restore()
+    it = iter(DataLoader(data, batch_size=2, sampler=sampler))
+    out: list[tuple[int, float]] = []
+    done = 0  # the epoch is one optimizer step: 4 samples per rank
+    for (x,) in (next(it), next(it)):
+        w = ckpt.sample_weights(len(x), offset=done if offsets else 0)
+        out += list(zip(x.tolist(), w.tolist()))
+        done += len(x)
+    ckpt.step(done)
+    ckpt.close()
+    return out
+
+
+def test_accumulated_micro_batches_weigh_the_padding_zero_with_their_offsets() -> None:
+    per_rank = spawn_multi_process(2, _accumulated_weights, True)
+    pairs = per_rank[0] + per_rank[1]
+    assert len(pairs) == 8
+    weighed = [i for i, w in pairs if w > 0]
+    assert sorted(weighed) == list(range(7))            # every sample once, padding 0
+    assert [w for _, w in per_rank[1]][-1] == 0.0
+    # each micro-batch averages over its real samples (DDP divides by W=2): the
+    # second holds 3 real samples over both ranks, the first 4
+    assert [w for _, w in per_rank[0]] == pytest.approx([0.5, 0.5, 2 / 3, 2 / 3])
+    assert [w for _, w in per_rank[1]] == pytest.approx([0.5, 0.5, 2 / 3, 0.0])
+
+
+def test_micro_batches_all_weighed_at_offset_0_are_refused_at_the_step() -> None:
+    with pytest.raises(Exception, match=r"sample_weights\(\) was called for 2 micro-batches "
+                                        r"of this step \(\[2, 2\] samples\), each at "
+                                        r"offset 0"):
+        spawn_multi_process(2, _accumulated_weights, False)
+
+
 def _linear_at_world_size_1(url: Any, **options: Any) -> tuple[Any, Any, Any, Any]:
     """``(dataset, sampler, state, checkpointer)`` of a linear model at world size 1."""
     torch.manual_seed(0)
