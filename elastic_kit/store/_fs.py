@@ -73,7 +73,14 @@ def resolve_url(url: str | os.PathLike[str], storage_options: dict[str, Any] | N
     if io_timeout is not None and protocol in ("s3", "s3a"):
         options = s3_timeout_options(options, io_timeout)
     try:
-        fs, root = fsspec.core.url_to_fs(url, **options)
+        if protocol == "file":
+            # a local path as written: fsspec's URL chaining would read "a::b" as the
+            # chain of "a" and "b", and store the checkpoints of run "exp::lr=0.1" in
+            # "exp", beside every other run named "exp::..."
+            fs = fsspec.filesystem("file", **options)
+            root = fs._strip_protocol(url)
+        else:
+            fs, root = fsspec.core.url_to_fs(url, **options)
     except ImportError as e:
         extra = EXTRAS.get(protocol)
         hint = (f"pip install 'elastic_kit[{extra}]'" if extra

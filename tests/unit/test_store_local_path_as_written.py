@@ -1,0 +1,34 @@
+"""A local checkpoint path is used as written: "::" in a run's name (fsspec's URL
+chaining for remote URLs) names a directory, so two runs never share a store."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from elastic_kit.store import CheckpointStore
+
+
+@pytest.mark.parametrize("scheme", ["", "file://"])
+def test_a_double_colon_in_a_local_path_names_its_own_directory(tmp_path: Path,
+                                                                  scheme: str) -> None:
+    a = CheckpointStore(f"{scheme}{tmp_path}/exp::lr=0.1")
+    a.save({"w": torch.ones(2)}, step=100)
+    assert a.root == f"{tmp_path}/exp::lr=0.1"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["exp::lr=0.1"]
+    b = CheckpointStore(f"{scheme}{tmp_path}/exp::lr=0.2")
+    assert b.load() is None and b.list() == []
+    assert CheckpointStore(f"{tmp_path}/exp::lr=0.1").load().step == 100
+    for s in (a, b):
+        s.close()
+
+
+def test_home_and_relative_paths_still_resolve(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                               ) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    assert CheckpointStore("~/ck").root == f"{tmp_path}/home/ck"
+    assert CheckpointStore("rel/ck").root == f"{tmp_path}/rel/ck"
+    assert CheckpointStore("file://rel/ck").root == f"{tmp_path}/rel/ck"
