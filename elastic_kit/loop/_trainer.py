@@ -154,7 +154,10 @@ class ElasticLoop:
         return self.state.sampler
 
     def request_stop(self) -> None:
-        """Save and stop at the end of the current step as if SIGTERM had arrived."""
+        """Save and stop as if SIGTERM had arrived on this rank: every rank stops at
+        the same step, within about 0.4 s of training after the call (the ranks agree
+        at their next flag exchange; with one rank, at the end of the current step).
+        Steps trained in between are kept and saved."""
         self._stop_requested = True
         if self.checkpointer is not None:
             self.checkpointer.request_stop()
