@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import errno
 import json
 import logging
+import os
 import sys
 from typing import Any, Sequence
 
@@ -34,7 +36,7 @@ exit codes:
   1  verify found at least one corrupt or incomplete checkpoint (each is listed with
      its reason; load() skips it)
   2  usage error, unknown URL protocol, bad storage option, missing filesystem extra,
-     unreachable store, missing bucket, a URL that is a file
+     unreachable store, missing bucket or local directory, a URL that is a file
 
 examples:
   python -m elastic_kit ls /shared/ckpt
@@ -112,6 +114,8 @@ def _fmt_time(t: float | None) -> str:
 
 
 def _open_store(args: argparse.Namespace) -> Any:
+    from fsspec.implementations.local import LocalFileSystem
+
     from elastic_kit.store import CheckpointStore
     from elastic_kit.distributed import DistInfo
 
@@ -125,8 +129,13 @@ def _open_store(args: argparse.Namespace) -> Any:
             raise ValueError(f"--storage-options={args.storage_options!r} must be a JSON object")
     # A lone process: never join or wait for a process group. A few quick read
     # attempts: a tool should report an unreachable store, not wait on it.
-    return CheckpointStore(args.url, storage_options=opts, keep_last=None, info=DistInfo(),
-                           read_attempts=2, io_timeout=10.0)
+    store = CheckpointStore(args.url, storage_options=opts, keep_last=None, info=DistInfo(),
+                            read_attempts=2, io_timeout=10.0)
+    if isinstance(store.fs, LocalFileSystem) and not os.path.isdir(store.root):
+        # a mistyped path, not an empty store (an object store has no directories)
+        raise FileNotFoundError(errno.ENOENT, "the directory does not exist (no checkpoint "
+                                "was ever saved there)", store.root)
+    return store
 
 
 def _printed_as_json_or_none(rows: list[dict[str, Any]], as_json: bool, none: str) -> bool:

@@ -96,6 +96,7 @@ def test_prune_dry_run_reports_how_many_would_really_stay(store_url, tmp_path, c
     assert main(["prune", store_url, "--keep", "2", "--dry-run"]) == EXIT_OK
     assert capsys.readouterr().out.splitlines()[-1] == "would keep 2 checkpoint(s)"
     empty = str(tmp_path / "empty")
+    (tmp_path / "empty").mkdir()
     assert main(["prune", empty, "--keep", "2", "--dry-run"]) == EXIT_OK
     assert capsys.readouterr().out.splitlines() == ["would keep 0 checkpoint(s)"]
     assert main(["prune", empty, "--keep", "2"]) == EXIT_OK
@@ -137,3 +138,17 @@ def test_python_m_elastic_kit_exits_1_on_a_corrupt_store(store_url):
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == EXIT_CORRUPT, run.stdout + run.stderr
     assert "CORRUPT  step 30" in run.stdout
+
+
+@pytest.mark.parametrize("command", ["ls", "verify", "prune"])
+def test_a_local_store_that_does_not_exist_exits_2_naming_it(tmp_path, capsys, command):
+    """A mistyped path is no empty store: the tool says the directory is missing."""
+    missing = str(tmp_path / "no-such-run")
+    argv = [command, missing] + (["--keep", "1"] if command == "prune" else [])
+    assert main(argv) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: cannot access {missing!r}: ") and "does not exist" in err
+    assert not (tmp_path / "no-such-run").exists()  # nothing created by looking
+    (tmp_path / "empty").mkdir()
+    assert main(["ls", str(tmp_path / "empty")]) == EXIT_OK
+    assert "no checkpoints in" in capsys.readouterr().out
