@@ -534,6 +534,17 @@ class TrainState:
         # copies of the top level: torch renames keys in place (to the ``_orig_mod.``
         # names of compiled blocks), which would leave ``sd`` unfit for another load
         model_sd = dict(sd["model"])
+        live = model.state_dict()
+        whole = [k for k, v in model_sd.items() if isinstance(v, torch.Tensor)
+                 and not is_dtensor(v) and is_dtensor(live.get(k))]
+        if whole:
+            raise CheckpointMismatchError(
+                f"the checkpoint holds whole tensors where this sharded model holds "
+                f"DTensors ({', '.join(whole[:3])}{' ...' if len(whole) > 3 else ''}): a "
+                f"checkpoint of an unsharded model (DDP), or one loaded without into=; "
+                f"load a sharded checkpoint with load_checkpoint(state, url), and a whole "
+                f"model's with load_checkpoint({{'model': model.state_dict()}}, url) "
+                f"(each rank's DTensors take their part of the whole tensors)")
         optim_sd = sd.get("optimizer")
         if self.optimizer is not None and optim_sd is not None:
             unstepped = isinstance(optim_sd, dict) and bool(optim_sd.get(UNSTEPPED_KEY))

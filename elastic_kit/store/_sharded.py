@@ -627,14 +627,14 @@ def read_sharded(layout: Layout, d: StepDir, manifest: Manifest, replicated: Any
 
     ``into``: a state tree whose DTensors say the layout to load into (the live
     state); a saved tensor at a path where ``into`` holds a DTensor is loaded as a
-    DTensor of the same mesh and placements, reading only this rank's box; any other
-    is loaded whole. None: every tensor whole.
+    DTensor of the same mesh, placements and dtype, reading only this rank's box; any
+    other is loaded whole. None: every tensor whole.
 
     Raises:
         CheckpointCorruptError: on every rank, when a chunk's checksum or a tensor's
             global digest does not match (the state is not returned).
-        CheckpointMismatchError: a saved tensor's shape or dtype differs from the
-            template's.
+        CheckpointMismatchError: a saved tensor's shape differs from the template's
+            (a dtype is converted to the template's, as ``load_state_dict`` does).
         ShardsVanished: on every rank, when a shard file disappeared because the
             checkpoint was deleted or saved again meanwhile.
         CheckpointError: a rank could not read its ranges (after retries).
@@ -658,7 +658,7 @@ def read_sharded(layout: Layout, d: StepDir, manifest: Manifest, replicated: Any
                 filled[i] = full
                 mine.append(0)
                 continue
-            if tuple(target.shape) != t.shape or target.dtype != dtype:
+            if tuple(target.shape) != t.shape:  # a dtype is converted, as copy_ does
                 raise CheckpointMismatchError(
                     f"checkpoint tensor {t.path} is {t.dtype}{list(t.shape)}, the state to "
                     f"load into has {dtype_name(target.dtype)}{list(target.shape)}; nothing "
@@ -669,7 +669,8 @@ def read_sharded(layout: Layout, d: StepDir, manifest: Manifest, replicated: Any
             mine.append(partial(local, offsets, t.shape) if owner else 0)
             from torch.distributed.tensor import DTensor
 
-            filled[i] = DTensor.from_local(local.to(target.to_local().device),
+            filled[i] = DTensor.from_local(local.to(target.to_local().device,
+                                                    dtype=target.dtype),
                                            target.device_mesh, target.placements,
                                            run_check=False, shape=target.shape,
                                            stride=target.stride())

@@ -509,3 +509,68 @@ def test_a_dict_of_fsdp_state_dicts_loads_into_the_model_itself(tmp_path, sharde
     full = next(r["full"] for r in res if r["rank"] == 0)
     assert {k: v for k, v in full.items() if k.startswith("model/")} == expected
     assert [(r["step"], r["epoch"]) for r in res] == [(5, 2), (5, 2)]
+
+
+def _load_fp32_into_bf16(url: str) -> dict:
+    import elastic_kit as ek
+
+    info = ek.init_distributed()
+    ek.save_checkpoint({"model": _model(3).state_dict()}, url, step=5)
+    model = _model(4).to(torch.bfloat16)  # fine-tuning in bf16 from an fp32 checkpoint
+    ek.load_checkpoint({"model": model.state_dict()}, url)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                cpu_offload=True))
+    return {"rank": info.rank, "full": {k: (repr(v.dtype), v.float().tolist())
+                                        for k, v in full.items()}}
+
+
+def test_a_sharded_checkpoint_loads_converted_to_the_dtype_the_dict_holds(tmp_path) -> None:
+    res = spawn_multi_process(2, _load_fp32_into_bf16, str(tmp_path / "ck"))
+    torch.manual_seed(3)
+    plain = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Linear(7, 4),
+                                torch.nn.Linear(4, 2))
+    expected = {k: ("torch.bfloat16", v.bfloat16().float().tolist())
+                for k, v in plain.state_dict().items()}
+    assert next(r["full"] for r in res if r["rank"] == 0) == expected
+
+
+def _whole_into_sharded_train_state(url: str) -> dict:
+    import elastic_kit as ek
+    from elastic_kit.errors import CheckpointMismatchError
+
+    info = ek.init_distributed()
+    torch.manual_seed(3)
+    plain = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Linear(7, 4),
+                                torch.nn.Linear(4, 2))
+    if info.rank == 0:  # an unsharded job's checkpoint (DDP: rank 0 writes)
+        ek.save_checkpoint(ek.TrainState(plain, torch.optim.SGD(plain.parameters(), 0.1)),
+                           url, step=5)
+    torch.distributed.barrier()
+    model = _model(4)
+    state = ek.TrainState(model, torch.optim.AdamW(model.parameters(), lr=0.01))
+    try:
+        ek.load_checkpoint(state, url)
+        refused = ""
+    except CheckpointMismatchError as e:
+        refused = str(e)
+    ek.load_checkpoint({"model": model.state_dict()}, url)  # the way the error names
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    return {"rank": info.rank, "refused": refused, "full": _full(model, opt)}
+
+
+def test_a_whole_checkpoint_into_a_sharded_train_state_is_refused_naming_the_way(
+        tmp_path) -> None:
+    res = spawn_multi_process(2, _whole_into_sharded_train_state, str(tmp_path / "ck"))
+    for r in res:
+        assert "holds whole tensors where this sharded model holds DTensors (0.weight" \
+            in r["refused"], r["refused"]
+        assert "load_checkpoint({'model': model.state_dict()}, url)" in r["refused"]
+    torch.manual_seed(3)
+    plain = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Linear(7, 4),
+                                torch.nn.Linear(4, 2))
+    expected = {f"model/{k}": (v.dtype.__repr__(), v.tolist())
+                for k, v in plain.state_dict().items()}
+    full = next(r["full"] for r in res if r["rank"] == 0)
+    assert {k: v for k, v in full.items() if k.startswith("model/")} == expected
