@@ -133,6 +133,9 @@ def _open_store(args: argparse.Namespace) -> Any:
                             read_attempts=2, io_timeout=10.0)
     if isinstance(store.fs, LocalFileSystem) and not os.path.isdir(store.root):
         # a mistyped path, not an empty store (an object store has no directories)
+        if os.path.lexists(store.root):
+            raise NotADirectoryError(errno.ENOTDIR, "not a directory (a store is one)",
+                                     store.root)
         raise FileNotFoundError(errno.ENOENT, "the directory does not exist (no checkpoint "
                                 "was ever saved there)", store.root)
     return store

@@ -10,6 +10,7 @@ read in one place.
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
@@ -159,6 +160,14 @@ class Lifecycle:
                 # (an exception, the interpreter's exit), must not end it first
                 self._left.wait(SILENT_EXIT_WRITE_S)
             return
+        if at_exit and getattr(sys, "last_value", None) is None and self.snapshots is not None:
+            # no uncaught exception: the script ended (or called sys.exit) without
+            # close(), so its memory stays as a failed worker's would
+            log.warning("the script exited without ckpt.close(): this rank's snapshot in "
+                        "%s is kept for a restart, as after a failure; call close() (or use "
+                        "'with Checkpointer(...)') when training ends, or remove it with "
+                        "'python -m elastic_kit snapshots --remove'",
+                        self.snapshots.run_dir)
         try:
             self._stop_heartbeat()
             # the audit sum of a snapshot in flight: a dead peer never joins it

@@ -128,3 +128,25 @@ def test_a_sigterm_while_the_last_state_is_written_at_exit_does_not_cut_it_short
     assert proc.returncode == 1 and "a collective failed" in err, (proc.returncode, err)
     steps = _steps(shm, url)
     assert steps == ["step-000000000004"], steps
+
+
+NO_CLOSE_SCRIPT = _script(every=2, steps=4, write_s=0.0, print_writes=False,
+                          handle_signals=False, end="""
+    print("trained", state.step, flush=True)  # and ends: no close(), no with-block
+""")
+
+
+def test_a_script_that_ends_without_close_is_told_its_snapshot_stays(tmp_path: Path) -> None:
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    url = str(tmp_path / "ckpt")
+    done = subprocess.run([sys.executable, "-c", NO_CLOSE_SCRIPT, url], env=_env(shm),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.split() == ["trained", "4"], done.stderr
+    assert "exited without ckpt.close(): this rank's snapshot in" in done.stderr
+    assert "snapshots --remove" in done.stderr
+    assert _steps(shm, url) == ["step-000000000004"]
+    # one that died of an exception is not told so: its snapshot is for the restart
+    died = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / "ck2")],
+                          env=_env(shm), capture_output=True, text=True, timeout=120)
+    assert died.returncode == 1 and "exited without ckpt.close()" not in died.stderr

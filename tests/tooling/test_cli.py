@@ -152,3 +152,6 @@ def test_a_local_store_that_does_not_exist_exits_2_naming_it(tmp_path, capsys, c
     (tmp_path / "empty").mkdir()
     assert main(["ls", str(tmp_path / "empty")]) == EXIT_OK
     assert "no checkpoints in" in capsys.readouterr().out
+    (tmp_path / "a-file").write_text("x")
+    assert main([command, str(tmp_path / "a-file")] + argv[2:]) == EXIT_USAGE
+    assert "not a directory" in capsys.readouterr().err
