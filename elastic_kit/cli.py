@@ -154,12 +154,20 @@ def _printed_as_json_or_none(rows: list[dict[str, Any]], as_json: bool, none: st
     return False
 
 
+def _url_of(store: Any, path: str) -> str:
+    """``path`` (inside the store's filesystem) as a URL the tool takes back: with its
+    scheme on an object store (``s3://bucket/run/step-...``), as is on a local disk."""
+    from fsspec.implementations.local import LocalFileSystem
+
+    return path if isinstance(store.fs, LocalFileSystem) else store.fs.unstrip_protocol(path)
+
+
 def _cmd_ls(store: Any, args: argparse.Namespace) -> int:
     infos = {i.step: i for i in store.list()}
     rows = []
     for step, path, problem in store.verify(deep=False):
         i = infos.get(step)
-        rows.append({"step": step, "path": path,
+        rows.append({"step": step, "path": _url_of(store, path),
                      "size_bytes": i.size_bytes if i else None,
                      "time": i.time if i else None, "epoch": i.epoch if i else None,
                      "status": "ok" if problem is None else
@@ -184,7 +192,7 @@ def _cmd_verify(store: Any, args: argparse.Namespace) -> int:
     bad = 0
     for step, path, problem in results:
         if problem is None:
-            print(f"OK       step {step}  {path}")
+            print(f"OK       step {step}  {_url_of(store, path)}")
         else:
             bad += 1
             print(f"CORRUPT  step {step}  {problem}")
@@ -199,7 +207,8 @@ def _cmd_prune(store: Any, args: argparse.Namespace) -> int:
     listed = len(store.list()) if args.dry_run else 0
     doomed = store.prune(args.keep, dry_run=args.dry_run)
     for i in doomed:
-        print(("would delete" if args.dry_run else "deleting") + f" step {i.step}  {i.path}")
+        print(("would delete" if args.dry_run else "deleting")
+              + f" step {i.step}  {_url_of(store, i.path)}")
     if args.dry_run:
         print(f"would keep {listed - len(doomed)} checkpoint(s)")
     else:

@@ -155,3 +155,24 @@ def test_a_local_store_that_does_not_exist_exits_2_naming_it(tmp_path, capsys, c
     (tmp_path / "a-file").write_text("x")
     assert main([command, str(tmp_path / "a-file")] + argv[2:]) == EXIT_USAGE
     assert "not a directory" in capsys.readouterr().err
+
+
+def test_paths_on_an_object_store_are_printed_as_urls(capsys):
+    url = "memory://ek-cli-urls/run"
+    store = CheckpointStore(url, keep_last=None)
+    for step in (1, 2):
+        store.save({"w": torch.ones(3)}, step=step)
+    store.close()
+    try:
+        assert main(["ls", url, "--json"]) == EXIT_OK
+        rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+        shown = "memory:///ek-cli-urls/run"  # the memory filesystem's paths start with /
+        assert [r["path"] for r in rows] == [f"{shown}/step-{s:012d}" for s in (1, 2)]
+        assert main(["verify", shown]) == EXIT_OK  # taken back as printed
+        assert f"OK       step 2  {shown}/step-000000000002" in capsys.readouterr().out
+        assert main(["prune", url, "--keep", "1"]) == EXIT_OK
+        assert f"deleting step 1  {shown}/step-000000000001" in capsys.readouterr().out
+    finally:
+        import fsspec
+
+        fsspec.filesystem("memory").rm("/ek-cli-urls", recursive=True)
