@@ -205,6 +205,58 @@ def _sharded_state(model: nn.Module, optimizer: Optimizer | None) -> tuple[Any, 
     return model_sd, optim_sd
 
 
+def _is_whole(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and not is_dtensor(value)
+
+
+def _distributed_like(whole: torch.Tensor, like: Any, path: str) -> Any:
+    """This rank's part of ``whole``, as a DTensor of ``like``'s mesh, placements and
+    dtype (every rank holds the same whole tensor: no communication)."""
+    from torch.distributed.tensor import distribute_tensor
+
+    if tuple(whole.shape) != tuple(like.shape):
+        raise CheckpointMismatchError(
+            f"checkpoint tensor {path} has shape {list(whole.shape)}, the sharded state "
+            f"holds {list(like.shape)}; nothing was loaded")
+    return distribute_tensor(whole.to(device=like.device, dtype=like.dtype),
+                             like.device_mesh, like.placements, src_data_rank=None)
+
+
+def _by_index(optim_sd: Any) -> bool:
+    """Whether ``optim_sd`` is an optimizer's own ``state_dict()`` (parameters by
+    position), as an unsharded job saves it, not keyed by parameter name."""
+    if not isinstance(optim_sd, dict) or not isinstance(optim_sd.get("param_groups"), list):
+        return False
+    return any(isinstance(p, int) for g in optim_sd["param_groups"] if isinstance(g, dict)
+               for p in g.get("params", ()))
+
+
+def _by_name(optim_sd: dict[str, Any], model: nn.Module, optimizer: Optimizer
+             ) -> dict[str, Any]:
+    """An unsharded optimizer's state dict (parameters by position) in the form a
+    sharded one loads (by parameter name, state tensors as DTensors laid out as their
+    parameter): position ``i`` is the ``i``-th parameter of the optimizer's groups, as
+    ``Optimizer.state_dict`` numbers them."""
+    _, template = _sharded_state(model, optimizer)
+    names = [n for g in template["param_groups"] for n in g["params"]]
+    groups = optim_sd["param_groups"]
+    if [len(g["params"]) for g in groups] != [len(g["params"]) for g in template["param_groups"]]:
+        raise CheckpointMismatchError(
+            f"checkpoint optimizer has groups of {[len(g['params']) for g in groups]} "
+            f"parameters, this optimizer {[len(g['params']) for g in template['param_groups']]}; "
+            f"nothing was loaded")
+    state: dict[str, Any] = {}
+    for i, entry in (optim_sd.get("state") or {}).items():
+        name = names[int(i)]
+        like = template["state"].get(name, {})
+        state[name] = {k: _distributed_like(v, like[k], f"optimizer[{name!r}][{k!r}]")
+                       if _is_whole(v) and is_dtensor(like.get(k)) else v
+                       for k, v in entry.items()}
+    return {"state": state,
+            "param_groups": [dict(g, params=[names[int(i)] for i in g["params"]])
+                             for g in groups]}
+
+
 @contextlib.contextmanager
 def _left_fresh(optimizer: Optimizer, *, unless_loaded: bool = False) -> Iterator[None]:
     """Undo, on leaving, what torch's state-dict functions did to an optimizer that had
@@ -534,18 +586,15 @@ class TrainState:
         # copies of the top level: torch renames keys in place (to the ``_orig_mod.``
         # names of compiled blocks), which would leave ``sd`` unfit for another load
         model_sd = dict(sd["model"])
-        live = model.state_dict()
-        whole = [k for k, v in model_sd.items() if isinstance(v, torch.Tensor)
-                 and not is_dtensor(v) and is_dtensor(live.get(k))]
-        if whole:
-            raise CheckpointMismatchError(
-                f"the checkpoint holds whole tensors where this sharded model holds "
-                f"DTensors ({', '.join(whole[:3])}{' ...' if len(whole) > 3 else ''}): a "
-                f"checkpoint of an unsharded model (DDP), or one loaded without into=; "
-                f"load a sharded checkpoint with load_checkpoint(state, url), and a whole "
-                f"model's with load_checkpoint({{'model': model.state_dict()}}, url) "
-                f"(each rank's DTensors take their part of the whole tensors)")
+        # whole tensors (an unsharded job's checkpoint, or one read without into=):
+        # each rank takes its part, as DTensors of the layout it holds now
+        live = _expected_model_state(model)
+        for k, v in model_sd.items():
+            if _is_whole(v) and is_dtensor(live.get(k)):
+                model_sd[k] = _distributed_like(v, live[k], f"model[{k!r}]")
         optim_sd = sd.get("optimizer")
+        if self.optimizer is not None and _by_index(optim_sd):
+            optim_sd = _by_name(optim_sd, model, self.optimizer)
         if self.optimizer is not None and optim_sd is not None:
             unstepped = isinstance(optim_sd, dict) and bool(optim_sd.get(UNSTEPPED_KEY))
             optim_sd = {k: v for k, v in optim_sd.items() if k != UNSTEPPED_KEY}
