@@ -231,30 +231,48 @@ def _by_index(optim_sd: Any) -> bool:
                for p in g.get("params", ()))
 
 
+def _holds_whole(optim_sd: Any) -> bool:
+    """Whether an optimizer state dict holds whole state tensors (beyond scalars such
+    as Adam's step): one read whole, without ``into=``."""
+    state = optim_sd.get("state") if isinstance(optim_sd, dict) else None
+    return isinstance(state, dict) and any(
+        _is_whole(v) and v.dim() > 0 for entry in state.values() if isinstance(entry, dict)
+        for v in entry.values())
+
+
 def _by_name(optim_sd: dict[str, Any], model: nn.Module, optimizer: Optimizer
              ) -> dict[str, Any]:
-    """An unsharded optimizer's state dict (parameters by position) in the form a
-    sharded one loads (by parameter name, state tensors as DTensors laid out as their
-    parameter): position ``i`` is the ``i``-th parameter of the optimizer's groups, as
-    ``Optimizer.state_dict`` numbers them."""
+    """An optimizer state dict of whole tensors in the form a sharded one loads (by
+    parameter name, state tensors as DTensors laid out as their parameter). Saved by
+    an unsharded job it names parameters by position: position ``i`` is the ``i``-th
+    parameter of the optimizer's groups, as ``Optimizer.state_dict`` numbers them."""
     _, template = _sharded_state(model, optimizer)
     names = [n for g in template["param_groups"] for n in g["params"]]
+    if not _by_index(optim_sd):
+        names_of = {n: n for n in names}
+    else:
+        names_of = dict(enumerate(names))
     groups = optim_sd["param_groups"]
     if [len(g["params"]) for g in groups] != [len(g["params"]) for g in template["param_groups"]]:
         raise CheckpointMismatchError(
             f"checkpoint optimizer has groups of {[len(g['params']) for g in groups]} "
             f"parameters, this optimizer {[len(g['params']) for g in template['param_groups']]}; "
             f"nothing was loaded")
-    state: dict[str, Any] = {}
-    for i, entry in (optim_sd.get("state") or {}).items():
-        name = names[int(i)]
-        like = template["state"].get(name, {})
-        state[name] = {k: _distributed_like(v, like[k], f"optimizer[{name!r}][{k!r}]")
-                       if _is_whole(v) and is_dtensor(like.get(k)) else v
-                       for k, v in entry.items()}
-    return {"state": state,
-            "param_groups": [dict(g, params=[names[int(i)] for i in g["params"]])
-                             for g in groups]}
+    try:
+        state: dict[str, Any] = {}
+        for key, entry in (optim_sd.get("state") or {}).items():
+            name = names_of[key]
+            like = template["state"].get(name, {})
+            state[name] = {k: _distributed_like(v, like[k], f"optimizer[{name!r}][{k!r}]")
+                           if _is_whole(v) and is_dtensor(like.get(k)) else v
+                           for k, v in entry.items()}
+        return {"state": state,
+                "param_groups": [dict(g, params=[names_of[p] for p in g["params"]])
+                                 for g in groups]}
+    except KeyError as e:
+        raise CheckpointMismatchError(
+            f"checkpoint optimizer state names parameter {e.args[0]!r}, which this "
+            f"optimizer does not hold; nothing was loaded") from e
 
 
 @contextlib.contextmanager
@@ -593,7 +611,7 @@ class TrainState:
             if _is_whole(v) and is_dtensor(live.get(k)):
                 model_sd[k] = _distributed_like(v, live[k], f"model[{k!r}]")
         optim_sd = sd.get("optimizer")
-        if self.optimizer is not None and _by_index(optim_sd):
+        if self.optimizer is not None and (_by_index(optim_sd) or _holds_whole(optim_sd)):
             optim_sd = _by_name(optim_sd, model, self.optimizer)
         if self.optimizer is not None and optim_sd is not None:
             unstepped = isinstance(optim_sd, dict) and bool(optim_sd.get(UNSTEPPED_KEY))

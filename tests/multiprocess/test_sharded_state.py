@@ -576,3 +576,32 @@ def test_an_unsharded_jobs_checkpoint_loads_into_a_sharded_train_state(tmp_path)
     full = next(r["full"] for r in res if r["rank"] == 0)
     assert full == expected
     assert [r["step"] for r in res] == [5, 5]
+
+
+def _read_whole_into_train_state(url: str) -> dict:
+    import elastic_kit as ek
+
+    info = ek.init_distributed()
+    model = _model(3)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    _train(model, opt, steps=2, seed=1)
+    store = ek.CheckpointStore(url)
+    store.save(ek.TrainState(model, opt).state_dict(), step=4)
+    saved = _full(model, opt)
+    model2 = _model(4)
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=0.01)
+    state = ek.TrainState(model2, opt2)
+    state.load_state_dict(store.load().state)  # no into=: every tensor read whole
+    store.close()
+    loaded = _full(model2, opt2)
+    _train(model2, opt2, steps=1, seed=2)  # the moments are DTensors: a step works
+    _train(model, opt, steps=1, seed=2)
+    return {"rank": info.rank, "saved": saved, "loaded": loaded,
+            "same_step": _full(model2, opt2) == _full(model, opt)}
+
+
+def test_a_sharded_checkpoint_read_whole_loads_into_a_train_state(tmp_path) -> None:
+    res = spawn_multi_process(2, _read_whole_into_train_state, str(tmp_path / "ck"))
+    r0 = next(r for r in res if r["rank"] == 0)
+    assert r0["loaded"] == r0["saved"] and len(r0["saved"]) > 6
+    assert r0["same_step"]
