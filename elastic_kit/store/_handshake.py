@@ -80,7 +80,7 @@ def _set_all(kv: Any, keys: list[str], values: list[str]) -> None:
 
 
 def handshake(kv: Any, prefix: str, rank: int, world_size: int, timeout: float,
-              what: str) -> None:
+              what: str, call: str = "load()") -> None:
     """Return once every rank of ``world_size`` is in the call named by ``prefix``
     (the same on every rank: the process's count of its ``load()`` calls), else raise
     on every rank that is (see the module docstring). No collective.
@@ -90,6 +90,8 @@ def handshake(kv: Any, prefix: str, rank: int, world_size: int, timeout: float,
         prefix: the call's keys.
         timeout: seconds to wait for the other ranks (``load_timeout``).
         what: the call, for messages (``"load() call #2 on s3://b/run"``).
+        call: what every rank must call, for messages (``"load()"``; a blocking
+            save of sharded state is collective too).
 
     Raises:
         CheckpointError: a rank did not take part within ``timeout``, or gave up, or
@@ -97,22 +99,23 @@ def handshake(kv: Any, prefix: str, rank: int, world_size: int, timeout: float,
     """
     try:
         if rank == 0:
-            _lead(kv, prefix, world_size, timeout, what)
+            _lead(kv, prefix, world_size, timeout, what, call)
         else:
-            _follow(kv, prefix, rank, timeout, what)
+            _follow(kv, prefix, rank, timeout, what, call)
     except DistError as e:  # the store's host died, or the store timed out
         raise CheckpointError(f"the process group's key-value store failed in {what} "
                               f"(rank {rank}): {type(e).__name__}: {e}") from e
 
 
-def _lead(kv: Any, prefix: str, world_size: int, timeout: float, what: str) -> None:
+def _lead(kv: Any, prefix: str, world_size: int, timeout: float, what: str,
+          call: str) -> None:
     mine = uuid.uuid4().hex
     here = f"{prefix}/{mine}"
     kv.set(f"{prefix}/lead", mine)
     poll = _Poll(timeout)
     while (joined := int(kv.add(f"{here}/joined", 0))) < world_size - 1:
         if poll.expired():
-            verdict = (f"load() is collective: call it on every rank. Rank 0 waited "
+            verdict = (f"{call} is collective: call it on every rank. Rank 0 waited "
                        f"{timeout:g} s (load_timeout) in {what}, and only {joined + 1} of "
                        f"{world_size} ranks called it")
             raise CheckpointError(_answer(kv, here, mine, world_size, verdict))
@@ -136,7 +139,8 @@ def _answer(kv: Any, here: str, mine: str, world_size: int, verdict: str) -> str
     return kv.compare_set(f"{here}/commit", "", verdict).decode()
 
 
-def _follow(kv: Any, prefix: str, rank: int, timeout: float, what: str) -> None:
+def _follow(kv: Any, prefix: str, rank: int, timeout: float, what: str,
+            call: str) -> None:
     mine = uuid.uuid4().hex
     joined: list[str] = []  # the values of rank 0's key this rank answered
     poll = _Poll(timeout)
@@ -153,14 +157,14 @@ def _follow(kv: Any, prefix: str, rank: int, timeout: float, what: str) -> None:
             reread_at = now + _REREAD_S
         lead = _answered(kv, prefix, joined, mine)
         if lead is None and poll.expired():
-            abort = (f"load() is collective: call it on every rank. Rank {rank} gave up "
+            abort = (f"{call} is collective: call it on every rank. Rank {rank} gave up "
                      f"waiting (load_timeout) in {what} before every rank called it")
             for value in joined:  # under every value read: one of them may be this call's
                 kv.compare_set(f"{prefix}/{value}/commit", "", abort)
             lead = _answered(kv, prefix, joined, mine)  # rank 0 may have answered since
             if lead is None:
                 raise CheckpointError(
-                    f"load() is collective: call it on every rank. Rank {rank} waited "
+                    f"{call} is collective: call it on every rank. Rank {rank} waited "
                     f"{timeout:g} s (load_timeout) in {what}, and rank 0 did not answer "
                     f"(did every rank call it?)")
         elif lead is None:

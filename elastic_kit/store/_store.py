@@ -82,10 +82,10 @@ def _reset_token() -> None:
 
 os.register_at_fork(after_in_child=_reset_token)
 
-# How many load() calls this process made in each process group, across stores: the
-# handshake keys of the n-th call are the same on every rank that calls load() in the
-# same order.
-_LOAD_SEQ: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+# How many load() calls (and blocking saves of sharded state) this process made in each
+# process group, across stores: the handshake keys of the n-th call are the same on
+# every rank that makes the calls in the same order.
+_CALL_SEQ: weakref.WeakKeyDictionary[Any, dict[str, int]] = weakref.WeakKeyDictionary()
 _LOAD_LOCK = threading.Lock()
 # Background sharded saves exchange their entries under keys named after the store,
 # the step and how many background saves of that step (of that store) this process
@@ -151,8 +151,9 @@ class CheckpointStore:
             after about 40 s (measured: one ``info`` call is two requests).
         read_attempts: tries of a failed read (403, 500, a dropped connection)
             before it is raised; a failed read never counts as corruption.
-        load_timeout: seconds :meth:`load` waits for every rank to call it before it
-            raises (keep it below the collective timeout).
+        load_timeout: seconds :meth:`load` (and a blocking save of sharded state)
+            waits for every rank to call it before it raises (keep it below the
+            collective timeout).
         stale_after_s: a leftover of another writer's interrupted save is removed
             only once nothing in it changed for this long.
         filesystem: an fsspec filesystem to use instead of the one ``url``'s protocol
@@ -177,7 +178,8 @@ class CheckpointStore:
     .. warning::
         :meth:`load` is collective when a process group exists: call it on every
         rank. A call on some ranks only raises ``CheckpointError("load() is collective:
-        call it on every rank ...")`` after ``load_timeout`` seconds.
+        call it on every rank ...")`` after ``load_timeout`` seconds; so does a blocking
+        :meth:`save` of sharded state (DTensors) on some ranks only (``if rank == 0:``).
 
     .. warning::
         With ``blocking=False`` and ``reuse_staging=True`` (the default) the writer
@@ -445,6 +447,11 @@ class CheckpointStore:
         if failure is None and self._conflict is not None:
             failure = self._conflict
         if exchange is None:
+            if is_dist_ready() and info.world_size > 1:
+                # ``if rank == 0: save(...)`` with sharded state would pair the save's
+                # collectives with the other ranks' own (FSDP's all-gathers): gloo
+                # aborts the process, NCCL may hang or mix data. Fail it clearly.
+                self._handshake(info, "save", "sharded save()", "save() of sharded state")
             self._write_sharded(state, step, metadata, self._gather, self._broadcast,
                                 failed=failure, earlier=earlier)
             if on_commit is not None and info.rank == 0:
@@ -835,16 +842,20 @@ class CheckpointStore:
                 log.info("sharded checkpoint step %d changed while being read (%s): "
                          "reading the store again", e.step, e)
 
-    def _handshake(self, info: DistInfo) -> None:
-        """Fail clearly unless every rank is in this load() call (no collective: see
+    def _handshake(self, info: DistInfo, kind: str = "load", what: str = "load()",
+                   call: str = "load()") -> None:
+        """Fail clearly unless every rank is in this ``load()`` call (or blocking save
+        of sharded state: ``kind="save"``), within ``load_timeout`` (no collective: see
         :mod:`._handshake`, also for what keeps a failed group's keys from deciding)."""
         from torch.distributed.distributed_c10d import _get_default_group, _get_default_store
 
         group = _get_default_group()
         with _LOAD_LOCK:
-            seq = _LOAD_SEQ[group] = _LOAD_SEQ.get(group, 0) + 1
-        handshake(_get_default_store(), f"elastic_kit/checkpoint/load/{seq}", info.rank,
-                  info.world_size, self.load_timeout, f"load() call #{seq} on {self.url}")
+            calls = _CALL_SEQ.setdefault(group, {})
+            seq = calls[kind] = calls.get(kind, 0) + 1
+        handshake(_get_default_store(), f"elastic_kit/checkpoint/{kind}/{seq}", info.rank,
+                  info.world_size, self.load_timeout, f"{what} call #{seq} on {self.url}",
+                  call)
 
     def _load_distributed(self, map_location: Any, into: Any,
                           below: int | None) -> LoadedCheckpoint | None:

@@ -605,3 +605,34 @@ def test_a_sharded_checkpoint_read_whole_loads_into_a_train_state(tmp_path) -> N
     r0 = next(r for r in res if r["rank"] == 0)
     assert r0["loaded"] == r0["saved"] and len(r0["saved"]) > 6
     assert r0["same_step"]
+
+
+def _sharded_save_on_rank_0_only(url: str) -> dict:
+    import elastic_kit as ek
+
+    info = ek.init_distributed()
+    model = _model(3)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    _train(model, opt, steps=1, seed=1)
+    store = ek.CheckpointStore(url, load_timeout=2.0)
+    store.save(ek.TrainState(model, opt).state_dict(), step=1)  # every rank: fine
+    error = ""
+    if info.rank == 0:  # the habit torch.save teaches, with sharded state
+        try:
+            store.save(ek.TrainState(model, opt).state_dict(), step=2)
+        except Exception as e:
+            error = f"{type(e).__name__}: {e}"
+    steps = [i.step for i in store.list()]
+    store.close()
+    return {"rank": info.rank, "error": error, "steps": steps}
+
+
+def test_a_blocking_sharded_save_on_some_ranks_only_fails_clearly(tmp_path) -> None:
+    """Its collectives would pair with the other ranks' own (gloo aborts the process
+    on the size mismatch, NCCL may hang): a handshake fails it within load_timeout."""
+    res = spawn_multi_process(2, _sharded_save_on_rank_0_only, str(tmp_path / "ck"))
+    r0 = next(r for r in res if r["rank"] == 0)
+    assert r0["error"].startswith(
+        "CheckpointError: save() of sharded state is collective: call it on every rank. "
+        "Rank 0 waited 2 s (load_timeout) in sharded save() call #2 on "), r0["error"]
+    assert r0["steps"] == [1]
