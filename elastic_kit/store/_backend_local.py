@@ -112,6 +112,42 @@ def _write_manifest(path: str, manifest: Manifest) -> None:
         raise write_error(e, path) from e
 
 
+def _world_writable_sticky(path: str) -> bool:
+    """Whether ``path`` is a directory every user may create entries in, each keeping
+    its own (``/tmp``, ``/var/tmp``, ``/dev/shm``)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return False
+    return bool(mode & stat.S_IWOTH and mode & stat.S_ISVTX)
+
+
+def _refuse_planted(root: str, url: str) -> None:
+    """Refuse a store directory another user could have made first: ``root`` or an
+    ancestor, owned by another user (not root), in a world-writable sticky directory.
+    Its checkpoints would be theirs to plant (a run resumes from them) and to read.
+
+    Raises:
+        PermissionError: naming the directory, its owner and its parent.
+    """
+    me = os.geteuid()
+    path = os.path.abspath(root)
+    while os.path.dirname(path) != path:
+        parent = os.path.dirname(path)
+        try:
+            owner = os.lstat(path).st_uid
+        except FileNotFoundError:
+            path = parent
+            continue
+        if owner not in (me, 0) and _world_writable_sticky(parent):
+            raise PermissionError(
+                errno.EPERM, f"checkpoint url={url!r}: {path} belongs to uid {owner}, not "
+                f"to this user (uid {me}), and sits in the world-writable {parent}: another "
+                f"user could have made it first to plant checkpoints a run resumes from, "
+                f"or to read them; use a directory of your own", path)
+        path = parent
+
+
 class LocalBackend:
     """A store on a local (or NFS) filesystem.
 
@@ -138,6 +174,25 @@ class LocalBackend:
         if os.path.exists(self.root) and not os.path.isdir(self.root):
             raise NotADirectoryError(errno.ENOTDIR, f"checkpoint url={self.url!r} is a "
                                      f"file, expected a directory (or nothing yet)", self.root)
+        _refuse_planted(self.root, self.url)
+
+    def _make_root(self) -> None:
+        """Create the store's directory (and missing parents). One made directly in a
+        world-writable sticky directory (``/tmp``) is this user's alone (0700), so no
+        other user can read the checkpoints or plant steps in it; one another user
+        made there first is refused (:func:`_refuse_planted`)."""
+        mode = 0o700 if self.private else 0o777
+        missing = []
+        path = os.path.abspath(self.root)
+        while not os.path.lexists(path) and os.path.dirname(path) != path:
+            missing.append(path)
+            path = os.path.dirname(path)
+        for p in reversed(missing):
+            try:
+                os.mkdir(p, 0o700 if _world_writable_sticky(os.path.dirname(p)) else mode)
+            except FileExistsError:
+                pass  # made meanwhile: by this job's other ranks, or checked below
+        _refuse_planted(self.root, self.url)
 
     def list_root(self) -> list[tuple[str, bool]]:
         try:
@@ -188,7 +243,7 @@ class LocalBackend:
     def _rename_into_place(self, directory: str, name: str, write: PayloadWrite,
                            seal: Seal) -> Manifest:
         """First save: build the step in a temporary directory, then rename it."""
-        os.makedirs(self.root, mode=0o700 if self.private else 0o777, exist_ok=True)
+        self._make_root()
         tmp_name = self._tmp_name(basename(directory))
         tmp = join(self.root, tmp_name)
         with _LIVE_LOCK:
@@ -268,7 +323,7 @@ class LocalBackend:
         while this process commits it), or the step directory when ``replacing``."""
         if replacing:
             return directory
-        os.makedirs(self.root, mode=0o700 if self.private else 0o777, exist_ok=True)
+        self._make_root()
         tmp_name = self._tmp_name(basename(directory))
         with _LIVE_LOCK:
             _LIVE_TMP.add(tmp_name)
@@ -352,7 +407,7 @@ class LocalBackend:
     def create_once(self, path: str, data: bytes) -> None:
         """Written under a temporary name and linked into place: ``link`` fails if the
         name exists, so the first creator wins."""
-        os.makedirs(self.root, mode=0o700 if self.private else 0o777, exist_ok=True)
+        self._make_root()
         tmp = join(self.root, f"{TMP_PREFIX}{basename(path)}-{uuid.uuid4().hex[:8]}")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600 if self.private else 0o644)
         try:
