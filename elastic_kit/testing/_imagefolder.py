@@ -145,6 +145,13 @@ def make_imagefolder(
         "seed": seed,
     }
     marker = out / "dataset.json"
+    if out.exists() or out.is_symlink():
+        owner = out.lstat().st_uid
+        if owner not in (os.geteuid(), 0):
+            # another user's data set (made first in /tmp, say) could hold any images
+            raise PermissionError(
+                f"{out} belongs to uid {owner}, not to this user (uid {os.geteuid()}): "
+                f"its images could be anyone's; choose a directory of your own")
     if marker.exists():
         try:
             existing = json.loads(marker.read_text())

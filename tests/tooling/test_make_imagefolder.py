@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -97,3 +98,13 @@ def test_a_tiny_cnn_learns_it_well_above_chance(tmp_path: Path) -> None:
     with torch.no_grad():
         acc = (model(xv).argmax(1) == yv).float().mean().item()
     assert acc > 2.0 / classes, f"val accuracy {acc:.2f} is not well above chance {1 / classes:.2f}"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chown to another uid needs root")
+def test_another_users_data_set_is_not_reused(tmp_path: Path) -> None:
+    """One made first by another user (in /tmp, where the README's command writes)
+    with the same arguments could hold any images: refused, not reused."""
+    out = make_imagefolder(tmp_path / "d", classes=2, per_class=2, val_per_class=1, size=8)
+    os.chown(out, 1001, 1001)
+    with pytest.raises(PermissionError, match=r"belongs to uid 1001, not to this user"):
+        make_imagefolder(out, classes=2, per_class=2, val_per_class=1, size=8)
