@@ -31,7 +31,11 @@ and the process group hands it out), within :data:`HELLO_TIMEOUT_S`; anything el
 closed. A hello seen on the wire is therefore worth nothing on another connection.
 Unauthenticated connections are bounded in number (:data:`MAX_PENDING`, the oldest is
 dropped) and served by one thread with non-blocking sockets, so another local user can
-neither forge a beat nor stall the reading of the real ones. A clean close sends a
+neither forge a beat nor stall the reading of the real ones. A flood of connections
+(any local user can read the port from ``/proc/net/tcp``) can keep the peer's beater
+from connecting at all: a peer that never connected is therefore never taken for
+silent (a warning names it after one timeout, and the process group's own timeout
+stays), so a flood at a group's start cannot make a live worker exit. A clean close sends a
 goodbye byte first, so a peer that finished is never mistaken for a silent one; a
 peer that authenticates again is watched again, whatever its earlier connection said.
 
@@ -143,6 +147,10 @@ class Heartbeat:
         #: plus one timeout of grace to connect), whether it said goodbye, whether its
         #: connection ended without one
         self.last_beat = time.monotonic() + self.timeout_s
+        #: whether the watched peer ever authenticated (a peer never heard is not
+        #: judged: a flood of connections may be what keeps it out)
+        self.heard = False
+        self._warned_unheard = False
         self.said_bye = False
         self.lost_connection = False
         #: the rank found silent, once (None while every watched peer beats)
@@ -239,6 +247,7 @@ class Heartbeat:
                                 _drop(sel, watched)
                             watched = sock
                             self.last_beat = time.monotonic()
+                            self.heard = True
                             # it is back: watched again, whatever the last one said
                             self.lost_connection = self.said_bye = False
                     elif sock is watched:
@@ -256,6 +265,14 @@ class Heartbeat:
                         self.refused += 1
                         del pending[sock]
                         _drop(sel, sock)
+                if (not self.heard and not self._warned_unheard and self.watch is not None
+                        and now > self.last_beat + self.timeout_s):
+                    self._warned_unheard = True
+                    log.warning(
+                        "rank %d's heartbeat has not connected in %.0f s (a firewall, or "
+                        "another local user flooding port %d with connections): its "
+                        "silence is left to the process group's timeout", self.watch,
+                        now - self.last_beat + self.timeout_s, self.address[1])
                 if self._is_silent(now):
                     self.silent = self.watch
                     self.on_silent(int(self.watch), now - self.last_beat)
@@ -267,7 +284,8 @@ class Heartbeat:
             sel.close()
 
     def _is_silent(self, now: float) -> bool:
-        return (self.watch is not None and self.silent is None and not self.said_bye
+        return (self.watch is not None and self.heard and self.silent is None
+                and not self.said_bye
                 and not self.lost_connection and now - self.last_beat > self.timeout_s)
 
     def _accept(self, sel: selectors.BaseSelector,
