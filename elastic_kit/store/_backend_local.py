@@ -123,17 +123,40 @@ def _world_writable_sticky(path: str) -> bool:
 
 
 def _refuse_planted(root: str, url: str) -> None:
-    """Refuse a store directory another user could have made first: ``root`` or an
-    ancestor, owned by another user (not root), in a world-writable sticky directory.
-    Its checkpoints would be theirs to plant (a run resumes from them) and to read.
+    """Refuse a store directory other users can put checkpoints in: ``root`` itself
+    writable by every user (``/tmp`` as the store), an ancestor writable by every user
+    without the sticky bit (anyone may replace what it holds), or ``root`` or an
+    ancestor owned by another user (not root) in a world-writable sticky directory
+    (made there first). Its checkpoints would be theirs to plant (a run resumes from
+    them) and to read.
 
     Raises:
-        PermissionError: naming the directory, its owner and its parent.
+        PermissionError: naming the directory, and its owner and parent or its mode.
     """
     me = os.geteuid()
     path = os.path.abspath(root)
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        mode = 0
+    if mode & stat.S_IWOTH:
+        raise PermissionError(
+            errno.EPERM, f"checkpoint url={url!r}: {path} is writable by every user "
+            f"(mode {stat.filemode(mode)}): any of them could put checkpoints there that "
+            f"a run resumes from; use a directory of its own inside it, or make it "
+            f"writable by you (and your group) only", path)
     while os.path.dirname(path) != path:
         parent = os.path.dirname(path)
+        try:
+            parent_mode = os.stat(parent).st_mode
+        except OSError:
+            parent_mode = 0
+        if parent_mode & stat.S_IWOTH and not parent_mode & stat.S_ISVTX:
+            raise PermissionError(
+                errno.EPERM, f"checkpoint url={url!r}: {parent} is writable by every user "
+                f"without the sticky bit (mode {stat.filemode(parent_mode)}): any of them "
+                f"could replace {path} with checkpoints of theirs; use a directory "
+                f"elsewhere, or chmod o-w (or +t) it", parent)
         try:
             owner = os.lstat(path).st_uid
         except FileNotFoundError:
@@ -180,8 +203,9 @@ class LocalBackend:
         """Create the store's directory (and missing parents). One made directly in a
         world-writable sticky directory (``/tmp``) is this user's alone (0700), so no
         other user can read the checkpoints or plant steps in it; one another user
-        made there first is refused (:func:`_refuse_planted`)."""
-        mode = 0o700 if self.private else 0o777
+        made there first is refused (:func:`_refuse_planted`). None is made writable
+        by every user, whatever the umask (0775 at most)."""
+        mode = 0o700 if self.private else 0o775
         missing = []
         path = os.path.abspath(self.root)
         while not os.path.lexists(path) and os.path.dirname(path) != path:
@@ -249,7 +273,7 @@ class LocalBackend:
         with _LIVE_LOCK:
             _LIVE_TMP.add(tmp_name)
         try:
-            os.mkdir(tmp, 0o700 if self.private else 0o777)
+            os.mkdir(tmp, 0o700 if self.private else 0o775)
             payload = join(tmp, name)
             with _open_payload(payload, "wb") as f:
                 entry = write(f, payload, True)
@@ -328,7 +352,7 @@ class LocalBackend:
         with _LIVE_LOCK:
             _LIVE_TMP.add(tmp_name)
         tmp = join(self.root, tmp_name)
-        os.mkdir(tmp, 0o700 if self.private else 0o777)
+        os.mkdir(tmp, 0o700 if self.private else 0o775)
         return tmp
 
     def write_part(self, staging: str, name: str, fill: Fill[T], *,

@@ -50,9 +50,10 @@ etcd-v2 rendezvous (any node may die, including the first)::
 ``--rdzv-conf`` restarts fast: a 1 s last call (a node joining a little later waits for
 the next round) and a lost node dropped after 3 keep-alives 1 s apart (so is an agent
 stalled longer). ``--dummy`` trains on synthetic tensors instead of a data directory. ``-a tinycnn``
-(no batch norm) makes CPU runs fast and bitwise reproducible: killed and restarted
-at the same world size, ``param_sha256`` in ``--summary-json`` equals an
-uninterrupted run's.
+(no batch norm) makes CPU runs fast and, at one or two ranks, bitwise reproducible:
+killed and restarted at the same world size, ``param_sha256`` in ``--summary-json``
+equals an uninterrupted run's (at three or more, DDP's first step after a restart sums
+the gradients in another order: equal to float rounding).
 """
 
 from __future__ import annotations
@@ -115,7 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dist-backend", default=None, choices=["nccl", "gloo"],
                    help="default: nccl with CUDA, gloo otherwise")
     p.add_argument("--checkpoint-file", default=None, metavar="PATH",
-                   help="pytorch/elastic compatibility: the store lives in PATH's directory")
+                   help="pytorch/elastic compatibility: the store is the directory PATH.d "
+                        "(one per file name)")
     p.add_argument("--checkpoint-dir", default=None, metavar="URL",
                    help="checkpoint store: any fsspec URL (local, NFS, s3://, gs://, az://); "
                         "wins over --checkpoint-file; default "
@@ -246,14 +248,16 @@ def param_sha256(model: nn.Module) -> str:
 
 
 def checkpoint_url(args: argparse.Namespace, run_id: str) -> str:
-    """Where the store lives: --checkpoint-dir, else --checkpoint-file's directory, else
-    a directory per torchelastic run id (stable across restarts of one job) in this
-    user's cache: not in /tmp, where another user could make the directory first and
-    plant a checkpoint that the next run resumes from."""
+    """Where the store lives: --checkpoint-dir, else ``<--checkpoint-file>.d`` (a store
+    per file name: two experiments naming two files in one directory stay apart, and
+    pytorch/elastic's ``/tmp/checkpoint.pth.tar`` does not make ``/tmp`` itself the
+    store), else a directory per torchelastic run id (stable across restarts of one
+    job) in this user's cache: not in /tmp, where another user could make the
+    directory first and plant a checkpoint that the next run resumes from."""
     if args.checkpoint_dir:
         return args.checkpoint_dir
     if args.checkpoint_file:
-        return os.path.dirname(os.path.abspath(args.checkpoint_file))
+        return os.path.abspath(args.checkpoint_file) + ".d"
     cache = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
     return os.path.join(cache, "elastic_kit", "imagenet", run_id)
 
@@ -295,6 +299,11 @@ def main(argv: Sequence[str] | None = None) -> None:
                        extras={"best_acc1": 0.0, "train_images": 0, "train_seconds": 0.0})
 
     url = checkpoint_url(args, info.run_id)
+    if (info.is_main and not args.checkpoint_dir and not args.checkpoint_file
+            and "TORCHELASTIC_RUN_ID" not in os.environ):
+        log.warning("not under torchrun: checkpoints go to %s, which every run without "
+                    "torchrun and --checkpoint-dir shares (this one resumes the last one's "
+                    "state); pass --checkpoint-dir for a run of its own", url)
     store = ek.CheckpointStore(url, keep_last=3, node_local=args.node_local_checkpoints)
     # The best model goes to its own one-slot store: committed by manifest like any
     # checkpoint, so a crash while saving it never leaves a half-written "best".

@@ -51,10 +51,14 @@ def test_parser_accepts_the_pytorch_elastic_flags_and_ours() -> None:
         load_main().build_parser().parse_args(["/data", "-a", "no_such_model"])
 
 
-def test_checkpoint_file_maps_to_a_store_in_its_directory() -> None:
+def test_checkpoint_file_maps_to_a_store_of_its_own() -> None:
+    """Two file names in one directory are two experiments (and /tmp/x.pth.tar does
+    not make /tmp the store)."""
     m = load_main()
     p = m.build_parser()
-    assert m.checkpoint_url(p.parse_args(["d", "--checkpoint-file", "/ck/a.pth.tar"]), "r") == "/ck"
+    a = m.checkpoint_url(p.parse_args(["d", "--checkpoint-file", "/ck/a.pth.tar"]), "r")
+    b = m.checkpoint_url(p.parse_args(["d", "--checkpoint-file", "/ck/b.pth.tar"]), "r")
+    assert (a, b) == ("/ck/a.pth.tar.d", "/ck/b.pth.tar.d")
     url = m.checkpoint_url(p.parse_args(["d", "--checkpoint-dir", "memory://x"]), "r")
     assert url == "memory://x"
     assert m.checkpoint_url(p.parse_args(["d"]), "run7").endswith("/run7")

@@ -33,7 +33,7 @@ def _plant(path: Path) -> None:
     CheckpointStore(str(path)).save({"w": torch.full((2,), 7.0)}, step=5)
     for p in [path, *path.rglob("*")]:
         os.chown(p, OTHER_UID, OTHER_UID, follow_symlinks=False)
-    os.chmod(path, 0o777)
+    os.chmod(path, 0o755)
 
 
 @pytest.mark.parametrize("how", ["root", "parent", "symlink"])
@@ -79,3 +79,36 @@ def test_another_users_directory_outside_a_sticky_one_is_used(tmp_path: Path) ->
     store.save({"w": torch.ones(2)}, step=1)
     assert store.load().step == 1
     store.close()
+
+
+def test_a_store_directory_every_user_may_write_in_is_refused(tmp: Path,
+                                                              tmp_path: Path) -> None:
+    """/tmp itself as the store (pytorch/elastic's --checkpoint-file /tmp/x.pth.tar
+    would make it that), or a 0777 directory: anyone could add a newer step."""
+    for root in (tmp, tmp_path / "open"):
+        root.mkdir(exist_ok=True)
+        if root != tmp:
+            os.chmod(root, 0o777)
+        with pytest.raises(PermissionError, match=rf"{root} is writable by every user"):
+            CheckpointStore(str(root)).save({"w": torch.ones(2)}, step=1)
+        assert not any(p.name.startswith("step-") for p in root.iterdir())
+    os.chmod(tmp_path / "open", 0o777)
+    with pytest.raises(PermissionError, match=r"open is writable by every user without the "
+                                              r"sticky bit"):
+        CheckpointStore(str(tmp_path / "open" / "run")).load()
+
+
+def test_no_directory_the_store_makes_is_writable_by_every_user(tmp_path: Path) -> None:
+    old = os.umask(0)  # a container's umask may be 0
+    try:
+        store = CheckpointStore(str(tmp_path / "a" / "run"))
+        store.save({"w": torch.ones(2)}, step=1)
+        store.save({"w": torch.ones(2)}, step=2)
+        assert store.load().step == 2
+        store.close()
+    finally:
+        os.umask(old)
+    dirs = [tmp_path / "a", *(p for p in (tmp_path / "a").rglob("*") if p.is_dir())]
+    assert len(dirs) >= 3
+    assert all(not p.stat().st_mode & stat.S_IWOTH for p in dirs), [
+        (str(p), oct(p.stat().st_mode)) for p in dirs]
