@@ -76,6 +76,12 @@ class Checkpointer(Lifecycle):
             state was loaded into the live objects, and keeping its tensors would hold
             a whole copy (for a restore from memory, the snapshot's mapped file).
         restored_step: its step, or None.
+        finished_at_restore: the epoch the restored state had trained to its end
+            without its end-of-epoch work (saved at the epoch's last step, before
+            :meth:`end_epoch`: a peer failed during validation, say), or None.
+            :meth:`restore` moved on to the next epoch; the work for this one (a
+            validation) is the script's to redo if it wants it.
+            :class:`~elastic_kit.ElasticLoop` runs its ``on_epoch_end`` for it.
         info: this worker's :class:`~elastic_kit.DistInfo` (set by :meth:`restore`).
 
     .. warning::
@@ -122,6 +128,7 @@ class Checkpointer(Lifecycle):
         self.info: DistInfo = info or get_dist_info()
         self.loaded: LoadedCheckpoint | None = None
         self.restored_step: int | None = None
+        self.finished_at_restore: int | None = None
         self._last_saved_step: int | None = None
         #: the step of the newest checkpoint known committed in the durable store (a
         #: blocking save, or the store's restore), for the last step written at exit
@@ -179,8 +186,9 @@ class Checkpointer(Lifecycle):
             # as saved nowhere durable, even one the store's manifest names
             if durable:
                 self._last_saved_step = self._committed_step = self.restored_step
-        _restore.resume(state, info, loaded, self.restored_step, self.restored_from,
-                        self.snapshots, self.finish_audit)
+        self.finished_at_restore = _restore.resume(
+            state, info, loaded, self.restored_step, self.restored_from, self.snapshots,
+            self.finish_audit)
         if loaded is not None:
             # what was loaded, without its state: that is in the live objects now, and
             # a snapshot's tensors would hold its mapped file for the rest of the run

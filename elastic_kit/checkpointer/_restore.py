@@ -57,9 +57,11 @@ def check_sampler(sampler: Any, info: DistInfo) -> None:
 
 def resume(state: TrainState, info: DistInfo, loaded: LoadedCheckpoint | None,
            restored_step: int | None, restored_from: str | None, tier: SnapshotTier | None,
-           finish_audit: Callable[[], Any]) -> None:
+           finish_audit: Callable[[], Any]) -> int | None:
     """After the load: record the restart in ``state.history``, roll over an epoch
-    the restored state had finished (collective), and say what was restored."""
+    the restored state had finished (collective), and say what was restored. Returns
+    the epoch rolled over (its end-of-epoch work was not done), or None."""
+    finished: int | None = None
     sampler = state.sampler
     if state.initial_world_size is None:
         state.initial_world_size = info.world_size
@@ -73,6 +75,7 @@ def resume(state: TrainState, info: DistInfo, loaded: LoadedCheckpoint | None,
             # starts the saved epoch, which it must not overwrite with its own
             sampler.set_epoch(state.epoch)
         if sampler.remaining == 0 or len(sampler) == 0:
+            finished = sampler.epoch
             close_exhausted_epoch(state, info, finish_audit)
         state.epoch = sampler.epoch
     if sampler is not None:
@@ -82,6 +85,7 @@ def resume(state: TrainState, info: DistInfo, loaded: LoadedCheckpoint | None,
         # next one. The position stays: set_epoch() keeps it for the same epoch.
         sampler.set_epoch(sampler.epoch)
     log_restore(state, info, loaded, restored_from, tier)
+    return finished
 
 
 def make_snapshots(store: StoreLike | None, info: DistInfo, every: int | str | None,

@@ -238,6 +238,8 @@ class ElasticLoop:
                 enabled=info.is_main, log_every=cfg.log_every,
                 total_samples=self._remaining_samples(), total_steps=total_steps,
                 progress_bar=cfg.progress_bar)
+            if ckpt.finished_at_restore is not None:
+                self._end_restored_epoch(ckpt.finished_at_restore)
             # A group restarted after the end trains nothing: no loader, no workers.
             self._loader = None if self._done() else self._make_loader()
             while not self._done():
@@ -476,6 +478,26 @@ class ElasticLoop:
                 self.on_step_end(self.state, StepInfo(
                     self.state.step, epoch, loss.item, n_real, self.samples_per_second, lr,
                     self.info.world_size, outputs=outputs, metrics=metrics))
+
+    def _end_restored_epoch(self, epoch: int) -> None:
+        """The end-of-epoch work of an epoch the restored state had trained to its end
+        but not closed (saved at its last step: a peer failed during ``on_epoch_end``,
+        say): ``on_epoch_end`` with a summary of the nothing this group trained of it,
+        and the epoch-end checkpoint. The restore already checked its audit and moved
+        the state to the next epoch."""
+        state, info, ckpt = self.state, self.info, self.checkpointer
+        assert info is not None and ckpt is not None
+        summary = EpochSummary(epoch, 0, 0, 0.0, 0.0, float("nan"), info.world_size,
+                               state.audit.epoch(epoch))
+        if info.is_main:
+            say(log, "epoch %d was trained to its end before the restart: its end-of-epoch "
+                "work now", epoch)
+        if self.on_epoch_end is not None:
+            with ckpt.paused():
+                self.on_epoch_end(state, summary)
+        self.summaries.append(summary)
+        if ckpt.save_at_epoch_end and ckpt.last_saved_step != state.step:
+            ckpt.save(blocking=True)
 
     def _end_epoch(self, summary: EpochSummary) -> None:
         cfg, state, info, ckpt = self.config, self.state, self.info, self.checkpointer

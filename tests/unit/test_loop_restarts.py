@@ -92,6 +92,28 @@ def test_an_epochs_scheduler_step_is_in_the_save_of_its_last_step(tmp_path: Path
     assert torch.equal(_params(resumed), _params(plain))
 
 
+def test_an_epoch_whose_end_was_cut_short_gets_its_end_of_epoch_work_after_a_restart(
+        tmp_path: Path) -> None:
+    """Killed during ``on_epoch_end`` (a peer failed during validation), the state of
+    the epoch's last step is what the restart restores: the loop runs that epoch's
+    ``on_epoch_end`` (the validation) before training the next one."""
+    store = str(tmp_path / "store")
+
+    def killed(state: TrainState, summary: Any) -> None:
+        raise KeyboardInterrupt("killed during validation")
+
+    with pytest.raises(KeyboardInterrupt):
+        _run(store, epochs=3, stop_at=8, on_epoch_end=killed)
+    seen: list[tuple[int, int, int]] = []
+
+    def validate(state: TrainState, summary: Any) -> None:
+        seen.append((summary.epoch, summary.steps, state.step))
+
+    _run(store, epochs=3, on_epoch_end=validate)
+    assert seen == [(0, 0, 8), (1, 8, 16), (2, 8, 24)]
+    assert 8 in [i.step for i in ek.CheckpointStore(store).list()]
+
+
 def test_replace_with_a_new_checkpoint_config_takes_it_as_given() -> None:
     cfg = LoopConfig(global_batch_size=12, checkpoint=CheckpointerConfig(every_steps=10))
     with __import__("warnings").catch_warnings():
