@@ -24,7 +24,7 @@ _DAMAGE = {"bad_manifest": b'{"format": "elastic_kit.checkpoint/1", "step": ',
            "newer_format": b'{"format": "elastic_kit.checkpoint/99", "step": 2}'}
 
 
-def _damage(store_root: str, fs: Any, step_dir: str, damage: str) -> None:
+def _damage(fs: Any, step_dir: str, damage: str) -> None:
     fs.pipe_file(f"{step_dir}/{MANIFEST_NAME}", _DAMAGE[damage])
 
 
@@ -43,7 +43,7 @@ def test_a_sharded_save_replaces_a_damaged_step(tmp_path: Path, where: str,
 
     save(1.0, 1)
     save(0.0, 2)
-    _damage(root, store.fs, store.list()[-1].path, damage)
+    _damage(store.fs, store.list()[-1].path, damage)
     resumed = CheckpointStore(root, keep_last=None)
     assert resumed.load().step == 1
     assert save(2.0, 2) is not None
@@ -73,7 +73,7 @@ def test_a_flat_commit_replaces_a_damaged_step(tmp_path: Path, damage: str) -> N
         return d
 
     d = commit(0.0, "a.bin")
-    _damage(root, layout.fs, d, damage)
+    _damage(layout.fs, d, damage)
     commit(2.0, "b.bin")
     opened = open_flat(layout, layout.dir_of(2))
     assert opened.state["w"].tolist() == [2.0] * 1024 and opened.state["step"] == 2
