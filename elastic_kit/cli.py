@@ -113,9 +113,13 @@ def _fmt_time(t: float | None) -> str:
     return _dt.datetime.fromtimestamp(t, tz=_dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
-def _open_store(args: argparse.Namespace) -> Any:
+def _is_local(store: Any) -> bool:
     from fsspec.implementations.local import LocalFileSystem
 
+    return isinstance(store.fs, LocalFileSystem)
+
+
+def _open_store(args: argparse.Namespace) -> Any:
     from elastic_kit.store import CheckpointStore
     from elastic_kit.distributed import DistInfo
 
@@ -131,7 +135,7 @@ def _open_store(args: argparse.Namespace) -> Any:
     # attempts: a tool should report an unreachable store, not wait on it.
     store = CheckpointStore(args.url, storage_options=opts, keep_last=None, info=DistInfo(),
                             read_attempts=2, io_timeout=10.0)
-    if isinstance(store.fs, LocalFileSystem) and not os.path.isdir(store.root):
+    if _is_local(store) and not os.path.isdir(store.root):
         # a mistyped path, not an empty store (an object store has no directories)
         if os.path.lexists(store.root):
             raise NotADirectoryError(errno.ENOTDIR, "not a directory (a store is one)",
@@ -157,9 +161,7 @@ def _printed_as_json_or_none(rows: list[dict[str, Any]], as_json: bool, none: st
 def _url_of(store: Any, path: str) -> str:
     """``path`` (inside the store's filesystem) as a URL the tool takes back: with its
     scheme on an object store (``s3://bucket/run/step-...``), as is on a local disk."""
-    from fsspec.implementations.local import LocalFileSystem
-
-    return path if isinstance(store.fs, LocalFileSystem) else store.fs.unstrip_protocol(path)
+    return path if _is_local(store) else store.fs.unstrip_protocol(path)
 
 
 def _cmd_ls(store: Any, args: argparse.Namespace) -> int:

@@ -645,14 +645,10 @@ class ElasticDistributedSampler(Sampler[int]):
         if self._rollover_due() and self._epochs_named:
             # the epoch again, from its start: nothing to advance through (a step on
             # this pass moves past the epoch's end and is refused)
+            log.debug("a pass after epoch %d was consumed: its share again", self.epoch)
             self._pass_start = 0
             self._pass_dealt = True
-            log.debug("a pass after epoch %d was consumed: its share again", self.epoch)
-            indices = self.local_indices(position=0)
-            if self._epoch_keys:
-                epoch = self.epoch
-                return iter([(epoch, i) for i in indices.tolist()])  # type: ignore[misc]
-            return iter(indices.tolist())
+            return self._dealt(self.local_indices(position=0))
         if self._rollover_due():
             if not self._warned_rollover:
                 self._warned_rollover = True
@@ -674,6 +670,10 @@ class ElasticDistributedSampler(Sampler[int]):
         indices = self.local_indices()
         if len(indices) == 0:
             self._end_reached = True
+        return self._dealt(indices)
+
+    def _dealt(self, indices: torch.Tensor) -> Iterator[int]:
+        """``indices`` as the pass yields them: ints, or ``(epoch, index)`` keys."""
         if self._epoch_keys:
             epoch = self.epoch
             return iter([(epoch, i) for i in indices.tolist()])  # type: ignore[misc]

@@ -162,7 +162,7 @@ def _refuse_planted(root: str, url: str) -> None:
         except FileNotFoundError:
             path = parent
             continue
-        if owner not in (me, 0) and _world_writable_sticky(parent):
+        if owner not in (me, 0) and parent_mode & stat.S_IWOTH and parent_mode & stat.S_ISVTX:
             raise PermissionError(
                 errno.EPERM, f"checkpoint url={url!r}: {path} belongs to uid {owner}, not "
                 f"to this user (uid {me}), and sits in the world-writable {parent}: another "
@@ -204,13 +204,16 @@ class LocalBackend:
         world-writable sticky directory (``/tmp``) is this user's alone (0700), so no
         other user can read the checkpoints or plant steps in it; one another user
         made there first is refused (:func:`_refuse_planted`). None is made writable
-        by every user, whatever the umask (0775 at most)."""
+        by every user, whatever the umask (0775 at most). An existing root was checked
+        by :meth:`check_root`, which every save calls first."""
         mode = 0o700 if self.private else 0o775
         missing = []
         path = os.path.abspath(self.root)
         while not os.path.lexists(path) and os.path.dirname(path) != path:
             missing.append(path)
             path = os.path.dirname(path)
+        if not missing:
+            return
         for p in reversed(missing):
             try:
                 os.mkdir(p, 0o700 if _world_writable_sticky(os.path.dirname(p)) else mode)

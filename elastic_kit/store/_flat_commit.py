@@ -368,8 +368,7 @@ def commit_flat(layout: Layout, *, step: int, flat_path: str, plan: FlatPlan,
         raise ValueError(f"commit_flat needs a local store, got {layout.url!r}")
     layout.check_root()
     d = layout.dir_of(step)
-    old = layout.committed_manifest(d)
-    replacing = layout.replacing(d, old)
+    old, replacing = layout.existing(d)
     suffix = "." + uuid.uuid4().hex[:12] if replacing else ""
     name, payload_name = f"tensors{suffix}.bin", f"state{suffix}.pt"
     if not replacing:

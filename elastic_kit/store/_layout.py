@@ -363,19 +363,17 @@ class Layout:
         """The manifest of ``d`` when it is committed, else None."""
         return self._committed_manifest(d)
 
-    def replacing(self, d: StepDir, old: Manifest | None) -> bool:
-        """Whether a save of ``d`` goes beside what is there and switches the manifest
-        last (the re-save path): ``d`` is committed (``old``), or holds a manifest that
-        does not validate (damage, a newer release's format). Such a manifest is no
-        other writer's commit: the save replaces it, as it replaces a committed one,
-        instead of failing as though the step had been committed meanwhile."""
-        if old is not None:
-            return True
+    def existing(self, d: StepDir) -> tuple[Manifest | None, bool]:
+        """What a save of ``d`` finds there: its committed manifest (or None), and
+        whether the save goes beside what is there and switches the manifest last
+        (the re-save path): ``d`` is committed, or holds a manifest that does not
+        validate (damage, a newer release's format). Such a manifest is no other
+        writer's commit: the save replaces it, as it replaces a committed one, instead
+        of failing as though the step had been committed meanwhile."""
         try:
-            self._manifest_text(d)
-        except Exception:
-            return False  # none there (or unreadable: the first-save path decides)
-        return True
+            return self.read_manifest(d), True
+        except CheckpointCorruptError as e:  # none there, or one that does not validate
+            return None, not isinstance(e.__cause__, FileNotFoundError)
 
     def _manifest_missing(self, d: StepDir) -> bool:
         """Whether ``d`` has no manifest at all: a save that did not finish. One that is
@@ -404,8 +402,7 @@ class Layout:
         """
         self.check_root()
         d = self.dir_of(step)
-        old = self._committed_manifest(d)
-        replacing = self.replacing(d, old)
+        old, replacing = self.existing(d)
         # A re-save's payload gets a fresh name: the old one stays intact (and named by
         # the manifest in place) until the backend switches the manifest. So does every
         # save where files are written in place (an object store): see its backend.

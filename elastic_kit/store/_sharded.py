@@ -303,8 +303,7 @@ def save_sharded(layout: Layout, state: Any, *, step: int, checksum: str,
     if rank == 0 and local_error is None:
         try:
             layout.check_root()
-            old = layout.committed_manifest(d)
-            replacing = layout.replacing(d, old)
+            old, replacing = layout.existing(d)
             staging = backend.begin_parts(d.path, replacing=replacing)
             fresh = replacing or getattr(backend, "in_place", False)
             header = {"ok": True, "staging": staging, "replacing": replacing,
