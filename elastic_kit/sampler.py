@@ -167,7 +167,11 @@ class ElasticDistributedSampler(Sampler[int]):
         dataset: anything with ``__len__``; its length is fixed at construction and
             must be at least 1 (torch's sampler deals nothing from an empty dataset;
             this one refuses it with a ``ValueError``: an epoch with no sample to
-            count is a mistake the resume arithmetic would carry on silently).
+            count is a mistake the resume arithmetic would carry on silently), and
+            at least ``num_replicas``: a dataset smaller than the world size (a
+            validation set after the job grew, say) is refused with a ``ValueError``
+            naming both, where ``DistributedSampler`` would deal some ranks only
+            padding (or, with ``drop_last``, every rank nothing, every epoch).
         num_replicas: world size; ``None`` reads it from the process group or the
             torchrun environment.
         rank: this worker's rank in ``[0, num_replicas)``; ``None`` as above.
@@ -268,6 +272,13 @@ class ElasticDistributedSampler(Sampler[int]):
         if not 0 <= rank < num_replicas:
             raise ValueError(
                 f"Invalid rank {rank}, rank should be in the interval [0, {num_replicas - 1}]"
+            )
+        if length < num_replicas:
+            raise ValueError(
+                f"dataset has {length} sample{'s' if length != 1 else ''}, fewer than "
+                f"num_replicas={num_replicas}; every rank needs at least one sample of "
+                f"each epoch: use a dataset of at least {num_replicas} samples or at most "
+                f"{length} rank{'s' if length != 1 else ''}"
             )
         if not 0 <= start_index <= length:
             raise ValueError(
@@ -419,14 +430,9 @@ class ElasticDistributedSampler(Sampler[int]):
 
         Only when a pass of this sampler reached the end of the epoch, never right
         after the position was set from outside (construction, :meth:`set_epoch`,
-        :meth:`load_state_dict`), and only when the next epoch has anything to deal
-        (with ``drop_last`` and fewer samples than ranks no epoch does).
+        :meth:`load_state_dict`).
         """
-        return (
-            self._end_reached
-            and self._local_length(self.consumed) == 0
-            and self._local_length(0) > 0
-        )
+        return self._end_reached and self._local_length(self.consumed) == 0
 
     # -- checkpointing ----------------------------------------------------------------
 

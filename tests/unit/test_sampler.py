@@ -84,6 +84,7 @@ def test_resume_after_world_size_changes_sees_each_sample_once(
     state = None
     position = 0
     for world, per_rank, steps, via_state in [*plan, (last_world, 2, None, True)]:
+        world = min(world, n)  # a dataset smaller than the world size is refused
         if state is None or via_state:
             samplers = _ranks(n, world, seed=seed, shuffle=shuffle)
             if state is not None:
@@ -115,6 +116,7 @@ def test_rank_shares_have_equal_length_and_match_len(
     n: int, world: int, consumed: int, drop_last: bool, seed: int
 ) -> None:
     consumed = min(consumed, n)
+    world = min(world, n)  # a dataset smaller than the world size is refused
     samplers = _ranks(n, world, seed=seed, drop_last=drop_last, start_index=consumed)
     shares = [s.local_indices() for s in samplers]
     masks = [s.local_padding_mask() for s in samplers]
@@ -139,7 +141,7 @@ def test_rank_shares_have_equal_length_and_match_len(
 
 
 @FAST
-@given(n=st.integers(1, 50), seed=st.integers(-5, 2**40), epoch=st.integers(0, 5),
+@given(n=st.integers(3, 50), seed=st.integers(-5, 2**40), epoch=st.integers(0, 5),
        consumed=st.integers(0, 50), shuffle=st.booleans(), drop_last=st.booleans())
 def test_state_dict_round_trip_restores_position_and_order(
     n: int, seed: int, epoch: int, consumed: int, shuffle: bool, drop_last: bool
@@ -190,12 +192,22 @@ def test_start_index_offsets_the_permutation_of_the_first_epoch_set() -> None:
 
 
 def test_fewer_remaining_samples_than_ranks_pads_every_rank_to_one() -> None:
-    samplers = _ranks(3, 5, start_index=1)
+    samplers = _ranks(5, 5, start_index=3)
     assert [len(s) for s in samplers] == [1] * 5
     assert [s.num_local_real for s in samplers] == [1, 1, 0, 0, 0]
-    rest = samplers[0].permutation()[1:].tolist()
+    rest = samplers[0].permutation()[3:].tolist()
     assert [s.local_indices().tolist() for s in samplers] == [[rest[0]], [rest[1]], [rest[0]],
                                                               [rest[1]], [rest[0]]]
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_dataset_smaller_than_the_world_size_is_refused_naming_both(drop_last: bool) -> None:
+    with pytest.raises(ValueError, match=r"dataset has 3 samples, fewer than num_replicas=5.*"
+                                         r"at least 5 samples or at most 3 ranks"):
+        ElasticDistributedSampler(range(3), 5, 4, drop_last=drop_last)
+    with pytest.raises(ValueError, match=r"dataset has 1 sample, fewer than num_replicas=2"):
+        ElasticDistributedSampler(range(1), 2, 0, drop_last=drop_last)
+    assert len(ElasticDistributedSampler(range(5), 5, 4, drop_last=drop_last)) == 1
 
 
 def test_defaults_come_from_torchrun_environment(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -88,6 +88,7 @@ def test_len_is_constant_while_a_pass_is_advanced_through(
     n: int, world: int, batch: int, start: int, drop_last: bool, epoch: int
 ) -> None:
     start = min(start, n)
+    world = min(world, n)  # a dataset smaller than the world size is refused
     state = {"epoch": epoch, "consumed": start, "seed": 3, "dataset_length": n,
              "shuffle": True, "drop_last": drop_last}
     samplers = _ranks(n, world, seed=3, drop_last=drop_last)
@@ -188,12 +189,6 @@ def test_drop_last_pass_that_cannot_go_further_counts_as_the_end_of_the_epoch(
         second = _train_pass(samplers, 1)
     assert "starting epoch 1" in caplog.text
     assert second["length"] == 2 and samplers[0].epoch == 1
-
-
-def test_drop_last_with_fewer_samples_than_ranks_stays_in_its_epoch() -> None:
-    s = ElasticDistributedSampler(range(2), 3, 0, drop_last=True)
-    assert [list(s), list(s), list(s)] == [[], [], []]
-    assert (s.epoch, len(s), s.num_samples, s.total_size) == (0, 0, 0, 0)
 
 
 def test_pass_after_loading_an_end_of_epoch_state_is_empty_without_warning(
@@ -314,6 +309,7 @@ def test_real_mask_is_the_padding_mask_inverted_and_past_the_share_is_padding(
     samples; it agrees with ``local_padding_mask`` over the share and calls every
     position past the share's real samples padding."""
     position = min(position, n)
+    world = min(world, n)  # a dataset smaller than the world size is refused
     for rank in range(world):
         s = ElasticDistributedSampler(range(n), world, rank, drop_last=drop_last)
         pad = s.local_padding_mask(position=position)
