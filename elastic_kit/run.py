@@ -73,7 +73,8 @@ from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 from elastic_kit.health import (
-    LEAVE_SIGNAL, RDZV_TORCH_POLL_S as TORCH_POLL_S, install_agent_leave,
+    LEAVE_SIGNAL, RDZV_LOWEST_POLL_S as LOWEST_POLL_S, RDZV_TORCH_POLL_S as TORCH_POLL_S,
+    install_agent_leave,
     install_rendezvous_close, install_rendezvous_poll, uninstall_agent_leave,
     preemption_signals, rendezvous_max_nodes as max_nodes,
     rendezvous_poll_seconds as poll_seconds,
@@ -119,7 +120,7 @@ def parse_options(argv: Sequence[str]) -> LauncherOptions:
 
     Raises:
         ValueError: an option without a value, an empty module name, or a poll that
-            is not a number of seconds in (0, 1].
+            is not a number of seconds in [0.01, 1].
     """
     argv = list(argv)
     modules: list[str] = []
@@ -143,9 +144,9 @@ def parse_options(argv: Sequence[str]) -> LauncherOptions:
                 poll = float(value)
             except ValueError:
                 poll = math.nan
-            if not 0 < poll <= TORCH_POLL_S:
+            if not LOWEST_POLL_S <= poll <= TORCH_POLL_S:
                 raise ValueError(f"--rdzv-poll {value!r}: expected seconds in "
-                                 f"(0, {TORCH_POLL_S:g}]")
+                                 f"[{LOWEST_POLL_S:g}, {TORCH_POLL_S:g}]")
     return LauncherOptions(modules, poll, argv)
 
 
@@ -230,7 +231,7 @@ sooner. The launcher's own options come first, before any of torchrun's:
                  workers, --start-method=fork, inherit them); torch._dynamo always is
   --rdzv-poll SECONDS
                  how often the agent reads the rendezvous state while it waits for the
-                 other nodes, in (0, 1] (default: 0.1 up to ten nodes, then 0.01 per
+                 other nodes, in [0.01, 1] (default: 0.1 up to ten nodes, then 0.01 per
                  node of --nnodes's maximum; torchrun reads it every second)
 
 torchrun's options follow.

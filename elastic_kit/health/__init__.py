@@ -25,7 +25,8 @@ from elastic_kit.health._agent_leave import (
 )
 from elastic_kit.health._rdzv_close import install as install_rendezvous_close
 from elastic_kit.health._rdzv_poll import (
-    TORCH_POLL_S as RDZV_TORCH_POLL_S, install as install_rendezvous_poll,
+    LOWEST_POLL_S as RDZV_LOWEST_POLL_S, TORCH_POLL_S as RDZV_TORCH_POLL_S,
+    install as install_rendezvous_poll,
     max_nodes as rendezvous_max_nodes, poll_seconds as rendezvous_poll_seconds,
 )
 from elastic_kit.health._heartbeat import (
@@ -37,7 +38,7 @@ from elastic_kit.health._heartbeat import (
 __all__ = [
     "LEAVE_ENV", "LEAVE_SIGNAL", "install_agent_leave", "leave_rendezvous",
     "uninstall_agent_leave",
-    "RDZV_TORCH_POLL_S", "install_rendezvous_close", "install_rendezvous_poll",
+    "RDZV_LOWEST_POLL_S", "RDZV_TORCH_POLL_S", "install_rendezvous_close", "install_rendezvous_poll",
     "rendezvous_max_nodes", "rendezvous_poll_seconds",
     "CLOUD_ENV", "METADATA_URL_ENV", "SIGNALS_ENV", "PreemptionWatcher", "detect_cloud",
     "notice_from_metadata", "preemption_signals",

@@ -29,7 +29,7 @@ import inspect
 import logging
 from typing import Any, Callable, NoReturn, Sequence
 
-__all__ = ["MIN_POLL_S", "TORCH_POLL_S", "install", "max_nodes", "poll_seconds"]
+__all__ = ["LOWEST_POLL_S", "MIN_POLL_S", "TORCH_POLL_S", "install", "max_nodes", "poll_seconds"]
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +37,10 @@ log = logging.getLogger(__name__)
 TORCH_POLL_S = 1.0
 #: The shortest poll the launcher chooses (up to ten nodes).
 MIN_POLL_S = 0.1
+#: The shortest poll ``--rdzv-poll`` takes: a waiting agent reads the whole state from
+#: the backend at each poll, so a shorter one would hammer it to save nothing a
+#: restart can notice.
+LOWEST_POLL_S = 0.01
 
 
 def max_nodes(torchrun_argv: Sequence[str]) -> int:
