@@ -92,6 +92,23 @@ def _steps(text: str, auto: bool = True) -> int | str:
     return text if text == "auto" else int(text)
 
 
+def _count(minimum: int) -> Any:
+    """An argparse type: an int >= ``minimum``, refused at parse time (before any
+    process group starts) with the flag's value named, not by a traceback later."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < minimum:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected an integer >= {minimum}")
+        return value
+
+    parse.__name__ = f"int>={minimum}"  # what argparse names in "invalid ... value"
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line (the flags of the pytorch/elastic ImageNet example, plus ours)."""
     arch_names = ["tinycnn"] + sorted(torchvision.models.list_models(module=torchvision.models))
@@ -101,17 +118,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-a", "--arch", metavar="ARCH", default="resnet18", choices=arch_names,
                    help="tinycnn (tiny, no batch norm: fast exact CPU runs) or any torchvision "
                         "model name (default: resnet18)")
-    p.add_argument("-j", "--workers", default=4, type=int, metavar="N",
+    p.add_argument("-j", "--workers", default=4, type=_count(0), metavar="N",
                    help="data loading worker processes per rank (default: 4)")
-    p.add_argument("--epochs", default=90, type=int, metavar="N", help="epochs to run")
-    p.add_argument("-b", "--batch-size", default=32, type=int, metavar="N",
+    p.add_argument("--epochs", default=90, type=_count(0), metavar="N", help="epochs to run")
+    p.add_argument("-b", "--batch-size", default=32, type=_count(1), metavar="N",
                    help="per-worker micro-batch (fixed_global) or per-worker batch (linear_lr)")
     p.add_argument("--lr", "--learning-rate", default=0.1, type=float, metavar="LR",
                    dest="lr", help="initial learning rate (decays 10x every 30 epochs)")
     p.add_argument("--momentum", default=0.9, type=float, metavar="M")
     p.add_argument("--wd", "--weight-decay", default=1e-4, type=float, metavar="W",
                    dest="weight_decay")
-    p.add_argument("-p", "--print-freq", default=10, type=int, metavar="N",
+    p.add_argument("-p", "--print-freq", default=10, type=_count(0), metavar="N",
                    help="log every N optimizer steps")
     p.add_argument("--dist-backend", default=None, choices=["nccl", "gloo"],
                    help="default: nccl with CUDA, gloo otherwise")
@@ -129,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--snapshot-every", default="auto", type=_steps, metavar="STEPS",
                    help="in-memory snapshots in /dev/shm every STEPS steps, which survive a "
                         "worker-group restart ('auto': within 1%% of training time; 0: off)")
-    p.add_argument("--global-batch-size", default=256, type=int, metavar="N",
+    p.add_argument("--global-batch-size", default=256, type=_count(1), metavar="N",
                    help="samples per optimizer step over all workers (fixed_global); must "
                         "divide by every world size the job runs at")
     p.add_argument("--batch-policy", default="fixed_global", choices=["fixed_global", "linear_lr"],
@@ -138,12 +155,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--node-local-checkpoints", action="store_true",
                    help="every node writes its own disk; the newest is broadcast on restore")
     p.add_argument("--seed", default=0, type=int, help="model init, shuffling, augmentation")
-    p.add_argument("--max-steps", default=None, type=int, metavar="N",
+    p.add_argument("--max-steps", default=None, type=_count(0), metavar="N",
                    help="stop after N global optimizer steps (checkpointed)")
     p.add_argument("--dummy", action="store_true", help="synthetic data instead of DIR")
-    p.add_argument("--dummy-size", default=1281167, type=int, metavar="N",
+    p.add_argument("--dummy-size", default=1281167, type=_count(1), metavar="N",
                    help="training samples with --dummy (validation: N/25)")
-    p.add_argument("--image-size", default=224, type=int, metavar="PX",
+    p.add_argument("--image-size", default=224, type=_count(4), metavar="PX",
                    help="training crop side; validation resizes to PX*256/224 then crops PX")
     p.add_argument("--summary-json", default=None, metavar="PATH",
                    help="rank 0 writes a JSON run summary here at the end")

@@ -51,6 +51,21 @@ def test_parser_accepts_the_pytorch_elastic_flags_and_ours() -> None:
         load_main().build_parser().parse_args(["/data", "-a", "no_such_model"])
 
 
+@pytest.mark.parametrize("flag,value,expected", [
+    ("-b", "0", ">= 1"), ("--batch-size", "x", ">= 1"), ("--epochs", "-1", ">= 0"),
+    ("-j", "-1", ">= 0"), ("-p", "-3", ">= 0"), ("--global-batch-size", "0", ">= 1"),
+    ("--max-steps", "-1", ">= 0"), ("--dummy-size", "0", ">= 1"), ("--image-size", "2", ">= 4"),
+])
+def test_a_bad_count_is_a_usage_error_naming_it_before_any_process_group(
+        flag: str, value: str, expected: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        load_main().build_parser().parse_args(["/data", flag, value])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert f"'{value}': expected an integer {expected}" in err
+    assert flag in err
+
+
 def test_checkpoint_file_maps_to_a_store_of_its_own() -> None:
     """Two file names in one directory are two experiments (and /tmp/x.pth.tar does
     not make /tmp the store)."""
