@@ -308,6 +308,9 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     torch.manual_seed(args.seed)  # identical initial weights on every rank and restart
     train_set, val_set, num_classes = build_datasets(args)
+    # Validation shards the set over the ranks: one smaller than the world size is
+    # refused now (ValueError naming both), not after an epoch of training.
+    ek.ElasticDistributedSampler(val_set, shuffle=False)
     model = ek.wrap_ddp(build_model(args.arch, num_classes))
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
                                 weight_decay=args.weight_decay)
