@@ -37,7 +37,7 @@ from collections.abc import Iterator, Mapping, Sized
 from typing import Any, SupportsIndex
 
 import torch
-from torch.utils.data import Sampler
+from torch.utils.data import DistributedSampler
 
 from elastic_kit.distributed import get_dist_info
 from elastic_kit.errors import CheckpointMismatchError
@@ -132,7 +132,7 @@ def _state_bool(key: str, value: Any) -> bool:
     )
 
 
-class ElasticDistributedSampler(Sampler[int]):
+class ElasticDistributedSampler(DistributedSampler[int]):
     """Shard a dataset over ranks so that an epoch resumes exactly at any world size.
 
     A drop-in for ``torch.utils.data.DistributedSampler`` and
@@ -140,6 +140,10 @@ class ElasticDistributedSampler(Sampler[int]):
     positional arguments, the same attributes (``num_replicas``, ``rank``, ``epoch``,
     ``shuffle``, ``seed``, ``drop_last``, ``num_samples``, ``total_size``), and
     integer-like arguments (numpy or torch integers) wherever an int is expected.
+    It is a subclass of ``DistributedSampler``, so a framework that keeps a loader's
+    sampler only when it is one (Lightning's ``use_distributed_sampler``, the
+    default) keeps it instead of wrapping it in a second sharding sampler, which
+    would train each rank on ``1 / world_size`` of its share.
     ``ElasticDistributedSampler(dataset)`` takes the rank and world size from the
     initialized process group, else from the torchrun environment
     (``RANK``/``WORLD_SIZE``), else runs as rank 0 of 1.

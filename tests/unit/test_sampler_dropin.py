@@ -144,3 +144,17 @@ def test_numpy_and_torch_booleans_are_accepted_for_shuffle_and_drop_last() -> No
     assert list(s) == [0, 3, 6]
     with pytest.raises(TypeError, match=r"drop_last='yes': expected a bool, got str"):
         ElasticDistributedSampler(range(10), 3, 0, drop_last="yes")  # type: ignore[arg-type]
+
+
+def test_is_a_distributed_sampler_so_frameworks_keep_it_instead_of_wrapping_it() -> None:
+    """Lightning replaces or wraps a loader's sampler unless
+    ``isinstance(sampler, DistributedSampler)``: wrapped, each rank would train on a
+    shard of its own share."""
+    ours = ElasticDistributedSampler(range(12), 3, 2, seed=4)
+    assert isinstance(ours, DistributedSampler)
+    ours.set_epoch(1)
+    # every method DistributedSampler has is ours: nothing falls back to its state
+    for name in ("__init__", "__iter__", "__len__", "set_epoch"):
+        assert getattr(ElasticDistributedSampler, name) is not getattr(DistributedSampler, name)
+    assert len(list(ours)) == len(ours) == ours.num_samples == 4 and ours.total_size == 12
+
