@@ -113,11 +113,12 @@ def _is_dense(x: torch.Tensor) -> bool:
 
 
 def _view_key(x: torch.Tensor) -> tuple[Any, ...] | None:
-    """What makes two tensors the same bytes (device, address of the first element,
-    shape, strides, dtype), for a dense non-empty one; None for any other."""
+    """What makes two tensors the same values (device, address of the first element,
+    shape, strides, dtype, and the conjugate and negative bits: ``z.conj()`` shares
+    ``z``'s bytes but not its values), for a dense non-empty one; None for any other."""
     if not _is_dense(x) or not x.numel():
         return None
-    return (x.data_ptr(), x.device, x.shape, x.stride(), x.dtype)
+    return (x.data_ptr(), x.device, x.shape, x.stride(), x.dtype, x.is_conj(), x.is_neg())
 
 
 def stage_tensor(x: torch.Tensor, path: str, *, copy: bool,

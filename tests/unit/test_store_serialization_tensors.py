@@ -172,3 +172,22 @@ def test_a_sharded_save_of_a_dtype_files_do_not_hold_opens_no_shard_file(mesh: A
     finally:
         if ffs.target.exists(f"/{name}"):
             ffs.target.rm(f"/{name}", recursive=True)
+
+
+@pytest.mark.parametrize("blocking", [True, False])
+def test_a_conjugate_or_negative_view_is_not_taken_for_its_base(tmp_path: Path,
+                                                                 blocking: bool) -> None:
+    """``z.conj()`` and ``torch._neg_view(z)`` share ``z``'s address, shape, strides and
+    dtype; only a bit tells them apart, and it changes every value read."""
+    z = torch.tensor([1 + 2j, 3 - 4j])
+    real = torch.tensor([1.0, -2.0])
+    store = CheckpointStore(str(tmp_path / "ck"))
+    store.save({"z": z, "zc": z.conj(), "r": real, "rn": torch._neg_view(real)}, step=1,
+               blocking=blocking).wait()
+    loaded = store.load()
+    store.close()
+    assert loaded is not None
+    assert loaded.state["z"].resolve_conj().tolist() == [1 + 2j, 3 - 4j]
+    assert loaded.state["zc"].resolve_conj().tolist() == [1 - 2j, 3 + 4j]
+    assert loaded.state["r"].resolve_neg().tolist() == [1.0, -2.0]
+    assert loaded.state["rn"].resolve_neg().tolist() == [-1.0, 2.0]
