@@ -118,6 +118,26 @@ class StoreContract:
         assert store.latest_step() == 12
         assert_state_is(store.load().state, 12, n=10)
 
+    @pytest.mark.parametrize("name,sibling", [("run[1]", "run1"), ("ru?2", "run2"),
+                                              ("r*", "rx")])
+    def test_retention_in_a_root_named_with_glob_characters_deletes_only_its_own(
+            self, target, name, sibling):
+        """fsspec's ``rm`` expands ``[``, ``*`` and ``?``: a store's retention must not
+        delete another run's steps that its name matches as a pattern, nor leave its
+        own old payload behind."""
+        url, opts = target
+        other = CheckpointStore(f"{url}/{sibling}", storage_options=opts, keep_last=None)
+        other.save(make_state(100, n=10), step=1)
+        mine = CheckpointStore(f"{url}/{name}", storage_options=opts, keep_last=1)
+        mine.save(make_state(1, n=10), step=1)
+        mine.save(make_state(2, n=10), step=2)  # retention removes mine's step 1
+        mine.prune(1)
+        assert [i.step for i in mine.list()] == [2]
+        assert [i.step for i in other.list()] == [1]
+        assert_state_is(other.load().state, 100, n=10)
+        left = [p for p in mine.fs.find(mine.root) if step_dir_name(1) in p]
+        assert left == []
+
     def test_never_deletes_the_checkpoint_just_written(self, make):
         store = make(keep_last=1)
         store.save(make_state(20, n=10), step=20)

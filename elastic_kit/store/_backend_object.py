@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import io
 import logging
+import re
 import time
 from typing import IO, Any, TypeVar
 
@@ -27,6 +28,13 @@ __all__ = ["ObjectBackend"]
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+
+def _literal(path: str) -> str:
+    """``path`` as a pattern that matches only itself: fsspec's ``rm`` expands ``*``,
+    ``?`` and ``[`` (a store named ``run[1]`` would remove run ``run1``'s steps, and
+    keep its own); each becomes a one-character class."""
+    return re.sub(r"([*?[])", r"[\1]", path)
 
 
 def entry_time(info: dict[str, Any]) -> float | None:
@@ -232,7 +240,7 @@ class ObjectBackend:
         except FileNotFoundError:
             pass
         try:
-            self.fs.rm(path, recursive=True)
+            self.fs.rm(_literal(path), recursive=True)
         except FileNotFoundError:
             pass
 
@@ -247,6 +255,6 @@ class ObjectBackend:
 
     def remove_tree(self, path: str) -> None:
         try:
-            self.fs.rm(path, recursive=True)
+            self.fs.rm(_literal(path), recursive=True)
         except Exception as e:
             log.debug("could not remove %s: %r", path, e)
