@@ -315,13 +315,19 @@ class Layout:
         proved corrupt when read)."""
         for _ in range(20):
             rescan = False
+            found: Found | None = None
+            # Steps without a manifest: unfinished saves, or (on an object store, where
+            # a step's objects are not one rename) one being uploaded that commits
+            # while older steps are read, and whose retention may delete the step
+            # read next before its payload. Such a step committed meanwhile is read.
+            unfinished: list[StepDir] = []
             for d in reversed(self.scan()):
                 if below is not None and d.step >= below:
                     continue
                 try:
                     found = self.verify(d, deep=True, keep=True)
                     assert isinstance(found, Found)
-                    return found
+                    break
                 except _Vanished:
                     log.info("checkpoint %s changed while being read: reading the store again",
                              d.path)
@@ -333,11 +339,29 @@ class Layout:
                         break
                     log.warning("skipping checkpoint %s, falling back to an older one: %s",
                                 d.path, e)
-                    self.found_corrupt.add(d.step)
+                    if self._manifest_missing(d):
+                        unfinished.append(d)  # not committed (yet): not damage
+                    else:
+                        self.found_corrupt.add(d.step)
+            if not rescan and any(self._manifest_present(d) for d in unfinished):
+                log.info("a checkpoint was committed while the store was read: reading it "
+                         "again")
+                rescan = True
             if not rescan:
-                return None
+                return found
+            if found is not None:
+                found.source.close()
         raise CheckpointError(f"checkpoints in {self.url} kept changing while being read "
                               f"(20 attempts): is another job writing this URL?")
+
+    def _manifest_present(self, d: StepDir) -> bool:
+        """Whether ``d`` has a manifest now (its text is read; whether it validates
+        is the next walk's question)."""
+        try:
+            self._manifest_text(d)
+        except Exception:
+            return False
+        return True
 
     def _exists_dir(self, d: StepDir) -> bool:
         return self.backend.is_dir(d.path)
