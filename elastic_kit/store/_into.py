@@ -32,8 +32,9 @@ __all__ = ["load_into"]
 def load_into(target: dict[Any, Any], loaded: dict[Any, Any]) -> None:
     """Load ``loaded`` into ``target`` in place (see the module docstring).
 
-    Dicts present on both sides are entered; lists of the same length on both sides
-    are entered item by item; a tensor of ``loaded`` whose place in ``target`` holds a
+    Dicts present on both sides are entered; lists (and tuples) of the same length on
+    both sides are entered item by item (a tuple's tensors are copied into, then the
+    checkpoint's tuple replaces it); a tensor of ``loaded`` whose place in ``target`` holds a
     tensor is copied into it (converted to its dtype and device, as
     ``Module.load_state_dict`` does; a DTensor receives its own box of a whole tensor);
     any other value replaces what ``target`` held there, a tensor on the meta device
@@ -42,7 +43,8 @@ def load_into(target: dict[Any, Any], loaded: dict[Any, Any]) -> None:
     Raises:
         CheckpointMismatchError: (a ``ValueError``) a loaded tensor's shape differs
             from the shape of the tensor ``target`` holds at its path, or ``target``
-            holds a tensor at a path the checkpoint lacks; nothing was loaded.
+            holds a tensor at a path the checkpoint lacks (or where it holds another
+            value: a number, a list or tuple of another length); nothing was loaded.
     """
     if not isinstance(loaded, dict):
         raise TypeError(f"the checkpoint holds a {type(loaded).__qualname__}, not a dict; "
@@ -97,6 +99,12 @@ def _plan(target: Any, loaded: Any, path: str,
         elif (type(current) is list and type(value) is list
               and len(current) == len(value)):
             _plan(current, value, sub, copies, sets, missing)
+        elif (type(current) is tuple and type(value) is tuple
+              and len(current) == len(value)):
+            # a tuple cannot take assignments: its tensors are loaded in place, and
+            # the checkpoint's tuple (the same values) replaces it
+            _plan(list(current), value, sub, copies, [], missing)
+            sets.append((target, key, value))
         elif (isinstance(current, torch.Tensor) and isinstance(value, torch.Tensor)
               and not current.is_meta and (is_dtensor(current) or not is_dtensor(value))):
             # (a meta tensor holds no memory to copy into: it is replaced, as any value;
@@ -104,12 +112,19 @@ def _plan(target: Any, loaded: Any, path: str,
             if current is not value:
                 copies.append((sub, current, value))
         else:
+            if not (isinstance(current, torch.Tensor) and isinstance(value, torch.Tensor)):
+                # the tensors the state holds here would be replaced, not loaded: a
+                # tensor where the checkpoint has another value, a list or tuple of
+                # another length
+                _tensor_paths(current, sub, missing, value)
             sets.append((target, key, value))
 
 
-def _tensor_paths(value: Any, path: str, out: list[str]) -> None:
+def _tensor_paths(value: Any, path: str, out: list[str], instead: Any = None) -> None:
     """The key paths of the tensors in ``value`` (entered through dicts, lists and
-    tuples), appended to ``out``."""
+    tuples), appended to ``out``; ``instead``: what the checkpoint holds at ``path``
+    (named when it is not a tensor's absence but another value)."""
+    before = len(out)
     if isinstance(value, torch.Tensor):
         out.append(path)
     elif isinstance(value, dict):
@@ -118,6 +133,11 @@ def _tensor_paths(value: Any, path: str, out: list[str]) -> None:
     elif isinstance(value, (list, tuple)):
         for i, v in enumerate(value):
             _tensor_paths(v, f"{path}[{i}]", out)
+    if instead is not None and len(out) > before:
+        what = (f"a {type(instead).__name__} of length {len(instead)}"
+                if isinstance(instead, (list, tuple))
+                else f"a value of type {type(instead).__name__}")
+        out[before] += f" (the checkpoint holds {what} at {path})"
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:

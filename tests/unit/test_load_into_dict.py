@@ -115,3 +115,34 @@ def test_keys_the_checkpoint_lacks_that_hold_no_tensor_are_left_alone(tmp_path):
     load_checkpoint(state, tmp_path)
     assert state == {"w": state["w"], "note": "mine", "groups": [{"lr": 0.1}]}
     assert state["w"].tolist() == [1.0, 1.0]
+
+
+@pytest.mark.parametrize("saved,held,named", [
+    ({"t": [torch.ones(2)]}, lambda q: {"t": [q, torch.zeros(1)]},
+     r"\['t'\]\[0\] \(the checkpoint holds a list of length 1 at \['t'\]\), \['t'\]\[1\]"),
+    ({"t": 5}, lambda q: {"t": q},
+     r"\['t'\] \(the checkpoint holds a value of type int at \['t'\]\)"),
+    ({"t": (torch.ones(2), 1)}, lambda q: {"t": (q,)},
+     r"\['t'\]\[0\] \(the checkpoint holds a tuple of length 2"),
+])
+def test_a_tensor_the_checkpoint_holds_another_value_for_fails_the_load(
+        tmp_path, saved, held, named):
+    """A tensor of the state that the load would replace instead of loading (the
+    checkpoint holds a number there, or a list or tuple of another length) is one the
+    checkpoint lacks: the load fails naming it, and loads nothing."""
+    save_checkpoint({**saved, "epoch": 3}, tmp_path, step=1)
+    q = torch.zeros(2)
+    state = {**held(q), "epoch": 0}
+    with pytest.raises(CheckpointMismatchError, match=named):
+        load_checkpoint(state, tmp_path)
+    assert q.tolist() == [0.0, 0.0] and state["epoch"] == 0
+
+
+def test_tensors_in_a_tuple_of_the_same_length_are_loaded_in_place(tmp_path):
+    save_checkpoint({"t": (torch.ones(2), 0.5), "u": (1, 2)}, tmp_path, step=1)
+    p = torch.zeros(2)
+    state = {"t": (p, 0.1), "u": (0, 0)}
+    load_checkpoint(state, tmp_path)
+    assert p.tolist() == [1.0, 1.0]  # the tensor the caller holds, not only the dict
+    assert state["t"][0].tolist() == [1.0, 1.0] and state["t"][1] == 0.5
+    assert state["u"] == (1, 2)
