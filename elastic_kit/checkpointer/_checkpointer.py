@@ -168,6 +168,7 @@ class Checkpointer(Lifecycle):
                 or dataset (nothing in the state was changed).
             ValueError: the sampler was built for another rank or world size.
         """
+        self._require_open("restore")
         info = self.info = self._cadence.info = self._given_info or get_dist_info()
         state = self.state
         _restore.check_sampler(state.sampler, info)
@@ -274,7 +275,8 @@ class Checkpointer(Lifecycle):
         between (as :class:`~elastic_kit.ElasticLoop` does) calls the two itself.
 
         Raises:
-            RuntimeError: :meth:`restore` was not called, or nothing iterated
+            RuntimeError: :meth:`restore` was not called, the checkpointer is
+                closed, or nothing iterated
                 ``state.sampler`` since its epoch was set (the DataLoader must be
                 given it as its sampler, and its iterator made after the restore).
             ValueError: ``n`` is negative, or the step starts past the end of the
@@ -292,6 +294,7 @@ class Checkpointer(Lifecycle):
     def after_step(self) -> None:
         """The second half of :meth:`step`: exchange the ranks' flags now and then,
         save or snapshot when due, and after a SIGTERM save and exit."""
+        self._require_open("after_step")
         self._act(self._cadence.poll())
 
     def record_step(self, n: int) -> None:
@@ -381,12 +384,26 @@ class Checkpointer(Lifecycle):
             self._end_epoch()
 
     def _require_restored(self, what: str) -> None:
+        self._require_open(what)
         if not self._restored:
             raise RuntimeError(
                 f"{what}() before restore(): start the loop with `for epoch in "
                 f"range(ckpt.restore(), epochs)`. restore() loads the newest checkpoint "
                 f"and installs the SIGTERM handler; without it a restart trains from "
                 f"scratch beside its checkpoints, and a SIGTERM loses every step")
+
+    def _require_open(self, what: str) -> None:
+        """Refuse ``what`` on a closed (or abandoned) checkpointer: its store may be
+        closed, its snapshots removed, its hooks and heartbeat gone, so a save would
+        go unwaited-for and a SIGTERM unheard. A training thread that reaches here
+        while another thread writes the last step and ends the process waits for that
+        end instead."""
+        if self._hooks.closed:
+            self._hold_if_leaving()
+            raise RuntimeError(
+                f"{what}() on a closed Checkpointer: close() (or the end of its 'with' "
+                f"block) ends it; make a new Checkpointer, and call its restore(), for "
+                f"another phase of training")
 
     def _end_epoch(self) -> None:
         unstepped = self._progress.unstepped()
@@ -424,6 +441,7 @@ class Checkpointer(Lifecycle):
         outcome: if the write failed on the writer (or an earlier non-blocking write
         did), every rank raises :class:`~elastic_kit.CheckpointError`.
         """
+        self._require_open("save")
         with self._not_training() if blocking else contextlib.nullcontext():
             self._save(blocking)
 
@@ -443,6 +461,7 @@ class Checkpointer(Lifecycle):
         """Take an in-memory snapshot of the state now (collective when the audit is
         on; a no-op when snapshots are off). Written in the background by each node's
         local rank 0; a failure switches snapshots off with a warning."""
+        self._require_open("snapshot")
         self._snapshot(periodic=False)
 
     def _snapshot(self, *, periodic: bool) -> None:

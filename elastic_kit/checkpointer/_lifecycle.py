@@ -103,7 +103,8 @@ class Lifecycle:
         holds the result), except where the run ends at the step a restore from memory
         put it at and nothing saved it since (it was killed in its final save): that
         state is nowhere else, and its snapshots stay (with a warning). Safe to call
-        twice.
+        twice; every other method of a closed checkpointer raises ``RuntimeError``
+        (another phase of training makes a new one).
         """
         self._close(remove_snapshots=True)
 

@@ -180,3 +180,27 @@ def test_the_samplers_own_drop_last_tail_is_not_unstepped(drop_last: bool) -> No
     progress.advance(batches[1], audited=False)
     assert progress.unstepped() == 0
     assert sampler.remaining == (1 if drop_last else 0)  # the tail the sampler drops
+
+
+def test_a_closed_checkpointer_refuses_every_use_naming_the_fix(tmp_path) -> None:
+    """Used again after close(), a checkpointer half re-armed itself: its next close()
+    did nothing (a non-blocking save never waited for, the SIGTERM handler and
+    threads left installed) and step() stopped saving without a word."""
+    state, ck = _setup(tmp_path, every_steps=1)
+    ck.restore()
+    for x in DataLoader(range(N), batch_size=BATCH, sampler=state.sampler):
+        ck.step(len(x))
+    ck.close()
+    ck.close()  # twice is fine
+    saved = [i.step for i in ek.CheckpointStore(str(tmp_path / "ck")).list()]
+    for call in (ck.restore, lambda: ck.step(1), lambda: ck.record_step(1), ck.after_step,
+                 ck.end_epoch, ck.save, ck.snapshot):
+        with pytest.raises(RuntimeError, match=r"on a closed Checkpointer: .*make a new "
+                                               r"Checkpointer"):
+            call()
+    assert state.step == 3 and state.sampler.consumed == N
+    assert [i.step for i in ek.CheckpointStore(str(tmp_path / "ck")).list()] == saved
+    # a new checkpointer is the way to train on
+    _, again = _setup(tmp_path)
+    assert again.restore() == 0 and again.state.step == saved[-1] == 2  # the 3rd: end_epoch's
+    again.close()
