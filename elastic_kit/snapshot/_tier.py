@@ -912,6 +912,7 @@ class SnapshotTier:
             if self.sharded:  # the parts of one save carry one group token
                 self.group = broadcast_object(self.group, src=0)
             return
+        _close_abandoned_receivers()
         if self._receiver is None and self.writes and self.info.local_rank == 0:
             try:
                 tree = (self.root, [user_dir_name(), os.path.basename(self.run_dir),
@@ -1288,8 +1289,15 @@ class SnapshotTier:
             self._slots.close()  # the committed snapshot's file stays in its directory
         self.relay.close()
         self.mirror.close()
-        if remove and self._receiver is not None:
-            self._receiver.close()
+        if self._receiver is not None:
+            if remove:
+                self._receiver.close()
+            else:
+                # a failing worker's: a peer may still stream its last snapshot here
+                # while this process exits; a process that trains on (a retry in a
+                # notebook, a sweep) closes it when its next tier connects
+                with _ABANDONED_LOCK:
+                    _ABANDONED.append(self._receiver)
             self._receiver = None
         if remove and self.info.local_rank == 0 and self._trusted:
             # never a tree that failed the check: it may be another user's
@@ -1297,6 +1305,25 @@ class SnapshotTier:
             # user could make one of that name, which switches this user's snapshots
             # off, until the host reboots)
             shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
+#: The replica receivers of tiers closed without removing their snapshots (see
+#: :meth:`SnapshotTier.close`), left open for a peer's last stream.
+_ABANDONED: list[ReplicaReceiver] = []
+_ABANDONED_LOCK = threading.Lock()
+
+
+def _close_abandoned_receivers() -> None:
+    """Close the receivers abandoned tiers of this process left listening: a new
+    group's tier connects, so no stream of the old group is coming to them."""
+    with _ABANDONED_LOCK:
+        gone = _ABANDONED[:]
+        _ABANDONED.clear()
+    for receiver in gone:
+        try:
+            receiver.close()
+        except Exception as e:  # a listener that is gone already
+            log.debug("closing an abandoned replica receiver: %r", e)
 
 
 def _pinned_staging(t: torch.Tensor) -> bool:
