@@ -392,6 +392,10 @@ def _misplaced_state(params: list[Any], ids: list[Any], state: dict[Any, Any]
                 yield pos, key, ours[pos], shape
 
 
+#: What the state and the checkpointer use of a sampler (ElasticDistributedSampler's).
+_SAMPLER_API = ("state_dict", "load_state_dict", "advance", "consumed")
+
+
 class TrainState:
     """The resumable state of a training run.
 
@@ -447,6 +451,24 @@ class TrainState:
         self.initial_world_size: int | None = None
         self.lr_scale = 1.0
         self._sharded_seen = False  # the model was seen to hold DTensor parameters
+
+    @property
+    def sampler(self) -> Any:
+        """The sampler whose position the state holds (None: none)."""
+        return self._sampler
+
+    @sampler.setter
+    def sampler(self, sampler: Any) -> None:
+        lacks = [name for name in _SAMPLER_API if not hasattr(sampler, name)]
+        if sampler is not None and lacks:
+            # torch's DistributedSampler, kept by a script being ported, has no
+            # position to save: refused here, not by an AttributeError at restore()
+            raise TypeError(
+                f"TrainState(sampler=...) got a {type(sampler).__qualname__}, which has no "
+                f"{', '.join(lacks)}: the state saves the sampler's position in the epoch; "
+                f"expected an ek.ElasticDistributedSampler (a drop-in for "
+                f"DistributedSampler), or None")
+        self._sampler = sampler
 
     @property
     def sharded(self) -> bool:

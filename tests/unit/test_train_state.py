@@ -291,3 +291,21 @@ def test_wrappers_are_unwrapped_nested() -> None:
     assert unwrap_model(wrapped) is inner
     compiled = torch.compile(inner)
     assert unwrap_model(compiled) is inner and unwrap_model(torch.nn.DataParallel(compiled)) is inner
+
+
+def test_a_sampler_without_a_position_is_refused_naming_the_fix() -> None:
+    """torch's DistributedSampler, kept by a script being ported, failed later with an
+    AttributeError at restore() or state_dict()."""
+    from torch.utils.data import DistributedSampler
+
+    model = torch.nn.Linear(2, 1)
+    with pytest.raises(TypeError, match=r"got a DistributedSampler, which has no "
+                                        r"state_dict, load_state_dict, advance, consumed.*"
+                                        r"ek.ElasticDistributedSampler"):
+        TrainState(model, sampler=DistributedSampler(range(4), 1, 0))
+    state = TrainState(model)
+    with pytest.raises(TypeError, match="DistributedSampler"):
+        state.sampler = DistributedSampler(range(4), 1, 0)  # ElasticLoop assigns it later
+    assert state.sampler is None
+    state.sampler = ElasticDistributedSampler(range(4), 1, 0)
+    assert state.state_dict()["sampler"]["dataset_length"] == 4
