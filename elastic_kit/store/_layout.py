@@ -59,6 +59,7 @@ from elastic_kit.store._chunk_listing import flat_file, is_flat, verify_flat_fil
 from elastic_kit.store._fs import is_local, join, retrying
 from elastic_kit.store._manifest import (
     MANIFEST_NAME, MAX_MANIFEST_BYTES, PAYLOAD_NAME, FileEntry, Manifest, check_file_name,
+    run_id,
 )
 from elastic_kit.store._serialize import hash_stream, save_into
 from elastic_kit.errors import CheckpointConflictError, CheckpointCorruptError, CheckpointError
@@ -144,6 +145,7 @@ class Layout:
             LocalBackend(root, url=url, writer_id=self.writer_id, private=private)
             if is_local(fs) else ObjectBackend(fs, root, url=url, read=self._read))
         self._warned_older = False  # a save older than the newest committed was logged
+        self._warned_late = False  # a late commit of an earlier worker group was logged
         # steps a load of this layout skipped as corrupt: retention does not count them
         self.found_corrupt: set[int] = set()
 
@@ -480,6 +482,19 @@ class Layout:
         committed = list(self.committed())
         foreign = [(d, m) for d, m in committed
                    if m.writer and m.writer != self.writer_id and m.time > started]
+        run = run_id()
+        late = [d.step for d, m in foreign if run and m.run == run and d.step < just_written]
+        if late:
+            # a process of an earlier worker group of this run (a node taken for dead
+            # that was alive after all: woken from a freeze) committed the save it had
+            # in flight: an older step of this same job, not another job's
+            foreign = [(d, m) for d, m in foreign if d.step not in late]
+            if not self._warned_late:
+                self._warned_late = True
+                log.warning("checkpoint step(s) %s in %s were committed late by a process of "
+                            "an earlier worker group of this run (a node taken for dead that "
+                            "was alive after all); retention treats them as older steps",
+                            late, self.url)
         if foreign:
             d, m = foreign[-1]
             raise CheckpointConflictError(

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import platform
 import re
 import time
@@ -53,6 +54,12 @@ _MAX_STEP = 10**12 - 1  # 12 digits: the directory name must stay canonical
 _MAX_SIZE = 1 << 62
 _NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}", re.ASCII)
 _HEX_RE = re.compile(r"[0-9a-f]+", re.ASCII)
+
+
+def run_id() -> str:
+    """The torchrun run this process belongs to (``TORCHELASTIC_RUN_ID``; "" outside
+    torchrun): every worker group of one job shares it, two jobs do not."""
+    return os.environ.get("TORCHELASTIC_RUN_ID", "")
 
 
 def _library_version() -> str:
@@ -106,6 +113,9 @@ class Manifest:
         time: wall time of the commit (seconds since the epoch).
         writer: a random id of the store object that wrote it (two jobs writing one
             URL are told apart by it).
+        run: the torchrun run id of the process that wrote it ("" outside torchrun):
+            a late commit by a process of an earlier worker group of the same run is
+            told from another job's.
         sharded: for sharded state, the index of its shards
             (:class:`~elastic_kit.store._shard_index.ShardIndex`); None otherwise.
     """
@@ -119,6 +129,7 @@ class Manifest:
     world_size: int = 1
     time: float = field(default_factory=time.time)
     writer: str = ""
+    run: str = field(default_factory=run_id)
     format: str = FORMAT
     elastic_kit_version: str = field(default_factory=_library_version)
     torch_version: str = field(default_factory=lambda: str(torch.__version__))
@@ -234,7 +245,8 @@ class Manifest:
         if type(t) not in (int, float) or not math.isfinite(t):
             raise ValueError(f"time={t!r:.60} must be a finite number")
         strings = {}
-        for key in ("writer", "elastic_kit_version", "torch_version", "python_version"):
+        for key in ("writer", "run", "elastic_kit_version", "torch_version",
+                    "python_version"):
             if key in d:
                 if not isinstance(d[key], str):
                     raise ValueError(f"{key}={d[key]!r:.60} must be a string")

@@ -96,3 +96,54 @@ def test_a_step_whose_manifest_does_not_validate_is_not_removed_as_a_leftover(
     names = sorted(p.name for p in (tmp_path / "ck").iterdir() if p.name.startswith("step-"))
     assert names == ["step-000000000001", "step-000000000002", "step-000000000003"]
     assert store.load().step == 3
+
+
+def _second_process_store(url: str, monkeypatch: Any, **kw: Any) -> CheckpointStore:
+    """A store as another process makes it (its own writer id)."""
+    from elastic_kit.store import _store
+
+    monkeypatch.setattr(_store, "_PROCESS_TOKEN", uuid.uuid4().hex)
+    return CheckpointStore(url, **kw)
+
+
+def test_a_late_commit_of_an_earlier_worker_group_of_the_run_is_no_conflict(
+        tmp_path: Any, monkeypatch: Any, caplog: Any) -> None:
+    """A frozen node taken for dead wakes up after its survivors restarted and commits
+    the save it had in flight: an older step of the same run. The live group's saves
+    go on (they failed with CheckpointConflictError, each restart used up)."""
+    import logging
+
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-7")
+    url = str(tmp_path / "ck")
+    frozen = CheckpointStore(url, keep_last=3)
+    frozen.save(_state(15.0), step=15)
+    live = _second_process_store(url, monkeypatch, keep_last=3)  # the restarted group
+    live.save(_state(16.0), step=16)
+    live.save(_state(17.0), step=17)
+    frozen.save(_state(16.0), step=16)  # woken: its in-flight save lands
+    with caplog.at_level(logging.WARNING, logger="elastic_kit.store"):
+        live.save(_state(18.0), step=18)
+        live.save(_state(19.0), step=19)
+        live.wait()  # its retention, in the background
+    assert "committed late by a process of an earlier worker group of this run" in caplog.text
+    assert [i.step for i in CheckpointStore(url).list()] == [17, 18, 19]
+    assert CheckpointStore(url).load().step == 19
+
+
+def test_a_commit_of_another_run_is_still_a_conflict(tmp_path: Any, monkeypatch: Any) -> None:
+    import pytest
+
+    from elastic_kit.errors import CheckpointConflictError
+
+    url = str(tmp_path / "ck")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-7")
+    other = CheckpointStore(url, keep_last=3)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-8")
+    live = _second_process_store(url, monkeypatch, keep_last=3)
+    live.save(_state(16.0), step=16)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-7")
+    other.save(_state(3.0), step=3)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-8")
+    with pytest.raises(CheckpointConflictError, match="another job is writing checkpoints"):
+        live.save(_state(17.0), step=17)
+        live.wait()
