@@ -38,6 +38,12 @@ silent (a warning names it after one timeout, and the process group's own timeou
 stays), so a flood at a group's start cannot make a live worker exit. A clean close sends a
 goodbye byte first, so a peer that finished is never mistaken for a silent one; a
 peer that authenticates again is watched again, whatever its earlier connection said.
+A connection that ends without a goodbye (the peer's process died and its kernel
+closed it) is silence from then on: the peer's death normally fails this worker's
+collective at once, and the worker is gone before a timeout passes, but a worker
+that was itself paused while its peer died (a frozen host that wakes up after its
+survivors restarted without it) can wake in a gloo send that waits out the process
+group's timeout; the heartbeat ends that wait after one timeout.
 
 The side channels' addresses must be reachable from the other nodes: where one node
 advertises a loopback address and another does not (a host name that ``/etc/hosts``
@@ -284,9 +290,13 @@ class Heartbeat:
             sel.close()
 
     def _is_silent(self, now: float) -> bool:
+        # a connection lost without a goodbye (the peer's process died: its kernel
+        # closed it) counts from its end: its death fails this worker's collective at
+        # once, unless this process was paused meanwhile and woke in a send to it
+        # (gloo then waits out its own timeout, minutes); a peer that reconnects
+        # within the timeout is watched again
         return (self.watch is not None and self.heard and self.silent is None
-                and not self.said_bye
-                and not self.lost_connection and now - self.last_beat > self.timeout_s)
+                and not self.said_bye and now - self.last_beat > self.timeout_s)
 
     def _accept(self, sel: selectors.BaseSelector,
                 pending: dict[socket.socket, tuple[float, bytearray, bytes]]) -> None:
@@ -354,8 +364,10 @@ class Heartbeat:
                 return True
         elif not self.said_bye:
             # ended without a goodbye: its process died (the kernel closed the
-            # connection, which the process group notices too) or it reconnects
+            # connection, which the process group notices too) or it reconnects;
+            # the silence is counted from here
             self.lost_connection = True
+            self.last_beat = time.monotonic()
         _drop(sel, sock)
         return False
 
