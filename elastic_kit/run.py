@@ -27,6 +27,10 @@ last round is back (or seen dead) and no other is waiting, instead of
 ``last_call_timeout`` after the minimum number of nodes joined (see
 :mod:`elastic_kit.health._rdzv_close`).
 
+The agent resumes (SIGCONT) its workers right before it sends them its death signal,
+so a stopped worker exits at once instead of after torch's 30 s grace (see
+:mod:`elastic_kit.health._stopped_workers`).
+
 A node that leaves on purpose (a preemption notice) has its agent leave the
 rendezvous at once, so the nodes that stay restart without waiting for its
 keep-alives to lapse (see :mod:`elastic_kit.health._agent_leave`). The agent ignores
@@ -75,7 +79,8 @@ from typing import Any, NoReturn
 from elastic_kit.health import (
     LEAVE_SIGNAL, RDZV_LOWEST_POLL_S as LOWEST_POLL_S, RDZV_TORCH_POLL_S as TORCH_POLL_S,
     install_agent_leave,
-    install_rendezvous_close, install_rendezvous_poll, uninstall_agent_leave,
+    install_rendezvous_close, install_rendezvous_poll, install_resume_stopped,
+    uninstall_agent_leave,
     preemption_signals, rendezvous_max_nodes as max_nodes,
     rendezvous_poll_seconds as poll_seconds,
 )
@@ -278,6 +283,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     install_agent_leave()  # a planned leave takes this node out of the rendezvous at once
     install_rendezvous_poll(poll)  # a restart's rendezvous ends within a poll of its state
     install_rendezvous_close()  # ... once every node of the last round is back
+    install_resume_stopped()  # a stopped worker takes its death signal at once
     torchrun_main(opts.torchrun_argv)
 
 

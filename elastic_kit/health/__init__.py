@@ -24,6 +24,9 @@ from elastic_kit.health._agent_leave import (
     uninstall as uninstall_agent_leave,
 )
 from elastic_kit.health._rdzv_close import install as install_rendezvous_close
+from elastic_kit.health._stopped_workers import (
+    install as install_resume_stopped, resume as resume_stopped_workers,
+)
 from elastic_kit.health._rdzv_poll import (
     LOWEST_POLL_S as RDZV_LOWEST_POLL_S, TORCH_POLL_S as RDZV_TORCH_POLL_S,
     install as install_rendezvous_poll,
@@ -39,7 +42,8 @@ __all__ = [
     "LEAVE_ENV", "LEAVE_SIGNAL", "install_agent_leave", "leave_rendezvous",
     "uninstall_agent_leave",
     "RDZV_LOWEST_POLL_S", "RDZV_TORCH_POLL_S", "install_rendezvous_close", "install_rendezvous_poll",
-    "rendezvous_max_nodes", "rendezvous_poll_seconds",
+    "rendezvous_max_nodes", "rendezvous_poll_seconds", "install_resume_stopped",
+    "resume_stopped_workers",
     "CLOUD_ENV", "METADATA_URL_ENV", "SIGNALS_ENV", "PreemptionWatcher", "detect_cloud",
     "notice_from_metadata", "preemption_signals",
     "DEFAULT_INTERVAL_S", "DEFAULT_TIMEOUT_S", "HELLO_TIMEOUT_S", "Heartbeat", "MAX_PENDING",
