@@ -50,9 +50,11 @@ class CheckpointerConfig:
             copy is waited for in a pre-hook of ``optimizer.step()``, the only place
             they change. Turn off if parameters change in place outside
             ``optimizer.step()``.
-        handle_signals: catch SIGTERM (torchrun's restart notice): a step soon after
-            (every rank at the same one, within about 0.4 s of training; at the latest
-            the epoch's end) saves synchronously and exits with ``exit_code``.
+        handle_signals: catch SIGTERM (torchrun's restart notice; under torchrun also
+            SIGINT and SIGHUP, which its agent forwards on Ctrl-C or a lost terminal):
+            a step soon after (every rank at the same one, within about 0.4 s of
+            training; at the latest the epoch's end) saves synchronously and exits
+            with ``exit_code``.
         exit_code: the exit status after a SIGTERM save (non-zero, so torchrun
             restarts the group instead of reporting success).
         snapshot_every: in-memory snapshots (see :mod:`elastic_kit.snapshot`): the full

@@ -15,6 +15,8 @@ abandoned (no collective): what was taken is written.
 from __future__ import annotations
 
 import atexit
+import os
+import signal
 import threading
 import weakref
 from typing import Any, Callable
@@ -23,15 +25,29 @@ import torch
 
 from elastic_kit.state import TerminationFlag
 
-__all__ = ["Hooks"]
+__all__ = ["Hooks", "stop_signals"]
+
+
+def stop_signals() -> tuple[int, ...]:
+    """The signals that make a checkpointer save and exit: SIGTERM (torchrun's restart
+    notice, a scheduler's stop), and under torchrun also SIGINT and SIGHUP, which the
+    agent forwards to its workers when it is interrupted (Ctrl-C) or loses its
+    terminal: it ends the job then, so without a save the steps since the last durable
+    checkpoint were lost (the memory snapshot a worker writes on its way out belongs
+    to that run id, which a relaunch under ``--standalone`` does not share). Outside
+    torchrun, Ctrl-C keeps its ``KeyboardInterrupt``."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        return (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+    return (signal.SIGTERM,)
 
 
 class Hooks:
     """The SIGTERM flag, the optimizer pre-hook, and whether they were removed."""
 
     def __init__(self) -> None:
-        #: set by SIGTERM (when installed) or by a request to stop
-        self.stop = TerminationFlag()
+        #: set by SIGTERM (under torchrun also SIGINT, SIGHUP; when installed) or by a
+        #: request to stop
+        self.stop = TerminationFlag(stop_signals())
         self._step_hook: Any = None
         #: the optimizer the pre-hook is on (compared by identity), and the hook
         self._optimizer: Any = None

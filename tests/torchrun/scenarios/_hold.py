@@ -16,8 +16,9 @@ step, so no rank is left waiting in a collective) until the test releases it:
   the group has started a checkpoint of its own, which commits during the hold.
 - ``EK_TEST_HOLD_WORLD_SIZE``: hold only in a group of this many ranks.
 
-A SIGTERM (torchrun stopping the group) ends a rank's hold at once: the rank writes
-``sigterm-rank<R>`` and passes the signal on to the handler that was installed (the
+A SIGTERM (torchrun stopping the group), or a SIGINT (torchrun interrupted, passing
+Ctrl-C on), ends a rank's hold at once: the rank writes ``sigterm-rank<R>`` (with the
+signal's number) and passes the signal on to the handler that was installed (the
 library's), which then stops training as it would without the hold.
 
 ``tests/train_script.py`` calls :func:`hold_point` from its ``on_step_end``. Any other script built
@@ -59,25 +60,32 @@ def hold_point(step: int, world_size: int, rank: int | None = None) -> None:
         return
     rank = int(os.environ.get("RANK", "0")) if rank is None else rank
     terminated = threading.Event()
-    previous = signal.getsignal(signal.SIGTERM)
+    watched = (signal.SIGTERM, signal.SIGINT)
+    previous = {sig: signal.getsignal(sig) for sig in watched}
+    received: list[int] = []
 
-    def on_sigterm(signum: int, frame: FrameType | None) -> None:
+    def on_signal(signum: int, frame: FrameType | None) -> None:
         terminated.set()
-        if callable(previous):
-            previous(signum, frame)
+        received.append(signum)
+        handler = previous[signal.Signals(signum)]
+        if callable(handler):
+            handler(signum, frame)
 
-    signal.signal(signal.SIGTERM, on_sigterm)
+    for sig in watched:
+        signal.signal(sig, on_signal)
     try:
         _write_json(d / f"held-rank{rank}", {"step": step, "world_size": world_size,
                                              "pid": os.getpid()})
         while not release.exists() and not terminated.is_set():
             time.sleep(0.02)
         if terminated.is_set():
-            _write_json(d / f"sigterm-rank{rank}", {"step": step, "world_size": world_size})
+            _write_json(d / f"sigterm-rank{rank}", {"step": step, "world_size": world_size,
+                                                    "signal": received[0]})
     finally:
-        signal.signal(signal.SIGTERM, previous)
-    if terminated.is_set() and previous in (signal.SIG_DFL, None):
-        os.kill(os.getpid(), signal.SIGTERM)  # nobody handles it: its default action
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if terminated.is_set() and previous[signal.Signals(received[0])] in (signal.SIG_DFL, None):
+        os.kill(os.getpid(), received[0])  # nobody handles it: its default action
 
 
 def _write_json(path: Path, payload: dict[str, Any]) -> None:

@@ -74,6 +74,33 @@ def test_sigterm_preemption_saves_current_step_and_loses_none(new_job: Callable[
     assert summary["steps"] == reference_run.summary["steps"]
 
 
+def test_ctrl_c_to_torchrun_saves_the_current_step_for_a_relaunch(
+        new_job: Callable[..., Job]) -> None:
+    """Ctrl-C on a torchrun job: the agent passes SIGINT on to its workers and ends the
+    job. The workers save the current step durably (as on SIGTERM) instead of dying
+    of KeyboardInterrupt with only a memory snapshot that a relaunch under a new run
+    id never reads, and the relaunch resumes from that step."""
+    import signal
+
+    job = new_job("interrupted", nnodes="1", max_restarts=3, checkpoint_every=1000,
+                  extra=["--no-epoch-checkpoints"], hold=Hold(at_step=3))
+    agent = job.cluster.add_agent()
+    held_at = job.wait_until_held(1)
+    agent.proc.send_signal(signal.SIGINT)
+    job.wait_for_sigterm_at_hold()
+    job.release()
+    assert job.cluster.wait(120)[0] not in (0, None)  # interrupted: torchrun does not restart
+    (stop,) = [e for e in job.events() if e["event"] == "exit"]
+    assert stop["code"] == 143 and stop["step"] >= held_at, stop
+    assert job.committed_steps() == [stop["step"]], job.all_logs()[-5000:]
+
+    again = new_job("relaunched", nnodes="1", max_restarts=0,
+                    checkpoint_dir=str(job.checkpoint_dir))
+    again.cluster.add_agent()
+    summary = again.finish([0])
+    assert summary["restored_steps"][0] == stop["step"], summary["restored_steps"]
+
+
 @pytest.mark.s3
 def test_crash_during_s3_checkpoint_write_resumes_from_previous(
         new_job: Callable[..., Job], reference_run: Reference, s3_bucket: tuple[str, dict[str, Any]],
