@@ -96,11 +96,13 @@ class TerminationFlag:
             return self
         for sig in self.signals:
             self._previous[sig] = signal.signal(sig, self._handle)
+        _INSTALLED.add(self)
         if self.on_unheard is not None and self._pipe is None:
             self._watch()
         return self
 
     def uninstall(self) -> None:
+        _INSTALLED.discard(self)
         for sig, prev in self._previous.items():
             signal.signal(sig, prev if prev is not None else signal.SIG_DFL)
         self._previous.clear()
@@ -167,6 +169,39 @@ class TerminationFlag:
 
 #: The flags whose watcher holds the wakeup fd now (at most one: there is one fd).
 _WATCHING: weakref.WeakSet[TerminationFlag] = weakref.WeakSet()
+#: The flags whose handlers are installed now.
+_INSTALLED: weakref.WeakSet[TerminationFlag] = weakref.WeakSet()
+
+
+def _quiet_loader_worker(signals: frozenset[int]) -> None:
+    """In a forked child: make it, should it be a DataLoader worker, ignore
+    ``signals`` once torch set its own handlers up.
+
+    torchrun stops a worker with ``killpg``: the signal reaches its DataLoader
+    workers too. A worker's C-level SIGTERM handler (and the default action of SIGHUP,
+    and the KeyboardInterrupt of SIGINT) ends it, and the training process's SIGCHLD
+    handler then raises "DataLoader worker ... is killed by signal" wherever the
+    training thread is, usually before the step where the checkpointer saves and
+    exits: the stop's checkpoint was lost. A loader worker ignoring them still ends
+    when its loader shuts it down or its parent dies (torch's watchdog). Workers of a
+    ``spawn`` or ``forkserver`` context start from a new interpreter and are not
+    reached."""
+    try:
+        from torch.utils.data._utils import signal_handling
+    except ImportError:  # not a torch this knows
+        return
+    original = signal_handling._set_worker_signal_handlers
+
+    def set_handlers(*args: Any, **kwargs: Any) -> Any:
+        out = original(*args, **kwargs)
+        for sig in signals:
+            try:
+                signal.signal(sig, signal.SIG_IGN)
+            except (ValueError, OSError):
+                pass
+        return out
+
+    signal_handling._set_worker_signal_handlers = set_handlers
 
 
 def _after_fork_in_child() -> None:
@@ -191,4 +226,12 @@ def _after_fork_in_child() -> None:
     _WATCHING.clear()
 
 
+def _after_fork_quiet_loader_workers() -> None:
+    installed = frozenset(sig for flag in list(_INSTALLED) for sig in flag.signals)
+    _INSTALLED.clear()
+    if installed:
+        _quiet_loader_worker(installed)
+
+
 os.register_at_fork(after_in_child=_after_fork_in_child)
+os.register_at_fork(after_in_child=_after_fork_quiet_loader_workers)

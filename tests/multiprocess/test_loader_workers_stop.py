@@ -1,0 +1,77 @@
+"""torchrun stops a worker with ``killpg``: its DataLoader workers get the signal too.
+They died of it (torch's C-level SIGTERM handler), and the training process's SIGCHLD
+handler raised "DataLoader worker ... is killed by signal" before the step at which
+the checkpointer saves and exits: the stop's checkpoint was lost."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from elastic_kit.store import CheckpointStore
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.timeout(180)
+
+_SCRIPT = textwrap.dedent("""
+    import sys, time, torch
+    from torch.utils.data import DataLoader, TensorDataset
+    import elastic_kit as ek
+
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(4000, 8), torch.randn(4000))
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    sampler = ek.ElasticDistributedSampler(data)
+    loader = DataLoader(data, batch_size=4, sampler=sampler, num_workers=2)
+    state = ek.TrainState(model, opt, sampler=sampler)
+    ckpt = ek.Checkpointer(state, sys.argv[1], every_steps=1000, snapshot_every=0)
+    for epoch in range(ckpt.restore(), 1):
+        sampler.set_epoch(epoch)
+        for x, y in loader:
+            loss = ((model(x).squeeze(-1) - y) ** 2 * ckpt.sample_weights(len(x))).sum()
+            opt.zero_grad(); loss.backward(); opt.step()
+            time.sleep(0.05)
+            ckpt.step(len(x))
+            print("step", state.step, flush=True)
+        ckpt.end_epoch()
+    ckpt.close()
+""")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_signal_to_the_process_group_saves_with_loader_workers(
+        tmp_path: Path, sig: signal.Signals) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(_SCRIPT)
+    ckpt = tmp_path / "ckpt"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+           "TORCHELASTIC_RUN_ID": "job"}  # under torchrun: SIGINT saves too
+    proc = subprocess.Popen([sys.executable, str(script), str(ckpt)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # as torchrun starts its workers
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.strip() == "step 15":
+                break
+        else:
+            pytest.fail(f"no step 15: {proc.wait(60)} {proc.stderr.read()[-3000:]}")
+        os.killpg(proc.pid, sig)  # what torchrun's agent does
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 143, err[-3000:]
+    assert "killed by signal" not in err
+    steps = [i.step for i in CheckpointStore(str(ckpt)).list()]
+    assert len(steps) == 1 and steps[0] >= 15, (steps, err[-3000:])
