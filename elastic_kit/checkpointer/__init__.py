@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from elastic_kit.checkpointer._checkpointer import Checkpointer
 from elastic_kit.checkpointer._config import AUDIT_MODES, CheckpointerConfig
+from elastic_kit.checkpointer._lifecycle import FinishedEarly
 from elastic_kit.checkpointer._store_like import StoreLike
 
-__all__ = ["Checkpointer", "CheckpointerConfig", "StoreLike", "AUDIT_MODES"]
+__all__ = ["Checkpointer", "CheckpointerConfig", "FinishedEarly", "StoreLike", "AUDIT_MODES"]

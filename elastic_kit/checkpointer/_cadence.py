@@ -37,7 +37,8 @@ ABANDON_SETTLE_S = 1.0
 class Flags(NamedTuple):
     """What the ranks agree on at an exchange, summed over ranks (in float64).
 
-    ``stop``: a rank received SIGTERM; ``save_due``: rank 0's clock says a timed save
+    ``stop``: a rank received SIGTERM; ``finish``: a rank asked to end training for
+    good (``request_stop()``: save, exit 0, no restart); ``save_due``: rank 0's clock says a timed save
     is due; ``snapshot_every`` and ``exchange_every``: rank 0's proposed intervals
     (the other ranks send zeros, so the sum is rank 0's proposal; 0: no proposal);
     ``leave``: ranks told their node will go (a preemption notice: a planned leave);
@@ -53,7 +54,12 @@ class Flags(NamedTuple):
     leave: float = 0.0
     held_older: float = 0.0
     held_newer: float = 0.0
+    finish: float = 0.0
 
+
+#: What :meth:`Cadence.agreed_stop` answers: save and exit for a restart (SIGTERM), or
+#: save and end training for good (a request to stop); the higher wins.
+FINISH, RESTART = 1, 2
 
 #: No flags: what the steps between two exchanges see.
 NO_FLAGS = Flags()
@@ -76,13 +82,15 @@ class Cadence:
     def __init__(self, state: TrainState, info: DistInfo, stop: TerminationFlag,
                  every_seconds: float | None, *,
                  tier: Callable[[], SnapshotTier | None] = lambda: None,
-                 leaving: Callable[[], bool] = lambda: False) -> None:
+                 leaving: Callable[[], bool] = lambda: False,
+                 finish: Callable[[], bool] = lambda: False) -> None:
         self.state = state
         self.info = info
         self.every_seconds = every_seconds
         self._tier = tier
         self._stop = stop
         self._leaving = leaving
+        self._finish = finish
         self._flags: Any = None  # the previous exchange's async all-reduce (see poll)
         #: an exchange read early (by :meth:`agreed_stop`), for the next :meth:`poll`
         self._early: Flags | None = None
@@ -203,7 +211,8 @@ class Cadence:
         tier = self._tier()
         held = tier.part_report() if tier is not None else (0.0, 0.0)
         return Flags(float(self._stop.is_set()), float(time_due), float(snap_every),
-                     float(exchange_every), float(self._leaving()), *held)
+                     float(exchange_every), float(self._leaving()), *held,
+                     float(self._finish()))
 
     def exclude_time(self, seconds: float) -> None:
         """Keep ``seconds`` (spent in a user hook: validation, logging) out of the
@@ -244,8 +253,10 @@ class Cadence:
         if settle:
             settle_collectives(ABANDON_SETTLE_S)
 
-    def agreed_stop(self) -> bool:
-        """Every rank learns at once whether any rank received SIGTERM (collective).
+    def agreed_stop(self) -> int:
+        """Every rank learns at once whether any rank received SIGTERM (collective):
+        :data:`RESTART` when one did, else :data:`FINISH` when one asked to end
+        training for good, else 0.
 
         The exchange in flight is read here; its flags are kept for the next
         :meth:`poll` (every rank alike), so an end of epoch that comes before every
@@ -253,8 +264,8 @@ class Cadence:
         and no proposal."""
         early = self.resolve() if is_dist_ready() else NO_FLAGS
         self._early = early if early != NO_FLAGS else None
-        pending_stop = early.stop > 0
-        mine = self._stop.is_set() or pending_stop
+        mine = (RESTART if self._stop.is_set() or early.stop > 0
+                else FINISH if self._finish() or early.finish > 0 else 0)
         if is_dist_ready() and self.info.world_size > 1:
-            return all_reduce_max(int(mine)) > 0
+            return int(all_reduce_max(mine))
         return mine

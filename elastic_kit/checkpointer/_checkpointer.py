@@ -20,7 +20,7 @@ from typing import Any, Iterator
 import torch
 
 from elastic_kit.checkpointer import _restore, _saving
-from elastic_kit.checkpointer._cadence import Cadence, Flags
+from elastic_kit.checkpointer._cadence import RESTART, Cadence, Flags
 from elastic_kit.checkpointer._config import CheckpointerConfig
 from elastic_kit.checkpointer._departure import Departure
 from elastic_kit.checkpointer._hooks import Hooks
@@ -137,7 +137,8 @@ class Checkpointer(Lifecycle):
         # the flag exchange, the one step-time estimate, the save and snapshot intervals
         self._departure = Departure(enabled=config.handle_preemption)  # a planned leave
         self._cadence = Cadence(state, self.info, self._hooks.stop, self.every_seconds,
-                                tier=lambda: self.snapshots, leaving=self._departure.noticed)
+                                tier=lambda: self.snapshots, leaving=self._departure.noticed,
+                                finish=self._hooks.finish.is_set)
         self._progress = Progress(state)  # the sample position and the audit
         # the state at the last step end, for a snapshot as this rank fails (restore())
         self._step_end = StepEnd(state, enabled=False)
@@ -329,9 +330,9 @@ class Checkpointer(Lifecycle):
             self._departure.pending = True  # epoch's end (one step, one state)
             if not epoch_done:
                 self._leave()
-        if flags.stop > 0:
+        if flags.stop > 0 or flags.finish > 0:
             if not epoch_done:
-                self._exit_after_save()
+                self._exit_after_save(restart=flags.stop > 0)
             # The epoch's last step: saved now, in case the script's end-of-epoch work
             # outlasts torchrun's grace period; end_epoch saves it again with the epoch
             # closed and exits (it sees the stop through the agreed stop).
@@ -417,7 +418,7 @@ class Checkpointer(Lifecycle):
         stop = self._cadence.agreed_stop()
         self._progress.next_epoch()
         if stop:
-            self._exit_after_save()
+            self._exit_after_save(restart=stop == RESTART)
         if self._departure.pending:
             self._leave()
         self._step_end.record()  # the next epoch's start

@@ -48,6 +48,8 @@ class Hooks:
         #: set by SIGTERM (under torchrun also SIGINT, SIGHUP; when installed) or by a
         #: request to stop
         self.stop = TerminationFlag(stop_signals())
+        #: set by a request to end training for good (save, exit 0: no restart)
+        self.finish = threading.Event()
         self._step_hook: Any = None
         #: the optimizer the pre-hook is on (compared by identity), and the hook
         self._optimizer: Any = None

@@ -33,7 +33,13 @@ if TYPE_CHECKING:
     from elastic_kit.snapshot import SnapshotTier
     from elastic_kit.state import TrainState
 
-__all__ = ["Lifecycle"]
+__all__ = ["FinishedEarly", "Lifecycle"]
+
+
+class FinishedEarly(SystemExit):
+    """``SystemExit(0)`` after the save that a request to end training for good
+    (``request_stop()``) made: a script's own loop exits with status 0, so torchrun
+    ends the job; :class:`~elastic_kit.ElasticLoop` catches it and returns."""
 
 log = logging.getLogger(__name__)
 
@@ -81,10 +87,23 @@ class Lifecycle:
         """True once this rank received SIGTERM (or :meth:`request_stop` was called)."""
         return self._hooks.stop.is_set()
 
-    def request_stop(self) -> None:
-        """Save and exit soon, as after SIGTERM (see ``handle_signals``): every rank
-        at the same step, within about 0.4 s of training after the call."""
-        self._hooks.stop.set()
+    def request_stop(self, *, restart: bool = False) -> None:
+        """Save and end training soon: every rank at the same step, within about 0.4 s
+        of training after the call (one rank's call is enough: the ranks agree at
+        their next flag exchange), or at the epoch's end.
+
+        ``restart=False``: training ends for good (early stopping, a time budget):
+        every rank saves and exits with status 0 (``SystemExit(0)`` from
+        :meth:`step` or :meth:`end_epoch`), so torchrun ends the job instead of
+        restarting it; :class:`~elastic_kit.ElasticLoop`'s ``run()`` returns instead.
+        The in-memory snapshots are removed, as at :meth:`close`. ``restart=True``:
+        as after SIGTERM (see ``handle_signals``): exit with ``exit_code``, which
+        torchrun answers with a restart of the group (a SIGTERM wins over a request
+        to end made at the same time)."""
+        if restart:
+            self._hooks.stop.set()
+        else:
+            self._hooks.finish.set()
 
     @property
     def last_saved_step(self) -> int | None:
@@ -297,7 +316,7 @@ class Lifecycle:
         except Exception as e:  # the process is failing: say so, never hide its error
             log.warning("no snapshot of step %d at exit: %r", mark.step, e)
 
-    def _exit_after_save(self) -> None:
+    def _exit_after_save(self, *, restart: bool = True) -> None:
         store = self.store
         earlier = getattr(store, "take_pending_error", None)
         failed = earlier() if callable(earlier) else None
@@ -305,6 +324,12 @@ class Lifecycle:
             log.warning("an earlier background checkpoint failed: %r; saving step %d now",
                         failed, self.state.step)
         self.save(blocking=True)
+        if not restart:
+            if self.info.is_main:
+                say(log, "stop requested: checkpoint step %d saved; training ends (exit "
+                         "status 0)", self.state.step)
+            self._close(remove_snapshots=True)  # training is over, as at close()
+            raise FinishedEarly(0)
         if self.info.is_main:
             say(log, "SIGTERM: checkpoint step %d saved; exiting with status %d so "
                         "torchrun restarts the group", self.state.step, self.exit_code)

@@ -114,7 +114,7 @@ class ElasticLoop:
         BatchPolicyError: the global batch does not divide by the world size.
         SampleAuditError: an epoch missed or repeated a sample (``audit="error"``).
         SystemExit: with ``checkpoint.exit_code`` (:class:`~elastic_kit.CheckpointerConfig`) after a
-            SIGTERM checkpoint.
+            SIGTERM checkpoint (or ``request_stop(restart=True)``).
     """
 
     def __init__(self, state: TrainState, dataset: Any, *, loss_fn: LossFn,
@@ -146,6 +146,7 @@ class ElasticLoop:
         self._weights: tuple[tuple[Any, ...], torch.Tensor] | None = None
         self._progress: ProgressReporter | None = None
         self._stop_requested = False
+        self._stop_restart = False
 
     # ------------------------------------------------------------------ setup
     @property
@@ -153,14 +154,21 @@ class ElasticLoop:
         """The :class:`~elastic_kit.ElasticDistributedSampler` in use."""
         return self.state.sampler
 
-    def request_stop(self) -> None:
-        """Save and stop as if SIGTERM had arrived on this rank: every rank stops at
-        the same step, within about 0.4 s of training after the call (the ranks agree
-        at their next flag exchange; with one rank, at the end of the current step).
-        Steps trained in between are kept and saved."""
+    def request_stop(self, *, restart: bool = False) -> None:
+        """Save and end training: every rank stops at the same step, within about
+        0.4 s of training after the call (the ranks agree at their next flag exchange;
+        with one rank, at the end of the current step). Steps trained in between are
+        kept and saved.
+
+        ``restart=False`` (early stopping, a time budget): :meth:`run` returns on every
+        rank after the save, and the script ends as after the last epoch (torchrun
+        then ends the job). ``restart=True``: as if SIGTERM had arrived on this rank
+        (:meth:`run` raises ``SystemExit`` with the checkpointer's ``exit_code``, and
+        torchrun restarts the group)."""
         self._stop_requested = True
+        self._stop_restart = restart
         if self.checkpointer is not None:
-            self.checkpointer.request_stop()
+            self.checkpointer.request_stop(restart=restart)
 
     def _setup(self) -> _checkpointer.Checkpointer:
         info = self.info = init_distributed()
@@ -183,7 +191,7 @@ class ElasticLoop:
         ckpt = self.checkpointer = _checkpointer.Checkpointer(
             state, self.store, **cfg.checkpointer_options(), info=info)
         if self._stop_requested:
-            ckpt.request_stop()
+            ckpt.request_stop(restart=self._stop_restart)
         try:
             ckpt.restore(map_location="cpu")
         except BaseException:
@@ -259,6 +267,8 @@ class ElasticLoop:
                 say(log, "training finished: %d epochs, step %d", cfg.epochs, state.step)
             ckpt.close()
             finished = True
+        except _checkpointer.FinishedEarly:
+            finished = True  # request_stop(): saved, and the checkpointer closed
         finally:
             if self._progress is not None:
                 self._progress.close()

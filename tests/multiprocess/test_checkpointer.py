@@ -168,7 +168,7 @@ def test_request_stop_saves_the_current_step_and_exits_143(tmp_path: Any) -> Non
     for _ in range(3):
         next(it)
         ckpt.step(BATCH)
-    ckpt.request_stop()
+    ckpt.request_stop(restart=True)  # as SIGTERM
     next(it)
     with pytest.raises(SystemExit) as exc:
         ckpt.step(BATCH)
@@ -188,7 +188,7 @@ def _one_epoch_loop(url: str, stop_at: int | None) -> dict[str, Any]:
         sampler.set_epoch(epoch)
         for x, _ in DataLoader(ds, batch_size=BATCH, sampler=sampler):
             if state.step == stop_at:
-                ckpt.request_stop()
+                ckpt.request_stop(restart=True)
             ckpt.step(len(x))
             steps.append((epoch, state.step))
         ckpt.end_epoch()
@@ -250,7 +250,7 @@ def _count_exchanges(steps: int, step_s: float, stop_at: int | None) -> dict[str
         for i in range(steps):
             time.sleep(step_s)
             if stop_at is not None and i == stop_at and ek.get_dist_info().rank == 1:
-                ckpt.request_stop()
+                ckpt.request_stop(restart=True)
             ckpt.step(1)
     except SystemExit as e:
         stopped_at = (state.step, e.code)
@@ -353,3 +353,66 @@ def test_a_notice_is_acted_on_when_epochs_are_shorter_than_the_exchange_interval
     step = left[0]["left_at"]
     assert left == [{"left_at": step, "code": 143}] * 2 and step < 12 * 8
     assert ek.CheckpointStore(url).latest_step() == step
+
+
+def _stop_on_rank_1(url: str, at: int, restart_on_0: bool) -> tuple[int, Any]:
+    """Two ranks of an own loop; rank 1 asks to end training for good before step
+    ``at + 1`` (rank 0 asks for a restart there too when ``restart_on_0``)."""
+    ek.init_distributed()
+    info = ek.get_dist_info()
+    torch.manual_seed(0)
+    model = ek.wrap_ddp(nn.Linear(5, 2))
+    ds = _dataset()
+    sampler = ek.ElasticDistributedSampler(ds)
+    state = ek.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1), sampler=sampler)
+    ckpt = ek.Checkpointer(state, url, handle_signals=False, every_steps=100, snapshot_every=0)
+    try:
+        for epoch in range(ckpt.restore(), 3):
+            sampler.set_epoch(epoch)
+            for x, _ in DataLoader(ds, batch_size=2, sampler=sampler):
+                if state.step == at and info.rank == 1:
+                    ckpt.request_stop()
+                if state.step == at and info.rank == 0 and restart_on_0:
+                    ckpt.request_stop(restart=True)
+                ckpt.step(len(x))
+            ckpt.end_epoch()
+        ckpt.close()
+    except SystemExit as e:
+        return state.step, e.code
+    return state.step, None
+
+
+@pytest.mark.parametrize("restart_on_0,code", [(False, 0), (True, 143)])
+def test_a_request_to_end_on_one_rank_saves_and_exits_0_on_every_rank(
+        tmp_path: Any, restart_on_0: bool, code: int) -> None:
+    """Early stopping under torchrun: the job must end, not restart (exit 143 made
+    torchrun restart the group, which trained on); a SIGTERM at the same time wins."""
+    out = spawn_multi_process(2, _stop_on_rank_1, str(tmp_path), 4, restart_on_0)
+    (step, got), other = out
+    assert other == (step, got) and got == code and step >= 5, out
+    assert [i.step for i in ek.CheckpointStore(str(tmp_path)).list()] == [step]
+
+
+def test_elastic_loop_returns_after_a_request_to_end(tmp_path: Any) -> None:
+    from elastic_kit import CheckpointerConfig, ElasticLoop, LoopConfig
+
+    torch.manual_seed(0)
+    model = nn.Linear(5, 2)
+    state = ek.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    cfg = LoopConfig(epochs=3, global_batch_size=4, micro_batch_size=4, log_every=0,
+                     progress_bar=False,
+                     checkpoint=CheckpointerConfig(handle_signals=False, snapshot_every=0))
+
+    def loss(m: nn.Module, batch: Any) -> torch.Tensor:
+        x, y = batch
+        return ((m(x) - y.float().unsqueeze(-1)) ** 2).mean(-1)
+
+    def on_step_end(state: ek.TrainState, info: Any) -> None:
+        if state.step == 3:
+            loop.request_stop()
+
+    loop = ElasticLoop(state, _dataset(), loss_fn=loss, store=str(tmp_path), config=cfg,
+                       on_step_end=on_step_end)
+    assert loop.run() is state  # returns: no SystemExit, no restart
+    assert state.step == 3 and state.epoch == 0  # one rank: the step it was asked in
+    assert [i.step for i in ek.CheckpointStore(str(tmp_path)).list()] == [3]

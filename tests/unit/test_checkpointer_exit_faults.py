@@ -98,7 +98,7 @@ def test_a_sigterms_save_is_made_after_an_earlier_background_save_failed(
 
     monkeypatch.setattr(ck.store, "_write", flaky)
     _train(m, o, ck, 2)                      # step 2's save fails in the background
-    ck.request_stop()                        # SIGTERM in step 3
+    ck.request_stop(restart=True)            # SIGTERM in step 3
     with pytest.raises(SystemExit) as stop:
         _train(m, o, ck, 1)
     assert stop.value.code == ck.exit_code

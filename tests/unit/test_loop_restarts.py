@@ -47,7 +47,7 @@ def _run(store: str | None, *, max_steps: int | None = None, epochs: int = 2,
 
     def on_step_end(state: TrainState, info: Any) -> None:
         if state.step == stop_at:             # as SIGTERM would
-            loop.request_stop()
+            loop.request_stop(restart=True)
 
     loop = ElasticLoop(state, _data(), loss_fn=_loss,
                        store=None if store is None else ek.CheckpointStore(store),
