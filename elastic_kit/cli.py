@@ -244,6 +244,11 @@ def _cmd_snapshots(args: argparse.Namespace) -> int:
               f"{row['status']:<24}  {row['path']}")
     if not args.remove and any(row["status"] == "idle" for row in rows):
         print("idle runs are removed with --remove")
+    if any(row["status"] == "recent" for row in rows):
+        # a run abandoned a moment ago looks like one between two writes: say why it
+        # stays, and how to remove one known to be abandoned
+        print(f"recent runs (written within --idle-minutes {args.idle_minutes:g}) are kept; "
+              "one abandoned for good is removed with --remove --idle-minutes 0")
     return EXIT_OK
 
 

@@ -185,8 +185,9 @@ class Lifecycle:
             # close(), so its memory stays as a failed worker's would
             log.warning("the script exited without ckpt.close(): this rank's snapshot in "
                         "%s is kept for a restart, as after a failure; call close() (or use "
-                        "'with Checkpointer(...)') when training ends, or remove it with "
-                        "'python -m elastic_kit snapshots --remove'",
+                        "'with Checkpointer(...)') when training ends, or, with no restart "
+                        "to come, remove it with 'python -m elastic_kit snapshots --remove "
+                        "--idle-minutes 0'",
                         self.snapshots.run_dir)
         try:
             self._stop_heartbeat()

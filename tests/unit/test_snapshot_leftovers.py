@@ -111,3 +111,17 @@ def test_a_run_whose_agent_waits_for_its_next_round_is_not_idle(
     assert rows["job-b-2222"]["status"] == "idle"
     removed = remove_idle_runs(str(root), idle_s=3600)
     assert [Path(r.path).name for r in removed] == ["job-b-2222"] and run.exists()
+
+
+def test_the_cli_says_why_a_run_abandoned_a_moment_ago_stays_and_how_to_remove_it(
+        root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The exit warning of a script that ended without close() names this command:
+    right after the run, the run is "recent" and --remove alone left it, silently."""
+    run = _run(root, "job-a-1111", age_s=60, writer=DEAD_PID, size=100)
+    assert cli.main(["snapshots", "--root", str(root), "--remove"]) == 0
+    out = capsys.readouterr().out
+    assert "recent" in out and run.exists()
+    assert ("recent runs (written within --idle-minutes 60) are kept; one abandoned for good "
+            "is removed with --remove --idle-minutes 0") in out
+    assert cli.main(["snapshots", "--root", str(root), "--remove", "--idle-minutes", "0"]) == 0
+    assert "removed" in capsys.readouterr().out and not run.exists()
