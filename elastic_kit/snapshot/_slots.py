@@ -404,9 +404,12 @@ class Slots:
                 pass
         return total
 
-    def claim_dead(self) -> int:
+    def claim_dead(self, also: Sequence[str] = ()) -> int:
         """Take over the slot files of processes that are gone (a killed worker's), to
-        be the next slots made; returns how many.
+        be the next slots made; returns how many. ``also``: more directories to take
+        them from (an earlier launch's node directories of the run on this host,
+        whose free files would otherwise count as used space until they are removed
+        after this writer's first snapshot, see the tier's free-space check).
 
         Why. A killed worker's free slot is a file of the state's size whose pages
         exist: reusing it spares the restarted writer allocating and zeroing as many
@@ -414,8 +417,9 @@ class Slots:
         stay (another tier of it may use them); those beyond the slots this writer
         can use, and any that is not a plain file of this user's, are removed."""
         claimed = 0
-        for name in _dead_slots(self.node_dir):
-            path = os.path.join(self.node_dir, name)
+        found = [os.path.join(d, name) for d in (self.node_dir, *also)
+                 for name in _dead_slots(d)]
+        for path in found:
             if len(self._spares) < self.max_slots:
                 spare = self.spare_path()
                 try:

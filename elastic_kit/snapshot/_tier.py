@@ -417,7 +417,12 @@ class SnapshotTier:
             self._remove_unusable()
         if info.local_rank == 0 or sharded:
             if self._slots is not None:  # a killed worker's free file is the next one's
-                self._slots.claim_dead()
+                # (also an earlier launch's on this host: its files would count as
+                # used space, and switch snapshots off on a small /dev/shm, until its
+                # directory goes after this writer's first snapshot)
+                parts = [part_dir_name(info.local_rank)] if sharded else []
+                self._slots.claim_dead(also=[os.path.join(stale, *parts)
+                                             for stale in self._stale_nodes()])
             else:
                 remove_dead_slots(self.write_dir)
 
@@ -565,8 +570,8 @@ class SnapshotTier:
             self._disable(f"cannot read the free space of {self.root}: {e}")
             return False
         if free < need:
-            self._disable(f"{self.root} has {free / 1e6:.0f} MB free, two snapshots "
-                          f"need {need / 1e6:.0f} MB")
+            self._disable(f"{self.root} has {free / 1e6:.1f} MB free, two snapshots "
+                          f"need {need / 1e6:.1f} MB")
             return False
         return True
 

@@ -85,3 +85,39 @@ def test_a_run_whose_only_writer_pid_was_reused_is_idle_and_removed(tmp_path: Pa
     assert [r.writers for r in snapshot_runs(str(root))] == [[]]
     assert [Path(r.path).name for r in remove_idle_runs(str(root), idle_s=3600)] == ["job-a-1111"]
     assert not run.exists()
+
+
+def test_an_earlier_launchs_free_slot_is_claimed_and_counted_as_free_space(
+        shm: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same job launched again on this host: the earlier launch's node directory
+    (named after its dead agent) keeps its dead writer's free slot file until the new
+    writer's first snapshot removes that directory. Counted as used, it switched
+    snapshots off on a /dev/shm with room for the state about four times."""
+    import shutil
+
+    from elastic_kit.snapshot._leftovers import host_node_name
+
+    dead_agent = 2**22 + 7  # above pid_max: never alive
+    monkeypatch.delenv("ELASTIC_KIT_SNAPSHOT_NODE")  # nodes named after their agents
+    tier = _tier(shm)
+    run_dir = Path(tier.run_dir)
+    tier.close(remove=False)
+    old_node = run_dir / host_node_name(dead_agent)
+    old_node.mkdir(mode=0o700)
+    size = 64 * 64 * 4
+    dead = old_node / f".slot-{dead_agent}-aaaa0000-1"
+    dead.write_bytes(b"\xab" * size)
+    dead.chmod(0o600)
+    inode = dead.stat().st_ino
+    real = shutil.disk_usage
+    free = real(shm).free
+    # the tmpfs has just less free space than two snapshots need, beside the old file
+    monkeypatch.setattr(shutil, "disk_usage",
+                        lambda p: real(p)._replace(free=2 * size - 1 if p == shm else free))
+    tier = _tier(shm)
+    assert not dead.exists()
+    state = {"w": torch.randn(64, 64)}
+    assert tier.prepare(state) and tier.wait(timeout=60)
+    assert tier.enabled
+    assert tier._slots is not None and tier._slots._slots[0].inode == inode
+    tier.close(remove=True)
