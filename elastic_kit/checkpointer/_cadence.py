@@ -52,9 +52,9 @@ class Flags(NamedTuple):
     snapshot_every: float = 0.0
     exchange_every: float = 0.0
     leave: float = 0.0
+    finish: float = 0.0
     held_older: float = 0.0
     held_newer: float = 0.0
-    finish: float = 0.0
 
 
 #: What :meth:`Cadence.agreed_stop` answers: save and exit for a restart (SIGTERM), or
@@ -211,8 +211,8 @@ class Cadence:
         tier = self._tier()
         held = tier.part_report() if tier is not None else (0.0, 0.0)
         return Flags(float(self._stop.is_set()), float(time_due), float(snap_every),
-                     float(exchange_every), float(self._leaving()), *held,
-                     float(self._finish()))
+                     float(exchange_every), float(self._leaving()), float(self._finish()),
+                     *held)
 
     def exclude_time(self, seconds: float) -> None:
         """Keep ``seconds`` (spent in a user hook: validation, logging) out of the
