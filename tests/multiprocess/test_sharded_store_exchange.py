@@ -129,11 +129,18 @@ def _blocking_job(root: str, failing: str) -> dict:
     info = ek.init_distributed(timeout=timedelta(seconds=5))
     mesh = init_device_mesh("cpu", (2,))
     store = ek.CheckpointStore(root, keep_last=2)
-    if failing == "conflict" and info.rank == 0:  # a stale process of an earlier run
+    if failing == "conflict" and info.rank == 0:  # another job's process (its own run id)
         import fsspec
+        import os
 
-        Layout(fsspec.filesystem("file"), root, url=root, writer_id="f" * 32).commit(
-            {"x": torch.zeros(1)}, step=0, checksum="xxh3_128", metadata={}, world_size=1)
+        run = os.environ["TORCHELASTIC_RUN_ID"]
+        os.environ["TORCHELASTIC_RUN_ID"] = "another-job"
+        try:
+            Layout(fsspec.filesystem("file"), root, url=root, writer_id="f" * 32).commit(
+                {"x": torch.zeros(1)}, step=0, checksum="xxh3_128", metadata={},
+                world_size=1)
+        finally:
+            os.environ["TORCHELASTIC_RUN_ID"] = run
     out: dict[str, Any] = {}
     for step in (1, 2, 3):
         state = _state(mesh, step)
