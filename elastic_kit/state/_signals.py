@@ -173,19 +173,23 @@ _WATCHING: weakref.WeakSet[TerminationFlag] = weakref.WeakSet()
 _INSTALLED: weakref.WeakSet[TerminationFlag] = weakref.WeakSet()
 
 
-def _quiet_loader_worker(signals: frozenset[int]) -> None:
-    """In a forked child: make it, should it be a DataLoader worker, ignore
-    ``signals`` once torch set its own handlers up.
+def _quiet_loader_worker() -> None:
+    """In a forked child: should it be a DataLoader worker, move it into a process
+    group of its own once torch set its handlers up.
 
-    torchrun stops a worker with ``killpg``: the signal reaches its DataLoader
-    workers too. A worker's C-level SIGTERM handler (and the default action of SIGHUP,
-    and the KeyboardInterrupt of SIGINT) ends it, and the training process's SIGCHLD
-    handler then raises "DataLoader worker ... is killed by signal" wherever the
-    training thread is, usually before the step where the checkpointer saves and
-    exits: the stop's checkpoint was lost. A loader worker ignoring them still ends
-    when its loader shuts it down or its parent dies (torch's watchdog). Workers of a
-    ``spawn`` or ``forkserver`` context start from a new interpreter and are not
-    reached."""
+    torchrun stops a worker with ``killpg``: the signal reached its DataLoader
+    workers too. A worker's C-level SIGTERM handler ends it when the signal does not
+    come from its parent (and SIGHUP's default action, SIGINT's KeyboardInterrupt end
+    it as well), and the training process's SIGCHLD handler then raised "DataLoader
+    worker ... is killed by signal" wherever the training thread was, usually before
+    the step where the checkpointer saves and exits: the stop's checkpoint was lost.
+    In a group of its own the worker gets only what its parent sends it (the
+    loader's shutdown, multiprocessing's ``terminate()`` at exit, which torch's
+    handler answers with a quiet exit) and still ends when its parent dies (torch's
+    watchdog). Ignoring the signals instead would also ignore that ``terminate()``,
+    and a process exiting with live persistent workers would wait for them forever.
+    Workers of a ``spawn`` or ``forkserver`` context start from a new interpreter and
+    are not reached."""
     try:
         from torch.utils.data._utils import signal_handling
     except ImportError:  # not a torch this knows
@@ -194,11 +198,10 @@ def _quiet_loader_worker(signals: frozenset[int]) -> None:
 
     def set_handlers(*args: Any, **kwargs: Any) -> Any:
         out = original(*args, **kwargs)
-        for sig in signals:
-            try:
-                signal.signal(sig, signal.SIG_IGN)
-            except (ValueError, OSError):
-                pass
+        try:
+            os.setpgid(0, 0)
+        except OSError:  # a session leader cannot move: it keeps its group
+            pass
         return out
 
     signal_handling._set_worker_signal_handlers = set_handlers
@@ -227,10 +230,10 @@ def _after_fork_in_child() -> None:
 
 
 def _after_fork_quiet_loader_workers() -> None:
-    installed = frozenset(sig for flag in list(_INSTALLED) for sig in flag.signals)
+    installed = bool(_INSTALLED)
     _INSTALLED.clear()
     if installed:
-        _quiet_loader_worker(installed)
+        _quiet_loader_worker()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -75,3 +75,45 @@ def test_a_stop_signal_to_the_process_group_saves_with_loader_workers(
     assert "killed by signal" not in err
     steps = [i.step for i in CheckpointStore(str(ckpt)).list()]
     assert len(steps) == 1 and steps[0] >= 15, (steps, err[-3000:])
+
+
+_FAILING = textwrap.dedent("""
+    import sys, tempfile, torch
+    from torch.utils.data import DataLoader, TensorDataset
+    import elastic_kit as ek
+
+    def main():
+        data = TensorDataset(torch.randn(400, 8), torch.randn(400))
+        model = torch.nn.Linear(8, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        sampler = ek.ElasticDistributedSampler(data)
+        loader = DataLoader(data, batch_size=4, sampler=sampler, num_workers=2,
+                            persistent_workers=True)
+        state = ek.TrainState(model, opt, sampler=sampler)
+        ckpt = ek.Checkpointer(state, sys.argv[1], every_steps=1000, snapshot_every=0)
+        for epoch in range(ckpt.restore(), 1):
+            sampler.set_epoch(epoch)
+            for x, y in loader:
+                model(x).sum().backward(); opt.step(); opt.zero_grad()
+                ckpt.step(len(x))
+                if state.step == 5:
+                    raise RuntimeError("a bug in the training step")
+
+    main()
+""")
+
+
+def test_a_failing_script_with_persistent_loader_workers_exits(tmp_path: Path) -> None:
+    """At exit, multiprocessing ends its daemon children with SIGTERM and joins them:
+    loader workers that ignored SIGTERM (to survive torchrun's killpg) were never
+    ended, and the failed worker never exited, so torchrun never restarted the job."""
+    script = tmp_path / "train.py"
+    script.write_text(_FAILING)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    try:
+        done = subprocess.run([sys.executable, str(script), str(tmp_path / "ckpt")], env=env,
+                              capture_output=True, text=True, timeout=120,
+                              start_new_session=True)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"the failing script did not exit: {e.stderr!r:.3000}")
+    assert done.returncode == 1 and "a bug in the training step" in done.stderr
