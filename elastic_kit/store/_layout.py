@@ -113,6 +113,11 @@ class _Vanished(Exception):
     """A file disappeared while being read because the checkpoint changed: rescan."""
 
 
+class _ManifestMissing(CheckpointCorruptError):
+    """A step directory without a manifest: a save that did not finish, or (on an
+    object store) one not committed yet, or one whose retention began."""
+
+
 class Layout:
     """One store's files: every storage access of the checkpoint package goes here.
 
@@ -203,7 +208,7 @@ class Layout:
         try:
             return self._read(read, path)
         except FileNotFoundError as e:
-            raise CheckpointCorruptError(
+            raise _ManifestMissing(
                 f"{d.path}: {MANIFEST_NAME} is missing (a save that did not finish?)") from e
 
     def read_manifest(self, d: StepDir) -> Manifest:
@@ -341,7 +346,7 @@ class Layout:
                         break
                     log.warning("skipping checkpoint %s, falling back to an older one: %s",
                                 d.path, e)
-                    if self._manifest_missing(d):
+                    if isinstance(e, _ManifestMissing):
                         unfinished.append(d)  # not committed (yet): not damage
                     else:
                         self.found_corrupt.add(d.step)

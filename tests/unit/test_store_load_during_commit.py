@@ -13,13 +13,15 @@ from __future__ import annotations
 import uuid
 
 import fsspec
+import pytest
 import torch
 
 from elastic_kit.store import MANIFEST_NAME, CheckpointStore, step_dir_name
 from elastic_kit.testing import FaultFileSystem
 
 
-def test_a_step_committed_while_the_older_one_is_deleted_is_loaded() -> None:
+@pytest.mark.parametrize("where", ["before_the_older", "between_two_reads_of_the_new"])
+def test_a_step_committed_while_the_older_one_is_deleted_is_loaded(where: str) -> None:
     fs = fsspec.filesystem("memory")
     root = f"/ek-test-{uuid.uuid4().hex}"
     try:
@@ -37,8 +39,13 @@ def test_a_step_committed_while_the_older_one_is_deleted_is_loaded() -> None:
             fs.rm_file(old)              # ... and its retention uncommits step 1
 
         reading = FaultFileSystem(fs)
-        # after the reader found step 2 without a manifest, before it reads step 1's
-        reading.add("info", match=old, before=commit_and_retire)
+        if where == "before_the_older":
+            # after the reader found step 2 without a manifest, before it reads step 1's
+            reading.add("info", match=old, before=commit_and_retire)
+        else:
+            # right after the reader found step 2 without a manifest, before anything
+            # else it reads of step 2 (a second look at its manifest said "corrupt")
+            reading.add("info", match=new, skip=1, before=commit_and_retire)
         reader = CheckpointStore(root, filesystem=reading)
         loaded = reader.load()
         assert reading.fired("info") == 1
