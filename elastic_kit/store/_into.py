@@ -33,8 +33,8 @@ def load_into(target: dict[Any, Any], loaded: dict[Any, Any]) -> None:
     """Load ``loaded`` into ``target`` in place (see the module docstring).
 
     Dicts present on both sides are entered; lists (and tuples) of the same length on
-    both sides are entered item by item (a tuple's tensors are copied into, then the
-    checkpoint's tuple replaces it); a tensor of ``loaded`` whose place in ``target`` holds a
+    both sides are entered item by item (a tuple is rebuilt from its items, loaded
+    as a list's are: its tensors stay the caller's); a tensor of ``loaded`` whose place in ``target`` holds a
     tensor is copied into it (converted to its dtype and device, as
     ``Module.load_state_dict`` does; a DTensor receives its own box of a whole tensor);
     any other value replaces what ``target`` held there, a tensor on the meta device
@@ -71,8 +71,15 @@ def load_into(target: dict[Any, Any], loaded: dict[Any, Any]) -> None:
     with torch.no_grad():
         for _, dst, src in copies:
             _copy(dst, src)
-    for container, key, value in sets:
-        container[key] = value
+    for container, key, value in sets:  # in order: a tuple's items before the tuple
+        container[key] = tuple(value.items) if isinstance(value, _TupleOf) else value
+
+
+class _TupleOf:
+    """A tuple to set once its items (a list the plan loads into) are loaded."""
+
+    def __init__(self, items: list[Any]) -> None:
+        self.items = items
 
 
 def _plan(target: Any, loaded: Any, path: str,
@@ -101,10 +108,11 @@ def _plan(target: Any, loaded: Any, path: str,
             _plan(current, value, sub, copies, sets, missing)
         elif (type(current) is tuple and type(value) is tuple
               and len(current) == len(value)):
-            # a tuple cannot take assignments: its tensors are loaded in place, and
-            # the checkpoint's tuple (the same values) replaces it
-            _plan(list(current), value, sub, copies, [], missing)
-            sets.append((target, key, value))
+            # a tuple cannot take assignments: it is loaded as a list (its tensors in
+            # place, its other values set), and a tuple of that list replaces it
+            items_of = list(current)
+            _plan(items_of, value, sub, copies, sets, missing)
+            sets.append((target, key, _TupleOf(items_of)))
         elif (isinstance(current, torch.Tensor) and isinstance(value, torch.Tensor)
               and not current.is_meta and (is_dtensor(current) or not is_dtensor(value))):
             # (a meta tensor holds no memory to copy into: it is replaced, as any value;

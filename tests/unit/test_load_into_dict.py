@@ -146,3 +146,16 @@ def test_tensors_in_a_tuple_of_the_same_length_are_loaded_in_place(tmp_path):
     assert p.tolist() == [1.0, 1.0]  # the tensor the caller holds, not only the dict
     assert state["t"][0].tolist() == [1.0, 1.0] and state["t"][1] == 0.5
     assert state["u"] == (1, 2)
+
+
+def test_a_tuple_keeps_the_callers_tensors_in_their_dtype(tmp_path):
+    """The tuple the state holds is rebuilt from its own items, loaded in place: the
+    checkpoint's tuple in its place brought the checkpoint's dtype and device."""
+    save_checkpoint({"stats": (torch.full((3,), 2.0), torch.full((3,), 3.0), {"n": 5})},
+                    tmp_path, step=1)
+    mean, std = torch.zeros(3, dtype=torch.float64), torch.zeros(3, dtype=torch.float64)
+    state = {"stats": (mean, std, {"n": 0})}
+    load_checkpoint(state, tmp_path)
+    assert state["stats"][0] is mean and state["stats"][1] is std
+    assert mean.tolist() == [2.0] * 3 and std.dtype == torch.float64
+    assert state["stats"][2] == {"n": 5} and type(state["stats"]) is tuple
