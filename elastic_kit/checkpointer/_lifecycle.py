@@ -84,8 +84,9 @@ class Lifecycle:
 
     @property
     def stop_requested(self) -> bool:
-        """True once this rank received SIGTERM (or :meth:`request_stop` was called)."""
-        return self._hooks.stop.is_set()
+        """True once this rank received SIGTERM (or :meth:`request_stop` was called,
+        either way)."""
+        return self._hooks.stop.is_set() or self._hooks.finish.is_set()
 
     def request_stop(self, *, restart: bool = False) -> None:
         """Save and end training soon: every rank at the same step, within about 0.4 s

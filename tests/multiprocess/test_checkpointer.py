@@ -414,5 +414,6 @@ def test_elastic_loop_returns_after_a_request_to_end(tmp_path: Any) -> None:
     loop = ElasticLoop(state, _dataset(), loss_fn=loss, store=str(tmp_path), config=cfg,
                        on_step_end=on_step_end)
     assert loop.run() is state  # returns: no SystemExit, no restart
+    assert loop.checkpointer is not None and loop.checkpointer.stop_requested
     assert state.step == 3 and state.epoch == 0  # one rank: the step it was asked in
     assert [i.step for i in ek.CheckpointStore(str(tmp_path)).list()] == [3]
