@@ -106,7 +106,11 @@ def make_snapshots(store: StoreLike | None, info: DistInfo, every: int | str | N
     identity = agree_run_identity(store, info)
     if identity is None:
         return None
-    tier = SnapshotTier(str(store.url), info=info, every=every,  # type: ignore[arg-type]
+    # keyed by the URL as given: a node-local store's ``{node_rank}`` is torchrun's
+    # group rank, which a re-rendezvous may change, and the node's snapshots (and its
+    # peers' replicas) must still be found under the key they were written with
+    key = getattr(store, "url_template", None) or store.url
+    tier = SnapshotTier(str(key), info=info, every=every,  # type: ignore[arg-type]
                         budget=budget, identity=identity, sharded=sharded)
     # Every rank must take the same restore path (its loads are collective), so
     # snapshots are on only when every node can keep them.

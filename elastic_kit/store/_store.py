@@ -29,6 +29,8 @@ import json
 import logging
 import operator
 import os
+import re
+import socket
 import threading
 import time
 import uuid
@@ -64,6 +66,12 @@ from elastic_kit.errors import (
 __all__ = ["CheckpointStore", "CheckpointInfo", "LoadedCheckpoint", "SaveHandle"]
 
 log = logging.getLogger(__name__)
+
+
+def _host_name() -> str:
+    """This host's name as one path component (``{hostname}`` in a store's URL)."""
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname()) or "host"
+    return "_" + name if name in (".", "..") else name
 
 
 def _new_process_token() -> str:
@@ -125,9 +133,16 @@ class CheckpointStore:
     Args:
         url: a path (``str`` or ``os.PathLike``) or fsspec URL (``/ckpt``,
             ``file:///ckpt``, ``memory://run1``, ``s3://bucket/run1``, ``gs://...``,
-            ``az://...``). The text ``{node_rank}`` is replaced by this worker's node
-            rank, so ``"/local/ckpt-{node_rank}"`` gives every node of a one-machine
-            test its own "local disk".
+            ``az://...``). The text ``{hostname}`` is replaced by this host's name,
+            so ``"/nfs/ckpt/{hostname}"`` gives every node a directory of its own on
+            shared storage for ``node_local=True``. The text ``{node_rank}`` is
+            replaced by this worker's node rank, so ``"/local/ckpt-{node_rank}"``
+            gives every node of a one-machine test its own "local disk"; it is
+            torchrun's group rank, which a re-rendezvous may give to another node
+            (a node lost: the survivor that was node 1 becomes node 0), and a node
+            then reads and writes the directory another node used (its own newer
+            steps there are no longer read; its in-memory snapshots, keyed by the URL
+            as given, still are).
         keep_last: committed checkpoints to keep (``None``: keep all). Older ones are
             deleted only after a newer one is committed, and never one newer than the
             newest this store wrote or verified. A step this store's load skipped as
@@ -189,7 +204,7 @@ class CheckpointStore:
     .. warning::
         ``node_local=True`` means every node's local rank 0 writes: the URL must
         name storage that is private to the node (a local disk, or a shared path
-        containing ``{node_rank}``), or the nodes overwrite each other's saves.
+        containing ``{hostname}``), or the nodes overwrite each other's saves.
     """
 
     def __init__(self, url: str | os.PathLike[str], *, keep_last: int | None = 3,
@@ -220,8 +235,13 @@ class CheckpointStore:
         self._info = info
         if isinstance(url, os.PathLike):
             url = os.fspath(url)
+        #: the URL as given, before ``{node_rank}`` is replaced: the same on every node
+        #: and across the re-rendezvous that may give a node another node rank
+        self.url_template: str = url  # type: ignore[assignment]
         if isinstance(url, str):
             url = url.replace("{node_rank}", str(self.info.node_rank))
+            if "{hostname}" in url:
+                url = url.replace("{hostname}", _host_name())
         self.url: str = url  # type: ignore[assignment]
         if filesystem is not None:
             if not isinstance(url, str) or not url:

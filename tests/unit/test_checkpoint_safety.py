@@ -304,3 +304,11 @@ def test_start_writeback_works_on_this_linux_file(tmp_path):
         f.write(b"x" * (1 << 20))
         f.flush()
         assert start_writeback(f.fileno(), 0, 1 << 20) is True
+
+
+def test_hostname_in_the_url_names_this_hosts_directory(tmp_path) -> None:
+    import socket
+
+    store = CheckpointStore(str(tmp_path / "ck" / "{hostname}"), node_local=True)
+    assert store.url == str(tmp_path / "ck" / socket.gethostname())
+    assert store.url_template == str(tmp_path / "ck" / "{hostname}")

@@ -270,3 +270,40 @@ def test_a_slow_blocking_save_leaves_the_step_time_estimate_alone(
     assert [i.step for i in store.list()] == ([3, 6] if where == "every_steps" else [20])
     assert ck._cadence.step_s is not None and ck._cadence.step_s < 0.1
     ck.close()
+
+
+def test_a_node_given_another_node_rank_finds_its_snapshots(tmp_path: Path, shm: str) -> None:
+    """``{node_rank}`` in a node-local URL is torchrun's group rank, which a
+    re-rendezvous reassigns (a node lost: the survivor that was node 1 is node 0).
+    Snapshots keyed by the URL with the rank put in were no longer found: the
+    survivor restored an older step, and its snapshots stayed in shared memory."""
+    url = str(tmp_path / "nl-{node_rank}")
+
+    def checkpointer(node_rank: int) -> tuple[torch.nn.Module, ek.Checkpointer]:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        info = ek.DistInfo(run_id="job", node_rank=node_rank)
+        store = ek.CheckpointStore(url, node_local=True, info=info)
+        return model, ek.Checkpointer(ek.TrainState(model, opt), store, every_steps=1000,
+                                      snapshot_every=1, handle_signals=False, info=info)
+
+    # the run's identity, as the nodes agreed on it at the first launch
+    identity = ek.CheckpointStore(url, node_local=True,
+                                  info=ek.DistInfo(run_id="job", node_rank=0)).run_identity()
+    ek.CheckpointStore(url, node_local=True, info=ek.DistInfo(run_id="job", node_rank=1)
+                       ).run_identity(adopt=identity)
+    model, first = checkpointer(1)
+    first.restore()
+    for _ in range(5):
+        model(torch.ones(3, 4)).sum().backward()
+        first.state.optimizer.step()
+        first.state.optimizer.zero_grad()
+        first.step(3)
+    weights = model.weight.detach().clone()
+    first.abandon()  # killed: its snapshot of step 5 stays
+    model, second = checkpointer(0)  # the same node after a re-rendezvous
+    second.restore()
+    assert (second.restored_from, second.restored_step) == ("memory", 5)
+    assert torch.equal(model.weight, weights)
+    second.close()
