@@ -173,23 +173,40 @@ _WATCHING: weakref.WeakSet[TerminationFlag] = weakref.WeakSet()
 _INSTALLED: weakref.WeakSet[TerminationFlag] = weakref.WeakSet()
 
 
-def _quiet_loader_worker() -> None:
-    """In a forked child: should it be a DataLoader worker, move it into a process
-    group of its own once torch set its handlers up.
+#: What a DataLoader worker forked under a checkpointer takes only from its parent.
+_LOADER_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
 
-    torchrun stops a worker with ``killpg``: the signal reached its DataLoader
-    workers too. A worker's C-level SIGTERM handler ends it when the signal does not
-    come from its parent (and SIGHUP's default action, SIGINT's KeyboardInterrupt end
-    it as well), and the training process's SIGCHLD handler then raised "DataLoader
-    worker ... is killed by signal" wherever the training thread was, usually before
-    the step where the checkpointer saves and exits: the stop's checkpoint was lost.
-    In a group of its own the worker gets only what its parent sends it (the
-    loader's shutdown, multiprocessing's ``terminate()`` at exit, which torch's
-    handler answers with a quiet exit) and still ends when its parent dies (torch's
-    watchdog). Ignoring the signals instead would also ignore that ``terminate()``,
-    and a process exiting with live persistent workers would wait for them forever.
-    Workers of a ``spawn`` or ``forkserver`` context start from a new interpreter and
-    are not reached."""
+
+def _serve_loader_signals(parent: int) -> None:
+    """A loader worker's thread that takes its blocked stop signals: its parent's
+    SIGTERM (the loader's shutdown, multiprocessing's ``terminate()`` at exit) ends
+    it as torch's own handler does, quietly; anyone else's is dropped."""
+    while True:
+        try:
+            info = signal.sigwaitinfo(_LOADER_SIGNALS)
+        except (OSError, ValueError):  # pragma: no cover - nothing left to serve
+            return
+        if info.si_signo == signal.SIGTERM and info.si_pid == parent:
+            os._exit(0)
+
+
+def _quiet_loader_worker() -> None:
+    """In a forked child: should it be a DataLoader worker, make it take SIGTERM,
+    SIGINT and SIGHUP from its parent only, once torch set its handlers up.
+
+    torchrun stops a worker with ``killpg``, and a scheduler may signal every process
+    of the job (SLURM's ``--signal`` without ``B:``): the signal reached the
+    DataLoader workers too. A worker's C-level SIGTERM handler ends it when the signal
+    does not come from its parent (SIGHUP's default action and SIGINT's
+    KeyboardInterrupt end it as well), and the training process's SIGCHLD handler then
+    raised "DataLoader worker ... is killed by signal" wherever the training thread
+    was, usually before the step where the checkpointer saves and exits: the stop's
+    checkpoint was lost. So the worker blocks them and a thread of its own takes them
+    (:func:`_serve_loader_signals`): its parent's SIGTERM ends it as before, and it
+    still ends when its parent dies (torch's watchdog). Ignoring them outright would
+    also ignore that SIGTERM, and a process exiting with live persistent workers
+    would wait for them forever. Workers of a ``spawn`` or ``forkserver`` context
+    start from a new interpreter and are not reached."""
     try:
         from torch.utils.data._utils import signal_handling
     except ImportError:  # not a torch this knows
@@ -198,10 +215,12 @@ def _quiet_loader_worker() -> None:
 
     def set_handlers(*args: Any, **kwargs: Any) -> Any:
         out = original(*args, **kwargs)
-        try:
-            os.setpgid(0, 0)
-        except OSError:  # a session leader cannot move: it keeps its group
-            pass
+        try:  # blocked before the thread starts: every thread of the worker inherits it
+            signal.pthread_sigmask(signal.SIG_BLOCK, _LOADER_SIGNALS)
+            threading.Thread(target=_serve_loader_signals, args=(os.getppid(),),
+                             name="elastic-kit-loader-signals", daemon=True).start()
+        except (OSError, RuntimeError, ValueError) as e:
+            log.debug("a loader worker keeps torch's signal handling: %r", e)
         return out
 
     signal_handling._set_worker_signal_handlers = set_handlers

@@ -47,9 +47,13 @@ _SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("sig,each", [(signal.SIGTERM, False), (signal.SIGINT, False),
+                                      (signal.SIGTERM, True)],
+                         ids=["SIGTERM-killpg", "SIGINT-killpg", "SIGTERM-every-process"])
 def test_a_stop_signal_to_the_process_group_saves_with_loader_workers(
-        tmp_path: Path, sig: signal.Signals) -> None:
+        tmp_path: Path, sig: signal.Signals, each: bool) -> None:
+    """``killpg`` is torchrun's way; a signal to every process of the job (SLURM's
+    ``--signal`` without ``B:``) reaches the loader workers one by one."""
     script = tmp_path / "train.py"
     script.write_text(_SCRIPT)
     ckpt = tmp_path / "ckpt"
@@ -65,7 +69,13 @@ def test_a_stop_signal_to_the_process_group_saves_with_loader_workers(
                 break
         else:
             pytest.fail(f"no step 15: {proc.wait(60)} {proc.stderr.read()[-3000:]}")
-        os.killpg(proc.pid, sig)  # what torchrun's agent does
+        if each:
+            import psutil
+
+            for p in [psutil.Process(proc.pid), *psutil.Process(proc.pid).children()]:
+                p.send_signal(sig)
+        else:
+            os.killpg(proc.pid, sig)  # what torchrun's agent does
         out, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
