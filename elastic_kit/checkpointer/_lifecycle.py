@@ -10,6 +10,7 @@ read in one place.
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 import threading
 from typing import TYPE_CHECKING, Any, Callable, TypeVar
@@ -333,8 +334,11 @@ class Lifecycle:
             self._close(remove_snapshots=True)  # training is over, as at close()
             raise FinishedEarly(0)
         if self.info.is_main:
-            say(log, "SIGTERM: checkpoint step %d saved; exiting with status %d so "
-                        "torchrun restarts the group", self.state.step, self.exit_code)
+            got = self._hooks.stop.received  # None: a request, or another rank's signal
+            say(log, "%s: checkpoint step %d saved; exiting with status %d so torchrun "
+                     "restarts the group",
+                signal.Signals(got).name if got is not None else "stop",
+                self.state.step, self.exit_code)
         self._close(remove_snapshots=False)  # the next group resumes from them
         raise SystemExit(self.exit_code)
 
