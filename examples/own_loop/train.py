@@ -203,6 +203,8 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     train_set, val_set, num_classes = build_datasets(args)
+    # evaluate() shards the validation set: one smaller than the world size fails here
+    ek.ElasticDistributedSampler(val_set, num_replicas=world_size, rank=rank, shuffle=False)
     train_set = ek.SeededDataset(train_set, seed=args.seed)  # resumes draw the same augmentation
     model = ek.wrap_ddp(build_model(args.arch, num_classes))  # to device, DDP if distributed
     model_without_ddp = ek.unwrap_model(model)

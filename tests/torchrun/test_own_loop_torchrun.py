@@ -145,3 +145,22 @@ def test_resized_2_to_3_to_2_trains_every_sample_of_every_epoch_once(tmp_path: P
     assert s["audit"] == full_audit()
     assert len(s["restored_steps"]) == len(sizes) - 1
     assert all(a < b for a, b in zip(s["restored_steps"], s["restored_steps"][1:]))
+
+
+def test_a_validation_set_smaller_than_the_world_size_fails_at_start(tmp_path: Path) -> None:
+    """evaluate() shards the validation set: one smaller than the world size must fail
+    before the first epoch's training, not after it."""
+    import os
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
+           "--nproc-per-node=2", "--max-restarts=0", str(TRAIN), "--synthetic", "7",
+           "--image-size", "16", "--epochs", "1", "-b", "2", "-j", "0",
+           "--checkpoint-every", "1", "--checkpoint-dir", str(tmp_path / "ckpt")]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode != 0
+    assert "dataset has 1 sample, fewer than num_replicas=2" in done.stderr + done.stdout
+    # 7 images, 1 for validation: two steps, the first checkpointed, had it trained
+    assert not list((tmp_path / "ckpt").glob("step-*"))
