@@ -99,6 +99,10 @@ class Cadence:
         self._exchange_t: float | None = None  # rank 0: when the previous exchange ran
         self._exchange_step = 0
         self.step_s: float | None = None  # rank 0: the step time estimate (the only one)
+        #: rank 0: the wall time of a step, hooks included: the exchange interval's
+        #: measure (a stop must reach every rank within a fixed wall time, torchrun's
+        #: grace, however long a step's hooks take)
+        self.wall_step_s: float | None = None
         self._hooks_s = 0.0  # time in the loop's hooks since the previous exchange
         self.last_save_time = time.monotonic()
         #: rank 0 sent a timed save's flag that no save has answered yet: the save
@@ -203,11 +207,17 @@ class Cadence:
             if self._exchange_t is not None and steps > 0:
                 dt = max(now - self._exchange_t - self._hooks_s, 0.0) / steps
                 self.step_s = dt if self.step_s is None else 0.5 * (self.step_s + dt)
+                wall = (now - self._exchange_t) / steps
+                self.wall_step_s = (wall if self.wall_step_s is None
+                                    else 0.5 * (self.wall_step_s + wall))
             snap_every = tier.proposal(self.step_s) if tier is not None else 0
             self._exchange_t, self._exchange_step = now, self.state.step
             self._hooks_s = 0.0
+            # in wall time: the hooks' time counts here (a 0.5 s on_step_end after a
+            # 2 ms step made it 64 steps, 32 s, and a SIGTERM waited past torchrun's
+            # 30 s grace for the exchange that carries it)
             exchange_every = max(1, min(MAX_EXCHANGE_EVERY, int(
-                EXCHANGE_PERIOD_S / self.step_s))) if self.step_s else 1
+                EXCHANGE_PERIOD_S / self.wall_step_s))) if self.wall_step_s else 1
         tier = self._tier()
         held = tier.part_report() if tier is not None else (0.0, 0.0)
         return Flags(float(self._stop.is_set()), float(time_due), float(snap_every),

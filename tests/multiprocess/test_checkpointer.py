@@ -297,8 +297,12 @@ def test_step_time_leaves_out_the_time_spent_in_hooks(monkeypatch: pytest.Monkey
     state.step += 10
     clock[0] += 1.0  # 10 steps in 1 s, of which 0.6 s in hooks
     cadence.exclude_time(0.6)
-    cadence.local_flags()
+    flags = cadence.local_flags()
     assert cadence.step_s == pytest.approx(0.04)
+    # ... but the flag exchange keeps its pace in wall time (0.1 s a step, hooks
+    # included): a stop must reach every rank within torchrun's grace, whatever the
+    # hooks cost (at 0.04 s it would exchange every 5 steps, 0.5 s apart)
+    assert cadence.wall_step_s == pytest.approx(0.1) and flags.exchange_every == 2
     state.step += 10
     clock[0] += 0.4  # the next window has no hooks: the excluded time was reset
     cadence.local_flags()
