@@ -190,6 +190,22 @@ def _serve_loader_signals(parent: int) -> None:
             os._exit(0)
 
 
+def _die_with_parent(parent: int) -> None:
+    """Have the kernel SIGKILL this process when its parent (the thread that forked
+    it: a loader's iterator is made on the training thread) ends (Linux's
+    ``PR_SET_PDEATHSIG``); end now if the parent is gone already."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(1, signal.SIGKILL, 0, 0, 0) != 0:  # PR_SET_PDEATHSIG
+            return
+    except (OSError, AttributeError):  # not Linux: torch's watchdog only
+        return
+    if os.getppid() != parent:
+        os._exit(0)
+
+
 def _quiet_loader_worker() -> None:
     """In a forked child: should it be a DataLoader worker, make it take SIGTERM,
     SIGINT and SIGHUP from its parent only, once torch set its handlers up.
@@ -215,12 +231,19 @@ def _quiet_loader_worker() -> None:
 
     def set_handlers(*args: Any, **kwargs: Any) -> Any:
         out = original(*args, **kwargs)
+        parent = os.getppid()
         try:  # blocked before the thread starts: every thread of the worker inherits it
             signal.pthread_sigmask(signal.SIG_BLOCK, _LOADER_SIGNALS)
-            threading.Thread(target=_serve_loader_signals, args=(os.getppid(),),
+            threading.Thread(target=_serve_loader_signals, args=(parent,),
                              name="elastic-kit-loader-signals", daemon=True).start()
         except (OSError, RuntimeError, ValueError) as e:
             log.debug("a loader worker keeps torch's signal handling: %r", e)
+            return out
+        # It no longer dies of torchrun's signal with its parent, and it holds copies
+        # of its parent's sockets (the process group's): a killed training process's
+        # connections stayed open, and its peers waited in their collective, until
+        # torch's watchdog noticed the parent gone (up to 5 s). Die with the parent.
+        _die_with_parent(parent)
         return out
 
     signal_handling._set_worker_signal_handlers = set_handlers

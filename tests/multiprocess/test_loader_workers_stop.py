@@ -127,3 +127,44 @@ def test_a_failing_script_with_persistent_loader_workers_exits(tmp_path: Path) -
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"the failing script did not exit: {e.stderr!r:.3000}")
     assert done.returncode == 1 and "a bug in the training step" in done.stderr
+
+
+_PDEATHSIG = textwrap.dedent("""
+    import ctypes, sys, torch
+    from torch.utils.data import DataLoader, Dataset
+    import elastic_kit as ek
+
+    class DeathSignal(Dataset):
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):
+            got = ctypes.c_int(-1)
+            ctypes.CDLL(None).prctl(2, ctypes.byref(got), 0, 0, 0)  # PR_GET_PDEATHSIG
+            return got.value
+
+    model = torch.nn.Linear(1, 1)
+    state = ek.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    ckpt = ek.Checkpointer(state, sys.argv[1], snapshot_every=0)
+    ckpt.restore()
+    print(sorted(set(DataLoader(DeathSignal(), batch_size=1, num_workers=2).__iter__()
+                     .__next__().tolist() + [x for b in DataLoader(
+                         DeathSignal(), batch_size=2, num_workers=2) for x in b.tolist()])))
+    ckpt.close()
+""")
+
+
+def test_a_loader_worker_dies_with_the_training_process(tmp_path: Path) -> None:
+    """A loader worker that no longer dies of torchrun's signal with its parent held
+    copies of the parent's process-group sockets: a killed rank's connections stayed
+    open, and its peers waited in their collective, until torch's watchdog noticed
+    the parent gone (up to 5 s). The kernel now kills it with its parent."""
+    import signal as signals
+
+    script = tmp_path / "train.py"
+    script.write_text(_PDEATHSIG)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "ckpt")], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == f"[{int(signals.SIGKILL)}]"
