@@ -15,7 +15,6 @@ abandoned (no collective): what was taken is written.
 from __future__ import annotations
 
 import atexit
-import os
 import signal
 import threading
 import weakref
@@ -23,6 +22,7 @@ from typing import Any, Callable
 
 import torch
 
+from elastic_kit.distributed import get_dist_info
 from elastic_kit.state import TerminationFlag
 
 __all__ = ["Hooks", "stop_signals"]
@@ -36,7 +36,7 @@ def stop_signals() -> tuple[int, ...]:
     checkpoint were lost (the memory snapshot a worker writes on its way out belongs
     to that run id, which a relaunch under ``--standalone`` does not share). Outside
     torchrun, Ctrl-C keeps its ``KeyboardInterrupt``."""
-    if "TORCHELASTIC_RUN_ID" in os.environ:
+    if get_dist_info().under_torchrun:
         return (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
     return (signal.SIGTERM,)
 

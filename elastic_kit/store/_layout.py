@@ -404,7 +404,7 @@ class Layout:
         try:
             return self.read_manifest(d), True
         except CheckpointCorruptError as e:  # none there, or one that does not validate
-            return None, not isinstance(e.__cause__, FileNotFoundError)
+            return None, not isinstance(e, _ManifestMissing)
 
     def _manifest_missing(self, d: StepDir) -> bool:
         """Whether ``d`` has no manifest at all: a save that did not finish. One that is
@@ -413,7 +413,7 @@ class Layout:
         try:
             self._manifest_text(d)
         except CheckpointCorruptError as e:
-            return isinstance(e.__cause__, FileNotFoundError)
+            return isinstance(e, _ManifestMissing)
         except Exception:
             return False
         return False
