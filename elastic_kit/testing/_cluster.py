@@ -15,7 +15,8 @@ from types import TracebackType
 from typing import IO, Any, Mapping, Sequence
 
 from elastic_kit.testing._proc import (
-    MARKER_ENV, _descendants, _port_open, _psutil, kill_process_tree, signal_pending, wait_for,
+    MARKER_ENV, _descendants, _port_open, _psutil, die_with_this_process, kill_process_tree,
+    signal_pending, wait_for,
 )
 from elastic_kit.testing._ports import ReservedPort, reserve_port
 
@@ -236,7 +237,9 @@ class LocalCluster:
         log_file.write(f"### {' '.join(self.command())}\n".encode())
         log_file.flush()
         proc = subprocess.Popen(
-            self.command(),
+            # Dies with the test process (a time limit's SIGKILL skips close()): an
+            # agent left behind goes on training, on a GPU machine on its GPU.
+            die_with_this_process(self.command()),
             stdin=subprocess.DEVNULL,
             stdout=log_file,
             stderr=subprocess.STDOUT,

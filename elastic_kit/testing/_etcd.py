@@ -12,7 +12,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO
 
-from elastic_kit.testing._proc import wait_for
+from elastic_kit.testing._proc import die_with_this_process, wait_for
 from elastic_kit.testing._ports import ReservedPort, reserve_port
 
 __all__ = ["EtcdServer"]
@@ -93,7 +93,7 @@ class EtcdServer:
             "--initial-cluster", f"elastic-kit-test={peer}",
         ]
         self._log_file = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=self._log_file,
+        self.proc = subprocess.Popen(die_with_this_process(cmd), stdin=subprocess.DEVNULL, stdout=self._log_file,
                                      stderr=subprocess.STDOUT, start_new_session=True)
         try:
             wait_for(self._healthy, self.start_timeout, interval=0.2,

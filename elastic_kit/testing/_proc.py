@@ -10,11 +10,12 @@ import logging
 import os
 import signal
 import socket
+import sys
 import time
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
-__all__ = ["MARKER_ENV", "kill_process_tree", "signal_pending", "wait_for"]
+__all__ = ["MARKER_ENV", "die_with_this_process", "kill_process_tree", "signal_pending", "wait_for"]
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,37 @@ def _port_open(host: str, port: int) -> bool:
             return True
     except OSError:
         return False
+
+
+#: Run in a new interpreter before the real command: asks the kernel for a signal when
+#: the process that started it ends (``PR_SET_PDEATHSIG``, Linux), then ``exec``s the
+#: command in place (same pid). Not Linux: execs at once.
+_DIE_WITH_PARENT = (
+    "import os, sys\n"
+    "sig, parent = int(sys.argv[1]), int(sys.argv[2])\n"
+    "try:\n"
+    "    import ctypes\n"
+    "    ctypes.CDLL(None, use_errno=True).prctl(1, sig, 0, 0, 0)\n"
+    "except (OSError, AttributeError):\n"
+    "    pass\n"
+    "if os.getppid() != parent:\n"
+    "    sys.exit(f'not started: the process that started it ({parent}) is gone')\n"
+    "os.execvp(sys.argv[3], sys.argv[3:])\n"
+)
+
+
+def die_with_this_process(cmd: Sequence[str], sig: int = signal.SIGTERM) -> list[str]:
+    """``cmd`` wrapped so that the process it becomes gets ``sig`` when this process
+    ends, however it ends (a test runner SIGKILLed by a time limit included).
+
+    The agents and servers a test starts run in sessions of their own (a Ctrl-C must
+    not reach them twice), so nothing else stops them once the test process is gone:
+    a torchrun agent left behind went on training on the GPU. With ``SIGTERM`` an
+    agent still stops its workers. The signal comes when the *thread* that started
+    the process ends (Linux ties it to the thread): start them from a thread that
+    outlives them.
+    """
+    return [sys.executable, "-c", _DIE_WITH_PARENT, str(int(sig)), str(os.getpid()), *cmd]
 
 
 def wait_for(

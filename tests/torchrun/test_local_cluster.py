@@ -307,3 +307,60 @@ def test_etcd_server_starts_and_stops(tmp_path: Path) -> None:
             assert r.status == 200  # the v2 API torchrun's etcd-v2 backend needs
         pid = etcd.proc.pid
     assert not _alive(pid)
+
+
+_DRIVER = textwrap.dedent("""
+    import os, shutil, sys, time
+    from pathlib import Path
+    from elastic_kit.testing import EtcdServer, LocalCluster
+    out = Path(sys.argv[1])
+    cluster = LocalCluster([sys.argv[2], str(out / "worker.pid")], nnodes="1",
+                           nproc_per_node=1, log_dir=out / "logs")
+    agent = cluster.add_agent()
+    pids = {"agent": agent.pid}
+    if shutil.which("etcd"):
+        etcd = EtcdServer(log_path=out / "etcd.log").start()
+        pids["etcd"] = etcd.proc.pid
+    (out / "pids.tmp").write_text(repr(pids))
+    os.replace(out / "pids.tmp", out / "pids")
+    time.sleep(600)  # killed here: neither close() nor stop() ever runs
+""")
+
+_WORKER = textwrap.dedent("""
+    import os, sys, time
+    open(sys.argv[1] + ".tmp", "w").write(str(os.getpid()))
+    os.replace(sys.argv[1] + ".tmp", sys.argv[1])
+    time.sleep(600)
+""")
+
+
+def test_what_a_cluster_started_stops_when_the_test_process_is_sigkilled(tmp_path: Path) -> None:
+    """A test runner ended by a time limit's SIGKILL never reaches ``close()``: its
+    agents (in sessions of their own) and their workers, and an etcd server, must
+    still not outlive it (a torchrun agent left on a GPU machine went on training)."""
+    import ast
+
+    (tmp_path / "driver.py").write_text(_DRIVER)
+    (tmp_path / "worker.py").write_text(_WORKER)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    driver = subprocess.Popen([sys.executable, str(tmp_path / "driver.py"), str(tmp_path),
+                               str(tmp_path / "worker.py")], env=env, start_new_session=True)
+    try:
+        pids = ast.literal_eval(wait_for(
+            lambda: (tmp_path / "pids").exists() and (tmp_path / "pids").read_text(), 120,
+            what="the driver's cluster", abort_if=lambda: driver.poll() is not None))
+        pids["worker"] = _read_pid(tmp_path / "worker.pid", timeout=120)
+        assert all(_alive(p) for p in pids.values()), pids
+        driver.kill()
+        driver.wait(timeout=10)
+        wait_for(lambda: not any(_alive(p) for p in pids.values()), 60,
+                 what=f"{ {k: p for k, p in pids.items() if _alive(p)} } to stop")
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()
+        for p in (tmp_path / "pids", tmp_path / "worker.pid"):
+            if p.exists():
+                for pid in ast.literal_eval(p.read_text()).values() if p.name == "pids" \
+                        else [int(p.read_text())]:
+                    kill_process_tree(pid)
