@@ -56,10 +56,17 @@ _NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}", re.ASCII)
 _HEX_RE = re.compile(r"[0-9a-f]+", re.ASCII)
 
 
+#: torchrun's ``--rdzv-id`` when none is given.
+_NO_RUN_ID = "none"
+
+
 def run_id() -> str:
-    """The torchrun run this process belongs to (``TORCHELASTIC_RUN_ID``; "" outside
-    torchrun): every worker group of one job shares it, two jobs do not."""
-    return os.environ.get("TORCHELASTIC_RUN_ID", "")
+    """The torchrun run this process belongs to (``TORCHELASTIC_RUN_ID``): every worker
+    group of one job shares it, two jobs do not. "" outside torchrun, and for
+    torchrun's default ``--rdzv-id`` (``none``), which every launch without one shares
+    (a static ``--master-addr`` launch of any job): it tells no two jobs apart."""
+    run = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    return "" if run == _NO_RUN_ID else run
 
 
 def _library_version() -> str:

@@ -147,3 +147,25 @@ def test_a_commit_of_another_run_is_still_a_conflict(tmp_path: Any, monkeypatch:
     with pytest.raises(CheckpointConflictError, match="another job is writing checkpoints"):
         live.save(_state(17.0), step=17)
         live.wait()
+
+
+def test_two_jobs_on_torchruns_default_run_id_are_still_a_conflict(
+        tmp_path: Any, monkeypatch: Any) -> None:
+    """torchrun sets ``TORCHELASTIC_RUN_ID=none`` for every launch without
+    ``--rdzv-id`` (a static ``--master-addr`` launch): two such jobs on one URL are
+    two jobs, and the other job's only checkpoint must not be deleted as a late commit."""
+    import pytest
+
+    from elastic_kit.errors import CheckpointConflictError
+
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    url = str(tmp_path / "ck")
+    a = CheckpointStore(url, keep_last=2)
+    a.save(_state(100.0), step=100)
+    a.save(_state(200.0), step=200)
+    b = _second_process_store(url, monkeypatch, keep_last=2)
+    b.save(_state(10.0), step=10)
+    with pytest.raises(CheckpointConflictError, match="another job is writing checkpoints"):
+        a.save(_state(300.0), step=300)
+        a.wait()
+    assert [i.step for i in CheckpointStore(url).list()] == [10, 100, 200, 300]
