@@ -192,8 +192,8 @@ def _serve_loader_signals(parent: int) -> None:
 
 def _die_with_parent(parent: int) -> None:
     """Have the kernel SIGKILL this process when its parent (the thread that forked
-    it: a loader's iterator is made on the training thread) ends (Linux's
-    ``PR_SET_PDEATHSIG``); end now if the parent is gone already."""
+    it, its parent's main thread) ends (Linux's ``PR_SET_PDEATHSIG``); end now if the
+    parent is gone already."""
     try:
         import ctypes
 
@@ -204,6 +204,41 @@ def _die_with_parent(parent: int) -> None:
         return
     if os.getppid() != parent:
         os._exit(0)
+
+
+def _unblock_loader_signals() -> None:
+    """Give the stop signals back to a process a loader worker starts: a blocked
+    mask survives ``fork`` and ``exec``, and a helper it started (an ``ffmpeg``
+    decoder, a pool of its own) could no longer be stopped by SIGTERM, not even by
+    torchrun's ``killpg``, and outlived the job."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _LOADER_SIGNALS)
+
+
+def _children_unblocked() -> None:
+    """In a loader worker that blocks the stop signals: unblock them in every process
+    it starts, through ``subprocess`` (``preexec_fn``, chained before the caller's
+    own) and ``os.fork`` (an at-fork hook). ``os.system`` and ``os.posix_spawn`` are
+    not reached."""
+    import inspect
+    import subprocess
+
+    os.register_at_fork(after_in_child=_unblock_loader_signals)
+    popen_init = subprocess.Popen.__init__
+    params = inspect.signature(popen_init)
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        bound = params.bind(self, *args, **kwargs)
+        own = bound.arguments.get("preexec_fn")
+
+        def preexec_fn() -> None:
+            _unblock_loader_signals()
+            if own is not None:
+                own()
+
+        bound.arguments["preexec_fn"] = preexec_fn
+        popen_init(*bound.args, **bound.kwargs)
+
+    subprocess.Popen.__init__ = __init__  # type: ignore[method-assign]
 
 
 def _quiet_loader_worker() -> None:
@@ -233,6 +268,7 @@ def _quiet_loader_worker() -> None:
         out = original(*args, **kwargs)
         parent = os.getppid()
         try:  # blocked before the thread starts: every thread of the worker inherits it
+            _children_unblocked()
             signal.pthread_sigmask(signal.SIG_BLOCK, _LOADER_SIGNALS)
             threading.Thread(target=_serve_loader_signals, args=(parent,),
                              name="elastic-kit-loader-signals", daemon=True).start()
@@ -242,8 +278,12 @@ def _quiet_loader_worker() -> None:
         # It no longer dies of torchrun's signal with its parent, and it holds copies
         # of its parent's sockets (the process group's): a killed training process's
         # connections stayed open, and its peers waited in their collective, until
-        # torch's watchdog noticed the parent gone (up to 5 s). Die with the parent.
-        _die_with_parent(parent)
+        # torch's watchdog noticed the parent gone (up to 5 s). Die with the parent:
+        # the kernel ties that to the thread that forked, so only where that is the
+        # main thread (an iterator made on a thread that then ends would lose its
+        # workers; there torch's watchdog stays the only one).
+        if _forked_by_main_thread:
+            _die_with_parent(parent)
         return out
 
     signal_handling._set_worker_signal_handlers = set_handlers
@@ -271,6 +311,15 @@ def _after_fork_in_child() -> None:
     _WATCHING.clear()
 
 
+#: In a forked child: whether the thread that forked it was its parent's main thread.
+_forked_by_main_thread = False
+
+
+def _before_fork() -> None:
+    global _forked_by_main_thread
+    _forked_by_main_thread = threading.current_thread() is threading.main_thread()
+
+
 def _after_fork_quiet_loader_workers() -> None:
     installed = bool(_INSTALLED)
     _INSTALLED.clear()
@@ -279,4 +328,4 @@ def _after_fork_quiet_loader_workers() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
-os.register_at_fork(after_in_child=_after_fork_quiet_loader_workers)
+os.register_at_fork(before=_before_fork, after_in_child=_after_fork_quiet_loader_workers)

@@ -168,3 +168,63 @@ def test_a_loader_worker_dies_with_the_training_process(tmp_path: Path) -> None:
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == f"[{int(signals.SIGKILL)}]"
+
+
+_HELPERS = textwrap.dedent("""
+    import os, subprocess, sys, threading, time, torch
+    from torch.utils.data import DataLoader, Dataset
+    import elastic_kit as ek
+
+    def blocked(pid):
+        with open(f"/proc/{pid}/status") as f:
+            line = next(l for l in f if l.startswith("SigBlk:"))
+        return int(line.split()[1], 16) & ((1 << 14) | (1 << 1) | (1 << 0))  # TERM INT HUP
+
+    class Helpers(Dataset):
+        def __len__(self):
+            return 2
+
+        def __getitem__(self, i):
+            # a helper process, as a dataset decoding through ffmpeg starts one
+            p = subprocess.Popen(["sleep", "30"])
+            forked = os.fork()
+            if forked == 0:
+                os._exit(3 if blocked(os.getpid()) else 0)
+            _, status = os.waitpid(forked, 0)
+            seen = blocked(p.pid)
+            p.terminate()
+            p.wait(timeout=20)
+            return torch.tensor([bool(blocked(os.getpid())), seen, os.waitstatus_to_exitcode(
+                status), p.returncode])
+
+    model = torch.nn.Linear(1, 1)
+    state = ek.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    ckpt = ek.Checkpointer(state, sys.argv[1], snapshot_every=0)
+    ckpt.restore()
+    print("main", [b.tolist() for b in DataLoader(Helpers(), batch_size=None, num_workers=1)])
+    # an iterator made on a thread that then ends: its workers must outlive the thread
+    box = {}
+    t = threading.Thread(target=lambda: box.setdefault("it", iter(DataLoader(
+        list(range(64)), batch_size=4, num_workers=2))))
+    t.start(); t.join(); time.sleep(1)
+    print("thread", sum(int(b.sum()) for b in box["it"]))
+    ckpt.close()
+""")
+
+
+def test_processes_a_loader_worker_starts_take_the_stop_signals(tmp_path: Path) -> None:
+    """The worker blocks SIGTERM, SIGINT and SIGHUP, and a blocked mask survives fork
+    and exec: a helper process it started could not be stopped by SIGTERM (torchrun's
+    ``killpg`` included) and outlived the job. And the kernel's parent-death signal is
+    tied to the thread that forked: workers of an iterator made on a thread that then
+    ended were killed with it."""
+    script = tmp_path / "train.py"
+    script.write_text(_HELPERS)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "ckpt")], env=env,
+                          capture_output=True, text=True, timeout=150)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.strip().splitlines()
+    # the worker blocks them; neither its subprocess nor its fork does; terminate() works
+    assert lines[-2] == f"main {[[1, 0, 0, -int(signal.SIGTERM)]] * 2}", done.stdout
+    assert lines[-1] == f"thread {sum(range(64))}", done.stdout + done.stderr[-3000:]
