@@ -327,18 +327,18 @@ class Lifecycle:
             log.warning("an earlier background checkpoint failed: %r; saving step %d now",
                         failed, self.state.step)
         self.save(blocking=True)
+        saved = (f"checkpoint step {self.state.step} saved" if self.store is not None
+                 else f"no store: step {self.state.step} not saved")
         if not restart:
             if self.info.is_main:
-                say(log, "stop requested: checkpoint step %d saved; training ends (exit "
-                         "status 0)", self.state.step)
+                say(log, "stop requested: %s; training ends (exit status 0)", saved)
             self._close(remove_snapshots=True)  # training is over, as at close()
             raise FinishedEarly(0)
         if self.info.is_main:
             got = self._hooks.stop.received  # None: a request, or another rank's signal
-            say(log, "%s: checkpoint step %d saved; exiting with status %d so torchrun "
-                     "restarts the group",
-                signal.Signals(got).name if got is not None else "stop",
-                self.state.step, self.exit_code)
+            say(log, "%s: %s; exiting with status %d so torchrun restarts the group",
+                signal.Signals(got).name if got is not None else "stop", saved,
+                self.exit_code)
         self._close(remove_snapshots=False)  # the next group resumes from them
         raise SystemExit(self.exit_code)
 

@@ -164,7 +164,9 @@ class ElasticLoop:
         rank after the save, and the script ends as after the last epoch (torchrun
         then ends the job). ``restart=True``: as if SIGTERM had arrived on this rank
         (:meth:`run` raises ``SystemExit`` with the checkpointer's ``exit_code``, and
-        torchrun restarts the group)."""
+        torchrun restarts the group). A request is for the run in progress, or the
+        next one when made before it: it ends with that run, and calling :meth:`run`
+        again trains on."""
         self._stop_requested = True
         self._stop_restart = restart
         if self.checkpointer is not None:
@@ -279,6 +281,7 @@ class ElasticLoop:
                 # timeout, and hide the real error.
                 ckpt.abandon()
             self._loader = None
+            self._stop_requested = self._stop_restart = False  # it ended this run
         return state
 
     def _done(self) -> bool:

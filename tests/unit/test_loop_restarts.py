@@ -232,3 +232,42 @@ def test_step_info_has_the_learning_rate_the_step_used() -> None:
     ElasticLoop(state, _data(), loss_fn=_loss, config=cfg,
                 on_step_end=lambda s, info: seen.append(info.lr)).run()
     assert seen == pytest.approx([0.1 / (k + 1) for k in range(8)])
+
+
+@pytest.mark.parametrize("restart", [False, True])
+def test_a_stop_request_ends_its_own_run_only(tmp_path: Path, restart: bool) -> None:
+    """The request was kept: the next ``run()`` of the same loop saved and stopped after
+    its first step (returning as if done, or exiting 143 again under torchrun)."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 2)
+    state = TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    cfg = LoopConfig(epochs=2, global_batch_size=12, micro_batch_size=12, log_every=0,
+                     progress_bar=False,
+                     checkpoint=CheckpointerConfig(blocking=True, snapshot_every=0,
+                                                   handle_signals=False))
+    asked: list[int] = []
+
+    def on_step_end(state: TrainState, info: Any) -> None:
+        if state.step == 3 and not asked:
+            asked.append(state.step)
+            loop.request_stop(restart=restart)
+
+    loop = ElasticLoop(state, _data(), loss_fn=_loss, store=str(tmp_path / "ck"),
+                       on_step_end=on_step_end, config=cfg)
+    if restart:
+        with pytest.raises(SystemExit):
+            loop.run()
+    else:
+        loop.run()
+    assert state.step == 3
+    loop.run()  # trains on to the end
+    assert (state.step, state.epoch) == (16, 2)
+
+
+def test_a_stop_without_a_store_does_not_say_it_saved(caplog: Any) -> None:
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="elastic_kit"), pytest.raises(SystemExit):
+        _run(None, stop_at=2)
+    assert "checkpoint step" not in caplog.text
+    assert "stop: no store: step 2 not saved; exiting with status 143" in caplog.text
