@@ -496,6 +496,14 @@ def main() -> None:
                          f"kill_worker x {GPU_KILLS}; see the module)")
     args = ap.parse_args()
     cuda = args.device == "cuda"
+    if cuda:
+        import torch
+
+        if not torch.cuda.is_available():
+            ap.error("--device cuda: CUDA is not available")
+    # A time limit's SIGTERM runs the clean-up below (the agents, their workers), as
+    # Ctrl-C does: left alone, a worker went on training until the machine was gone.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     if cuda and args.events not in (None, "kill_worker"):
         ap.error("--device cuda: the only event is kill_worker (one agent)")
     repeats = args.repeats or (1 if args.quick or args.smoke else 2)
