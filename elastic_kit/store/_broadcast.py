@@ -63,11 +63,14 @@ def _specs(skeleton: Any) -> list[TensorSpec]:
 def target_device(map_location: Any) -> torch.device:
     """The one device received tensors go to, from a ``torch.load``-style map_location.
 
-    Checkpoints store CPU tensors, so a dict map_location is looked up under ``"cpu"``.
+    Checkpoints store CPU tensors, so a dict map_location is looked up under ``"cpu"``,
+    and a callable (``lambda storage, loc: storage``, ``... storage.cuda(rank)``) is
+    asked once where a CPU storage goes: a broadcast load, or a snapshot read from a
+    mapped file, deserializes nothing it could be applied to storage by storage.
 
     Raises:
-        TypeError: for a callable map_location, which cannot be applied to tensors
-            that were never deserialized on this rank.
+        TypeError: a callable whose answer is not a storage (or None, as torch.load
+            takes it: the CPU), or another type.
     """
     if map_location is None:
         return torch.device("cpu")
@@ -75,10 +78,17 @@ def target_device(map_location: Any) -> torch.device:
         return torch.device(map_location)
     if isinstance(map_location, dict):
         return torch.device(map_location.get("cpu", "cpu"))
-    raise TypeError(
-        f"map_location={map_location!r}: a broadcast load needs a device, a device string "
-        "or a dict (keyed by 'cpu'), not a callable"
-    )
+    if callable(map_location):
+        where = map_location(torch.UntypedStorage(0), "cpu")
+        if where is None:
+            return torch.device("cpu")
+        device = getattr(where, "device", None)
+        if isinstance(device, torch.device):
+            return device
+        raise TypeError(f"map_location={map_location!r} returned {where!r} for a CPU "
+                        "storage; expected a storage (or None)")
+    raise TypeError(f"map_location={map_location!r}: expected a device, a device string, "
+                    "a dict (keyed by 'cpu') or a callable (storage, location)")
 
 
 def _reduce_device() -> torch.device:

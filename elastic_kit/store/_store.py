@@ -810,8 +810,8 @@ class CheckpointStore:
         :func:`load_checkpoint` call it; ``load()`` itself only reads).
 
         Args:
-            map_location: as for :func:`torch.load`; with a process group it must be a
-                device, a device string or a ``{"cpu": device}`` dict.
+            map_location: as for :func:`torch.load`; with a process group a callable
+                is asked once where a CPU storage goes (every tensor goes there).
             into: for sharded checkpoints, the live state tree (or a function that
                 returns it, called only when a sharded checkpoint is found) whose
                 DTensors give the layout to load into: each rank then reads only the
