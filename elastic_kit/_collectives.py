@@ -249,10 +249,12 @@ def broadcast_tensors(tensors: Sequence[torch.Tensor], src: int = 0) -> None:
         return
     dev = _collective_device()
     for t in tensors:
-        if t.device == dev and t.is_contiguous():
+        if t.device == dev and t.is_contiguous() and not (t.is_conj() or t.is_neg()):
             _broadcast_(_carried(t), src)
         else:
-            staged = t.to(dev).contiguous()
+            # a conjugate or negative view (torch.save keeps the bit) is sent as its
+            # values: the backend's complex path refuses an unresolved one
+            staged = t.to(dev).resolve_conj().resolve_neg().contiguous()
             _broadcast_(_carried(staged), src)
             if dist.get_rank() != src:
                 t.copy_(staged)

@@ -118,3 +118,26 @@ def test_a_source_ranks_failure_reaches_every_rank_as_what_it_was(tmp_path):
     assert src_type == "RuntimeError"
     assert peer_type == "CheckpointError"
     assert "rank 0 could not load checkpoint step 3: RuntimeError" in peer_msg
+
+
+def _load_views(url: str) -> dict:
+    import elastic_kit as ek
+
+    ek.init_distributed()
+    state = ek.load_checkpoint(None, url).state
+    return {k: v.resolve_conj().resolve_neg().tolist() for k, v in state.items()}
+
+
+def test_conjugate_and_negative_views_load_on_every_rank(tmp_path):
+    """``torch.save`` keeps a complex tensor's conjugate bit (a blocking save writes
+    it so): every multi-rank load of such a checkpoint failed in the broadcast
+    ("view_as_real doesn't work on unresolved conjugated tensors"), naming no key."""
+    import elastic_kit as ek
+
+    z = torch.polar(torch.ones(4), torch.arange(4.0))
+    state = {"freqs": z.conj(), "neg": torch.arange(3.0)._neg_view(), "plain": z.clone()}
+    url = str(tmp_path / "ck")
+    ek.save_checkpoint(state, url, step=1)
+    assert ek.load_checkpoint(None, url).state["freqs"].is_conj()  # kept by the file
+    want = {k: v.resolve_conj().resolve_neg().tolist() for k, v in state.items()}
+    assert spawn_multi_process(2, _load_views, url, timeout=120) == [want, want]
