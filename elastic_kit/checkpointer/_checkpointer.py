@@ -181,7 +181,7 @@ class Checkpointer(Lifecycle):
             into=state.state_dict if sharded else None)
         if loaded is not None:
             if self.restored_from in ("memory", "peer") and not sharded:
-                _restore.own_cpu_optimizer_state(state, loaded.state)
+                _restore.own_kept_state(state, loaded.state)
             state.load_state_dict(loaded.state)
             self.restored_step = int(loaded.step)
             # read (and verified) from the durable store; a state from memory counts

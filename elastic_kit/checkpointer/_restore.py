@@ -218,21 +218,20 @@ def snapshot_source(tier: SnapshotTier, info: DistInfo) -> str:
     return "memory" if held else "peer"
 
 
-def own_cpu_optimizer_state(state: TrainState, sd: dict[str, Any]) -> None:
-    """Give the optimizer state of ``sd`` (loaded from a snapshot: views of its mapped
-    file) memory of its own where the optimizer keeps it as given (CPU parameters:
-    ``Optimizer.load_state_dict`` keeps a tensor already of the parameter's device and
-    dtype), so that the snapshot's file is not held for the rest of the run. Tensors
-    for CUDA parameters are copied to the device by the optimizer anyway.
+def own_kept_state(state: TrainState, sd: dict[str, Any]) -> None:
+    """Give the CPU tensors of ``sd`` (loaded from a snapshot: views of its mapped
+    file) that the state may keep as given memory of their own, so that the
+    snapshot's file is not held for the rest of the run (one state's size of shared
+    memory, all of it held by any one tensor): the optimizer state of CPU parameters
+    (``Optimizer.load_state_dict`` keeps a tensor already of the parameter's device
+    and dtype; for CUDA parameters it copies to the device anyway), and every tensor
+    but the model's (which ``Module.load_state_dict`` copies into the parameters):
+    ``extras`` (kept as given, or by a second optimizer's ``load_state_dict``), a
+    scheduler's or a sampler's.
 
     The copies run in pieces on the shared thread pool: most of their time is the
     first touch of the new pages (about twice a copy's), which scales with the
     threads, and torchrun leaves torch's own copy one thread."""
-    opt = state.optimizer
-    if opt is None or not isinstance(sd.get("optimizer"), dict):
-        return
-    if not any(p.device.type == "cpu" for g in opt.param_groups for p in g["params"]):
-        return
     pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def own(_: str, v: Any) -> Any:
@@ -244,7 +243,14 @@ def own_cpu_optimizer_state(state: TrainState, sd: dict[str, Any]) -> None:
         pairs.append((out, v))
         return out
 
-    sd["optimizer"] = map_tree(sd["optimizer"], own)
+    opt = state.optimizer
+    for key in list(sd):
+        if key == "model":
+            continue
+        if key == "optimizer" and (opt is None or not any(
+                p.device.type == "cpu" for g in opt.param_groups for p in g["params"])):
+            continue
+        sd[key] = map_tree(sd[key], own)
     copy_tensors(pairs)
 
 
