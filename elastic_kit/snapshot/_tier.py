@@ -561,7 +561,10 @@ class SnapshotTier:
         self._space_checked = True
         # with sharded state, every rank of the node writes a part like this one
         ranks = self.info.local_world_size if self.sharded else 1
-        need = int(SPACE_FACTOR * ranks * state_nbytes(state_dict))
+        size = state_nbytes(state_dict)
+        if not self.sharded:  # the file's size: each tensor starts aligned (many small
+            size = max(size, plan_flat(split_state(state_dict)[1]).size)  # ones: ~4 KiB each)
+        need = int(SPACE_FACTOR * ranks * size)
         try:
             # the dead processes' files claimed are reused, not added
             free = shutil.disk_usage(self.root).free + (
