@@ -45,6 +45,10 @@ def load_into(target: dict[Any, Any], loaded: dict[Any, Any]) -> None:
             from the shape of the tensor ``target`` holds at its path, or ``target``
             holds a tensor at a path the checkpoint lacks (or where it holds another
             value: a number, a list or tuple of another length); nothing was loaded.
+        ValueError: a tensor ``target`` holds cannot be copied into in place (an
+            expanded view, an inference tensor); nothing was loaded.
+        RuntimeError: a copy failed otherwise, naming the tensor's path; the
+            tensors before it were loaded.
     """
     if not isinstance(loaded, dict):
         raise TypeError(f"the checkpoint holds a {type(loaded).__qualname__}, not a dict; "
@@ -68,9 +72,17 @@ def load_into(target: dict[Any, Any], loaded: dict[Any, Any]) -> None:
             raise CheckpointMismatchError(
                 f"checkpoint tensor {path} has shape {list(src.shape)}, the tensor the "
                 f"state holds there has {list(dst.shape)}; nothing was loaded")
+        why = _not_writable(dst)
+        if why:
+            raise ValueError(f"the tensor the state holds at {path} cannot be loaded "
+                             f"into: {why}; nothing was loaded")
     with torch.no_grad():
-        for _, dst, src in copies:
-            _copy(dst, src)
+        for path, dst, src in copies:
+            try:
+                _copy(dst, src)
+            except RuntimeError as e:
+                raise RuntimeError(f"loading checkpoint tensor {path} failed ({e}); the "
+                                   "tensors before it were loaded") from e
     for container, key, value in sets:  # in order: a tuple's items before the tuple
         container[key] = tuple(value.items) if isinstance(value, _TupleOf) else value
 
@@ -146,6 +158,19 @@ def _tensor_paths(value: Any, path: str, out: list[str], instead: Any = None) ->
                 if isinstance(instead, (list, tuple))
                 else f"a value of type {type(instead).__name__}")
         out[before] += f" (the checkpoint holds {what} at {path})"
+
+
+def _not_writable(dst: torch.Tensor) -> str:
+    """Why ``dst`` cannot be copied into in place ("" when it can): checked before any
+    copy, so that such a state is refused whole, not loaded in part."""
+    if is_dtensor(dst):
+        return ""
+    if dst.is_inference() and not torch.is_inference_mode_enabled():
+        return "an inference tensor (made under torch.inference_mode(); clone it)"
+    if torch._debug_has_internal_overlap(dst) == 1:  # MemOverlap::Yes
+        return ("its elements share memory (an expanded or broadcast view; "
+                "give it memory of its own, e.g. .clone())")
+    return ""
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:

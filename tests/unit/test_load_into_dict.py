@@ -159,3 +159,22 @@ def test_a_tuple_keeps_the_callers_tensors_in_their_dtype(tmp_path):
     assert state["stats"][0] is mean and state["stats"][1] is std
     assert mean.tolist() == [2.0] * 3 and std.dtype == torch.float64
     assert state["stats"][2] == {"n": 5} and type(state["stats"]) is tuple
+
+
+@pytest.mark.parametrize("kind", ["expanded", "inference"])
+def test_a_tensor_that_cannot_be_copied_into_is_refused_before_anything_loads(
+        tmp_path, kind):
+    """The copy into such a tensor failed after the tensors before it were loaded, with
+    torch's error naming no key."""
+    url = str(tmp_path / "ck")
+    save_checkpoint({"a": torch.ones(4), "b": torch.arange(4.0)}, url, step=1)
+    if kind == "expanded":
+        b = torch.zeros(1).expand(4)
+    else:
+        with torch.inference_mode():
+            b = torch.zeros(4)
+    target = {"a": torch.zeros(4), "b": b}
+    with pytest.raises(ValueError, match=r"state holds at \['b'\] cannot be loaded into: "
+                                         r".*nothing was loaded"):
+        load_checkpoint(target, url)
+    assert torch.equal(target["a"], torch.zeros(4))
