@@ -28,7 +28,8 @@ checkpointing every ``--ckpt-every`` steps (``ek_ckpt``) and not checkpointing (
 and, after each, the loop's ``on_step_end`` hook runs a plain block of as many steps:
 after an ``ek_ckpt`` block a plain loop that ``torch.save``s model and optimizer on
 rank 0 every ``--ckpt-every`` steps (``plain_ckpt``: what the pytorch/elastic example
-does, synchronously, to a temporary file renamed into place), after an ``ek`` block a
+does, synchronously, to a temporary file renamed into place; the file and, after the
+rename, its directory fsync'ed, as durable as the store's save), after an ``ek`` block a
 plain loop without checkpoints (``plain``: the physical limit). The plain step is the
 strongest fair one: the same pinned, non-blocking copies to the device as the loop's,
 and no value read off the device per step (a ``.item()`` / ``float(loss)`` per step is a
@@ -226,9 +227,19 @@ def _worker(cfg: dict[str, Any]) -> dict[str, Any]:
 
     def plain_save() -> None:  # the pytorch/elastic example: rank 0, torch.save, rename
         if info.rank == 0:
-            torch.save({"model": ek.unwrap_model(plain_model).state_dict(),
-                        "optimizer": plain_opt.state_dict()}, plain_path + ".tmp")
+            # as durable as the store's save (payload fsync'ed, the rename's directory
+            # fsync'ed): both sides run with the same settings
+            with open(plain_path + ".tmp", "wb") as f:
+                torch.save({"model": ek.unwrap_model(plain_model).state_dict(),
+                            "optimizer": plain_opt.state_dict()}, f)
+                f.flush()
+                os.fsync(f.fileno())
             os.replace(plain_path + ".tmp", plain_path)
+            fd = os.open(cfg["dir"], os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
 
     def plain_block(checkpoint: bool) -> tuple[float, float, float]:
         """(wall s, CPU s of this process, CPU s of this thread) of one plain block."""
@@ -406,6 +417,8 @@ def main() -> None:
 
     from elastic_kit.testing import spawn_multi_process
 
+    if args.dir:
+        os.makedirs(args.dir, exist_ok=True)
     base = tempfile.mkdtemp(prefix="ek-bench-loop-", dir=args.dir)
     t0 = time.perf_counter()
     try:
@@ -449,7 +462,8 @@ def main() -> None:
         "claim": "loop_overhead",
         "baseline": "plain DDP loop with DistributedSampler in the same processes, "
                     "interleaved blocks of whole save periods; without checkpoints (the "
-                    "limit) and with a synchronous rank-0 torch.save every period",
+                    "limit) and with a synchronous rank-0 torch.save every period "
+                    "(file and directory fsync'ed, as durable as the store's save)",
         "method": "interleaved blocks of periods x ckpt_every steps",
         "arch": args.arch, "image_size": args.image_size, "device": args.device,
         "backend": r0["backend"], "ranks": ranks, "batch_per_rank": batch,
