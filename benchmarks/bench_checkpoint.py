@@ -312,6 +312,8 @@ def measure(size_mb: int, repeats: int, base_dir: str | None, device: str) -> di
     nbytes = state_nbytes(state)
     views = host_views(state)
     host_state = state if device == "cpu" else make_state(size_mb)  # same bytes on the host
+    if base_dir:
+        os.makedirs(base_dir, exist_ok=True)
     base = tempfile.mkdtemp(prefix="ek-bench-", dir=base_dir)
     ours = _Ours(base, "xxh3_128")
     ours_crc = _Ours(base, "crc32")

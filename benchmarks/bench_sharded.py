@@ -220,6 +220,8 @@ def main() -> None:
     else:
         dim, layers, repeats = args.dim, args.layers, args.repeats
     state_mb = 3 * dim * dim * layers * 4 / 1e6
+    if args.dir:
+        os.makedirs(args.dir, exist_ok=True)
     base = tempfile.mkdtemp(prefix="ek-bench-sharded-", dir=args.dir)
     load0 = _common.load_avg()
     per: dict[str, Any] = {}
