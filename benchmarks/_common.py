@@ -10,8 +10,9 @@ Every ``benchmarks/bench_*.py``:
   runs every ``bench_*.py`` with it);
 - prints as its LAST line one JSON object with the figures, ``baseline`` (what the
   candidate is compared with) and at least one ``ratio_*`` key (candidate against
-  that baseline, measured in the same run), including ``load_avg_1m`` (the machine
-  is often shared: say how busy it was);
+  that baseline, measured in the same run), including ``load_avg_1m_start`` (taken
+  before the measurement; :func:`emit` adds ``load_avg_1m_end``: the machine is often
+  shared, say how busy it was);
 - with ``--results FILE.md``, appends a section with the command, machine and that
   JSON to a results file (``benchmarks/results/<theme>_<machine>_<yyyymm>.md``).
 """

@@ -136,7 +136,8 @@ def main() -> None:
                                         for k, v in per.items()},
         "ratio_hash_flat_vs_xxh3_only": {k: v["ratio_hash_flat_vs_xxh3_only"]
                                          for k, v in per.items()},
-        "per_layout": per, "load_avg_1m": load0, **_common.machine(),
+        "per_layout": per, "load_avg_1m_start": load0, "load_avg_1m": load0,
+        **_common.machine(),
         "load_avg_1m_end": _common.load_avg(),
     }
     _common.emit(result, args.results)

@@ -141,6 +141,7 @@ def _phase(tmp: Path, seconds: float, flood: bool, tag: str) -> dict[str, Any]:
 
 def main() -> None:
     args = parser(__doc__).parse_args()
+    load0 = load_avg()
     pairs, seconds = (1, 1.5) if args.smoke else (2, 6.0) if args.quick else (3, 10.0)
     torch.set_num_threads(1)
     runs: dict[str, list[dict[str, Any]]] = {"baseline": [], "flood": []}
@@ -166,7 +167,7 @@ def main() -> None:
         "claim": "a flood of unauthenticated connections and an idle connection cost training "
                  "< 5% and delay no replica past 2 s of its commit; close() <= 1 s",
         "machine": machine(),
-        "load_avg_1m_start": load_avg(),
+        "load_avg_1m_start": load0,
         "phases": pairs, "phase_s": seconds, "snapshot_every_s": SNAPSHOT_EVERY_S,
         "baseline": "the same loop and replica channel without the flood",
         "steps_per_s": {k: round(rate(k), 1) for k in runs},

@@ -276,7 +276,7 @@ def main() -> None:
             for k, v in per.items()},
         "ratio_save_peak_rss_vs_shard_ours": peak_vs_shard("save"),
         "ratio_load_peak_rss_vs_shard_ours": peak_vs_shard("load"),
-        "machine": _common.machine(), "load_avg_1m": load0,
+        "machine": _common.machine(), "load_avg_1m_start": load0, "load_avg_1m": load0,
     }, args.results)
 
 

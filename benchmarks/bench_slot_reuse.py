@@ -130,6 +130,7 @@ def main() -> None:
         "ratio_reused_vs_new": round(med["reused"] / med["new"], 3),
         "ratio_reused_vs_copy": round(med["reused"] / copy_s, 3),
         "ratio_new_vs_copy": round(med["new"] / copy_s, 3),
+        "load_avg_1m_start": load_start,
         "load_avg_1m": load_start,
         "machine": _common.machine(),
     }

@@ -546,6 +546,7 @@ def main() -> None:
         "restore_s": round(restore_s, 4),
         "restored_from": restored_from,
         "restart": restart,
+        "load_avg_1m_start": load_start,
         "load_avg_1m": load_start,
         "machine": _common.machine(),
     }

@@ -66,6 +66,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None, help="default 24 on CUDA, 4 on CPU")
     ap.add_argument("--d", type=int, default=None, help="default 4096 on CUDA, 1024 on CPU")
     args = ap.parse_args()
+    load0 = _common.load_avg()
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():
         ap.error("--device cuda: torch.cuda.is_available() is False")
@@ -132,6 +133,7 @@ def main() -> None:
         "torch_dynamo_imported_before_wrap": dynamo_before,
         "phases_s": {k: round(v, 4) for k, v in phases.items()},
         "ratio_wrap_vs_plain_ddp": round(phases["wrap_ddp_warm"] / phases["plain_ddp_warm"], 3),
+        "load_avg_1m_start": load0,
         "machine": _common.machine(),
     }
     _common.emit(res, args.results)

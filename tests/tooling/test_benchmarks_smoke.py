@@ -116,6 +116,7 @@ def test_benchmark_smoke_prints_a_ratio_against_its_baseline(script: str, tmp_pa
     assert all(math.isfinite(x) and x >= 0 for x in numbers), ratios
     for key in HEADLINE.get(script, ()):
         assert key in res, f"{script}: headline key {key!r} missing"
+    assert isinstance(res["load_avg_1m_start"], float)  # every script, as documented
     assert isinstance(res["load_avg_1m_end"], float)
     # jobs stopped mid-run do not remove their snapshots: the script must
     leftovers = left_in(shm)
