@@ -61,6 +61,8 @@ HEADLINE: dict[str, tuple[str, ...]] = {
         "ratio_ek_vs_plain", "ratio_blocked_vs_copy", "ratio_max_blocked_vs_two_copies",
         "ratio_dcp_vs_plain", "ratio_restore_vs_h2d", "restart"),
     "bench_slot_reuse.py": ("ratio_reused_vs_new", "ratio_reused_vs_copy"),
+    "bench_snapshot_take.py": ("ratio_ek_vs_state_dict", "ratio_ek_vs_copy",
+                               "ratio_ek_with_slowdown_vs_copy", "step_slowdown_ms"),
     "bench_wrap_ddp.py": ("ratio_wrap_vs_plain_ddp",),
     "bench_goodput.py": (
         "ratio_goodput_snapshots_vs_pytorch_elastic", "ratio_goodput_snapshots_vs_durable",
