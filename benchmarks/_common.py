@@ -158,8 +158,9 @@ def write_o_direct(path: str, buf: Any, *, chunk: int = 8 << 20) -> bool:
     bypassed, so this is what the device itself sustains (``dd oflag=direct
     conv=fsync bs=8M`` from Python, without dd's read of its input file).
 
-    Returns False, writing nothing, where the filesystem refuses ``O_DIRECT``
-    (tmpfs, some overlay filesystems).
+    Returns False, writing nothing, where the filesystem refuses ``O_DIRECT`` at
+    open or at the first write (some overlay filesystems, tmpfs on older kernels;
+    recent kernels' tmpfs accepts it, and the "ceiling" is then a memory copy).
     """
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_DIRECT", 0)
     if not getattr(os, "O_DIRECT", 0):

@@ -14,7 +14,10 @@ Baselines, all measured in the same run, on the same directory, with the same st
   buffer, written with ``O_DIRECT`` in those pieces, then fsync (what ``dd
   if=<those bytes> of=<target> bs=8M oflag=direct conv=fsync`` measures, without
   dd's read of its input). No page cache, no copy: the disk's own speed. ``null``
-  where the filesystem refuses ``O_DIRECT`` (tmpfs).
+  where the filesystem refuses ``O_DIRECT`` (a first write at the start, untimed,
+  finds out: ``o_direct_supported``). A memory filesystem may accept it (tmpfs does on
+  recent kernels, such as the 2-core VM's 6.18): the figure is then a copy into its
+  pages, not a device's speed.
 - ``o_direct_beside_copy_hash``: the 16 MiB ceiling again, while a second thread does
   the CPU work any checksummed ``O_DIRECT`` writer of these bytes must do beside the
   requests: copy every byte once into an aligned 16 MiB staging buffer (torch's file

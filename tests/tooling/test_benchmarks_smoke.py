@@ -171,7 +171,7 @@ def test_o_direct_baseline_writes_exactly_the_given_bytes(tmp_path: Path) -> Non
     if common.write_o_direct(path, buf):
         written = Path(path).read_bytes()
         assert written[:len(data)] == data and written[len(data):] == bytes(len(buf) - len(data))
-    else:  # the file system refuses O_DIRECT (tmpfs): nothing is left behind
+    else:  # the file system refuses O_DIRECT (older kernels' tmpfs): nothing is left behind
         assert not Path(path).exists() or Path(path).stat().st_size == 0
     buf.close()
 
