@@ -31,7 +31,9 @@ from elastic_kit.checkpointer._store_like import StoreLike
 from elastic_kit.distributed import DistInfo, get_dist_info
 import elastic_kit.health as health
 from elastic_kit.snapshot import DEFAULT_BUDGET, SnapshotTier
-from elastic_kit.state import UNHEARD_AFTER_S, UNHEARD_MAX_S, EpochAudit, TrainState
+from elastic_kit.state import (
+    UNACTED_AFTER_S, UNHEARD_AFTER_S, UNHEARD_MAX_S, EpochAudit, TrainState,
+)
 from elastic_kit.store import LoadedCheckpoint
 
 __all__ = ["Checkpointer", "StoreLike"]
@@ -216,6 +218,9 @@ class Checkpointer(Lifecycle):
                             else None,
                             wait_staged=before_optimizer_step, at_exit=self._abandon_at_exit,
                             on_unheard=self._leave_unheard)
+        # a signal heard while the script is away from step() and end_epoch() (a
+        # validation outlasting torchrun's grace) is acted on all the same
+        self._hooks.stop.unacted_after_s = UNACTED_AFTER_S
         self._cadence.saved()
         self._heartbeat = health.start_heartbeat(info, timeout_s=self.config.heartbeat_timeout,
                                                  on_silent=self._leave_silent)

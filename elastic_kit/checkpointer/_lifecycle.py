@@ -220,10 +220,23 @@ class Lifecycle:
     def _leave_unheard(self, signum: int) -> None:
         """The SIGTERM watcher's action when the training thread did not hear the
         signal (it sits in a collective whose peer is gone, which never fails: NCCL's,
-        or gloo's with a frozen peer): write the last step, then exit with
-        ``exit_code``, before torchrun's SIGKILL (see :meth:`_leave_alone`)."""
-        self._leave_alone(f"signal {signum} unheard by the training thread",
-                          lambda: exit_now(self.exit_code))
+        or gloo's with a frozen peer), or heard it but did not act on it in
+        :data:`~elastic_kit.state.UNACTED_AFTER_S` seconds (the script is in
+        end-of-epoch work, a validation, and reaches neither :meth:`step` nor
+        :meth:`end_epoch` before torchrun's SIGKILL): write the last step, then exit
+        with ``exit_code`` (see :meth:`_leave_alone`). A heard signal with no
+        snapshot to write leaves the script alone: it may still reach its save in
+        time, and exiting now would gain nothing."""
+        heard = self._hooks.stop.heard
+        if heard and not (self.snapshots is not None and self.snapshots.writes
+                          and self.snapshots.enabled):
+            log.warning("rank %d: signal %d not acted on yet and no in-memory snapshot to "
+                        "write: the stop's save waits for the next step() or end_epoch()",
+                        self.info.rank, signum)
+            return
+        why = (f"signal {signum} heard but not acted on (away from the training steps)"
+               if heard else f"signal {signum} unheard by the training thread")
+        self._leave_alone(why, lambda: exit_now(self.exit_code))
 
     def _leave_alone(self, why: str, leave: Callable[[], None]) -> None:
         """Write the last step from this thread, then ``leave()`` (which ends the
@@ -320,6 +333,7 @@ class Lifecycle:
             log.warning("no snapshot of step %d at exit: %r", mark.step, e)
 
     def _exit_after_save(self, *, restart: bool = True) -> None:
+        self._hooks.stop.acknowledge()  # the stop has begun: its watcher waits no longer
         store = self.store
         earlier = getattr(store, "take_pending_error", None)
         failed = earlier() if callable(earlier) else None

@@ -11,7 +11,9 @@ from __future__ import annotations
 from elastic_kit.state._audit import (
     AuditSpan, AuditSum, EpochAudit, SampleAudit, expected_digest, normalize, sample_digest,
 )
-from elastic_kit.state._signals import UNHEARD_AFTER_S, UNHEARD_MAX_S, TerminationFlag
+from elastic_kit.state._signals import (
+    UNACTED_AFTER_S, UNHEARD_AFTER_S, UNHEARD_MAX_S, TerminationFlag,
+)
 from elastic_kit.state._train_state import (
     TrainState, plain_rng_state, raw_rng_state, rescale_lr,
 )
@@ -31,4 +33,5 @@ __all__ = [
     "TerminationFlag",
     "UNHEARD_AFTER_S",
     "UNHEARD_MAX_S",
+    "UNACTED_AFTER_S",
 ]

@@ -25,7 +25,7 @@ import weakref
 from types import FrameType
 from typing import Any, Callable
 
-__all__ = ["TerminationFlag", "UNHEARD_AFTER_S", "UNHEARD_MAX_S"]
+__all__ = ["TerminationFlag", "UNACTED_AFTER_S", "UNHEARD_AFTER_S", "UNHEARD_MAX_S"]
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +35,12 @@ UNHEARD_AFTER_S = 5.0
 #: The most a caller should set ``unheard_after_s`` to (for long steps, whose one
 #: backward pass is one call): the rest of torchrun's 30 s is for writing.
 UNHEARD_MAX_S = 15.0
+#: Seconds after a signal the main thread heard within which the caller must
+#: :meth:`~TerminationFlag.acknowledge` it (begin acting on it), or ``on_unheard`` is
+#: called all the same, where the flag asks for that (``unacted_after_s``): the script
+#: heard it but is away from the place that acts on it (end-of-epoch work, a
+#: validation longer than torchrun's grace); the rest of the 30 s is for writing.
+UNACTED_AFTER_S = 15.0
 
 
 class TerminationFlag:
@@ -58,7 +64,9 @@ class TerminationFlag:
     ``on_unheard``: called on a watcher thread with the signal's number when the main
     thread has not run the handler ``unheard_after_s`` seconds after the signal came
     (see the module); once. Not watched when the process's wakeup fd is already taken
-    (an event loop's).
+    (an event loop's). With ``unacted_after_s`` set, also when the handler ran but
+    nobody called :meth:`acknowledge` within that many seconds of the signal
+    (:attr:`heard` then tells the two apart).
     """
 
     def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM,), *,
@@ -69,6 +77,8 @@ class TerminationFlag:
         self.unheard_after_s = unheard_after_s
         self._event = threading.Event()
         self._heard = threading.Event()  # the handler ran (on the main thread)
+        self._acted = threading.Event()  # acknowledge(): the caller acts on it
+        self.unacted_after_s: float | None = None
         self._previous: dict[int, Any] = {}
         self._pipe: tuple[int, int] | None = None
         self.received: int | None = None
@@ -83,6 +93,16 @@ class TerminationFlag:
 
     def is_set(self) -> bool:
         return self._event.is_set()
+
+    @property
+    def heard(self) -> bool:
+        """Whether the main thread ran the handler of a signal that came."""
+        return self._heard.is_set()
+
+    def acknowledge(self) -> None:
+        """Say that the signal is being acted on (the stop has begun): the watcher
+        waits no longer for it (see ``unacted_after_s``)."""
+        self._acted.set()
 
     def set(self) -> None:
         """Request a stop by hand (tests, or a user's own condition)."""
@@ -102,6 +122,7 @@ class TerminationFlag:
         return self
 
     def uninstall(self) -> None:
+        self._acted.set()  # nothing is left to act on it
         _INSTALLED.discard(self)
         for sig, prev in self._previous.items():
             signal.signal(sig, prev if prev is not None else signal.SIG_DFL)
@@ -153,9 +174,21 @@ class TerminationFlag:
                 if acted or not got:
                     continue  # later signals, or another signal with a Python handler
                 acted = True
-                if not self._heard.wait(self.unheard_after_s) and self.on_unheard is not None:
-                    log.warning("signal %d was not heard by the main thread in %.0f s (it sits "
-                                "in a call that does not return)", got[0], self.unheard_after_s)
+                came = time.monotonic()
+                if not self._heard.wait(self.unheard_after_s):
+                    if self.on_unheard is not None:
+                        log.warning("signal %d was not heard by the main thread in %.0f s "
+                                    "(it sits in a call that does not return)", got[0],
+                                    self.unheard_after_s)
+                        self.on_unheard(got[0])
+                    continue
+                after = self.unacted_after_s
+                if after is None or self._acted.wait(max(0.0, came + after - time.monotonic())):
+                    continue
+                if self.on_unheard is not None:
+                    log.warning("signal %d was heard but not acted on in %.0f s (the script "
+                                "is away from its training steps: end-of-epoch work, a "
+                                "validation)", got[0], after)
                     self.on_unheard(got[0])
         finally:
             os.close(r)
