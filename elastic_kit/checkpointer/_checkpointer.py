@@ -228,8 +228,8 @@ class Checkpointer(Lifecycle):
         self._restored = True
         return int(state.epoch)
 
-    def sample_weights(self, n: int, *, offset: int = 0, device: Any = None,
-                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def sample_weights(self, n: int, *, offset: int = 0, step_n: int | None = None,
+                       device: Any = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Per-sample loss weights for this rank's next batch of ``n`` samples.
 
         ``W / n_real`` for real samples and 0 for the padding that fills the epoch's
@@ -240,11 +240,17 @@ class Checkpointer(Lifecycle):
         ones. Call it before :meth:`step` for the same batch.
 
         With gradient accumulation (several micro-batches, then one
-        :meth:`step` with their total), give each micro-batch its place in the step:
-        ``offset`` is this rank's samples in the step's earlier micro-batches. Each
-        micro-batch's weights average over its own real samples; divide its loss by
-        the number of micro-batches as usual. A step whose micro-batches were all
-        weighed at offset 0 is refused by :meth:`step` (every one would have the
+        :meth:`step` with their total), give each micro-batch its place in the step
+        (``offset``: this rank's samples in the step's earlier micro-batches) and the
+        step's size (``step_n``: this rank's samples in the whole step): every real
+        sample of the step then weighs ``W / n_real`` of the whole step, so sum the
+        micro-batches' losses (do not divide by their number), and the step's loss is
+        the mean over exactly its real samples at any world size. Without ``step_n``
+        each micro-batch averages over its own real samples (then divide by the number
+        of micro-batches): the same for full steps, but at an epoch's last, partial
+        step a sample's weight depends on how the real samples fell into
+        micro-batches, which the world size decides. A step whose micro-batches were
+        all weighed at offset 0 is refused by :meth:`step` (every one would have the
         first one's padding mask).
 
         Example::
@@ -252,22 +258,30 @@ class Checkpointer(Lifecycle):
             criterion = nn.CrossEntropyLoss(reduction="none")
             loss = (criterion(model(x), y) * ckpt.sample_weights(len(x), device=x.device)).sum()
 
-            done = 0                                  # accumulating micro-batches
+            step_n, done = sum(len(x) for x, _ in micro_batches), 0  # accumulating
             for x, y in micro_batches:
-                w = ckpt.sample_weights(len(x), offset=done, device=x.device)
-                ((criterion(model(x), y) * w).sum() / len(micro_batches)).backward()
+                w = ckpt.sample_weights(len(x), offset=done, step_n=step_n, device=x.device)
+                (criterion(model(x), y) * w).sum().backward()
                 done += len(x)
             optimizer.step()
             ckpt.step(done)
 
         Raises:
-            ValueError: ``n`` or ``offset`` is negative.
+            ValueError: ``n`` or ``offset`` is negative, or ``step_n`` is less than
+                ``offset + n``.
         """
         n, offset = operator.index(n), operator.index(offset)
         if n < 0 or offset < 0:
             raise ValueError(f"sample_weights(n={n}, offset={offset}): both must be >= 0 "
                              f"(this rank's samples in the batch, and before it in the step)")
-        return self._progress.weights(n, offset=offset, device=device, dtype=dtype)
+        if step_n is not None:
+            step_n = operator.index(step_n)
+            if step_n < offset + n:
+                raise ValueError(f"sample_weights(n={n}, offset={offset}, step_n={step_n}): "
+                                 f"step_n is this rank's samples in the whole step, at least "
+                                 f"offset + n = {offset + n}")
+        return self._progress.weights(n, offset=offset, step_n=step_n, device=device,
+                                      dtype=dtype)
 
     def step(self, n: int) -> None:
         """Record one optimizer step in which this rank trained ``n`` samples.

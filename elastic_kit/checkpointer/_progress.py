@@ -93,15 +93,18 @@ class Progress:
         j0 = (sampler.consumed - sampler.pass_start) // w + offset
         return j0, max(0, min(r0 - j0 * w, n * w)), w
 
-    def weights(self, n: int, *, offset: int = 0, device: Any,
+    def weights(self, n: int, *, offset: int = 0, step_n: int | None = None, device: Any,
                 dtype: torch.dtype) -> torch.Tensor:
         """``W / n_real`` for the ``n`` local samples from ``offset`` into the next
-        step that are real, 0 for padding."""
+        step that are real, 0 for padding; ``n_real`` counts the real samples of these
+        ``n`` per rank, or with ``step_n`` of the whole step's ``step_n`` per rank."""
         self._weighed.append((offset, n))
         sampler = self.state.sampler
         if sampler is None:
-            return torch.full((n,), 1.0 / max(n, 1), dtype=dtype, device=device)
+            return torch.full((n,), 1.0 / max(step_n or n, 1), dtype=dtype, device=device)
         j0, n_real, w = self._position(sampler, n, offset)
+        if step_n is not None:
+            n_real = self._position(sampler, step_n)[1]
         real = sampler.real_mask(j0, j0 + n, position=sampler.pass_start)
         return real.to(device=device, dtype=dtype).mul_(w / max(n_real, 1))
 

@@ -204,3 +204,46 @@ def test_a_closed_checkpointer_refuses_every_use_naming_the_fix(tmp_path) -> Non
     _, again = _setup(tmp_path)
     assert again.restore() == 0 and again.state.step == saved[-1] == 2  # the 3rd: end_epoch's
     again.close()
+
+
+def _last_step_weights(world: int, step_n: bool) -> dict[int, float]:
+    """Each sample's weight in the epoch's last, partial step (58 samples, a global
+    step of 12 in 2 micro-batches), summed over the ranks as DDP's average does."""
+    from elastic_kit.checkpointer._progress import Progress
+
+    n, global_batch, micro = 58, 12, 2
+    per_rank = global_batch // world // micro
+    weight: dict[int, float] = {}
+    for rank in range(world):
+        model = torch.nn.Linear(2, 1)
+        sampler = ek.ElasticDistributedSampler(range(n), num_replicas=world, rank=rank,
+                                               shuffle=False)
+        progress = Progress(ek.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                          sampler=sampler))
+        batches = [x.tolist() for x in DataLoader(range(n), batch_size=per_rank, sampler=sampler)]
+        for first in range(0, len(batches), micro):
+            done, last = 0, first + micro >= len(batches)
+            for idx in batches[first:first + micro]:
+                w = progress.weights(len(idx), offset=done, device=None, dtype=torch.float64,
+                                     step_n=per_rank * micro if step_n else None)
+                if not step_n:
+                    w = w / micro
+                if last:
+                    for i, wi in zip(idx, w.tolist()):
+                        weight[i] = weight.get(i, 0.0) + wi / world
+                done += len(idx)
+            progress.advance(done, audited=False)
+    return weight
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_with_the_steps_size_every_real_sample_of_a_partial_step_weighs_the_same(
+        world: int) -> None:
+    """With each micro-batch averaged over its own real samples, a sample's weight in
+    the epoch's last step depended on the world size (1/10 at one rank; 1/12 and 1/6
+    at two): given the step's size, every real sample weighs 1/n_real."""
+    weight = _last_step_weights(world, step_n=True)
+    assert sorted(i for i, w in weight.items() if w) == list(range(48, 58))  # else padding
+    assert all(w == pytest.approx(0.1) for i, w in weight.items() if i >= 48), weight
+    if world > 1:  # without it: not the mean over the step's real samples
+        assert any(w != pytest.approx(0.1) for w in _last_step_weights(world, False).values())
