@@ -130,8 +130,27 @@ class Lifecycle:
         self._close(remove_snapshots=True)
 
     def _close(self, *, remove_snapshots: bool) -> None:
-        if not self._hooks.close():
+        # the signal handlers stay until the last save is written: a SIGTERM meanwhile
+        # (a scheduler's time limit, torchrun's restart) took the default action and
+        # ended the process with the final checkpoint half written; it is noted, and
+        # acted on once the save is in (SystemExit with exit_code)
+        stop = self._hooks.stop
+        noted = stop.received
+        if not self._hooks.close(keep_signals=True):
             return
+        stop.acknowledge()  # this is the stop's action: its watcher must not end it
+        try:
+            self._close_store(remove_snapshots)
+        finally:
+            stop.uninstall()
+        if noted is None and stop.received is not None:
+            if self.info.is_main:
+                say(log, "%s during close(): the last checkpoint was written first; "
+                         "exiting with status %d", signal.Signals(stop.received).name,
+                    self.exit_code)
+            raise SystemExit(self.exit_code)
+
+    def _close_store(self, remove_snapshots: bool) -> None:
         if (remove_snapshots and self.restored_from in ("memory", "peer")
                 and self.restored_step == self.state.step
                 and self._last_saved_step != self.state.step):

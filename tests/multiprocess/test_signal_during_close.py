@@ -1,0 +1,68 @@
+"""A SIGTERM while ``close()`` writes the final checkpoint (a scheduler's time limit,
+a pod deleted, torchrun's restart when a peer fails at the very end): the handlers
+were removed before the wait for the last save, so the default action ended the
+process with the final checkpoint never committed. It is now noted, the save
+finishes, and the process exits with the checkpointer's exit code."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from elastic_kit.store import CheckpointStore
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.timeout(180)
+
+_SCRIPT = textwrap.dedent("""
+    import os, signal, sys, time, fsspec, torch
+    import elastic_kit as ek
+    from elastic_kit.testing import FaultFileSystem
+
+    closing = False
+
+    def slow_final_write(path):
+        if closing:  # the job is stopped while the final checkpoint is written
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.5)
+
+    ffs = FaultFileSystem(fsspec.filesystem("file"))
+    ffs.add("write", match="state", times=None, before=slow_final_write)
+    store = ek.CheckpointStore(sys.argv[1], filesystem=ffs)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sampler = ek.ElasticDistributedSampler(list(range(16)))
+    state = ek.TrainState(model, opt, sampler=sampler)
+    ckpt = ek.Checkpointer(state, store, snapshot_every=0)
+    for epoch in range(ckpt.restore(), 1):
+        sampler.set_epoch(epoch)
+        for x in torch.utils.data.DataLoader(list(range(16)), batch_size=4, sampler=sampler):
+            model(torch.randn(4, 4)).square().mean().backward()
+            opt.step(); opt.zero_grad()
+            ckpt.step(4)
+        closing = True
+        ckpt.end_epoch()  # its save, non-blocking, is written while close() waits
+    ckpt.close()
+    print("after close", flush=True)
+""")
+
+
+def test_a_sigterm_during_close_waits_for_the_final_checkpoint(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(_SCRIPT)
+    url = str(tmp_path / "ck")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+           "TORCHELASTIC_RUN_ID": "job"}
+    done = subprocess.run([sys.executable, str(script), url], env=env, capture_output=True,
+                          text=True, timeout=150)
+    assert done.returncode == 143, (done.returncode, done.stderr[-3000:])
+    assert "after close" not in done.stdout
+    assert "SIGTERM during close(): the last checkpoint was written first" in done.stderr
+    infos = CheckpointStore(url).list()
+    assert [(i.step, i.metadata["epoch"]) for i in infos] == [(4, 1)], done.stderr[-3000:]
