@@ -493,7 +493,8 @@ class TrainState:
             if _is_stateful(v):
                 extras[k] = _ddp_inner(v).state_dict()
             else:
-                validate_state(v, path=f"extras[{k!r}]", root="")
+                # DTensors too (an FSDP2 model's EMA): the store saves them as shards
+                validate_state(v, path=f"extras[{k!r}]", root="", allow_dtensor=True)
                 extras[k] = v
         model = unwrap_model(self.model)
         model_sd = None

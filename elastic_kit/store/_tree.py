@@ -163,15 +163,19 @@ def _check_leaf(path: str, value: Any, root: str) -> Any:
     raise refuse(value, path, root=root)
 
 
-def validate_state(state: Any, *, path: str = "", root: str = "state") -> None:
+def validate_state(state: Any, *, path: str = "", root: str = "state",
+                   allow_dtensor: bool = False) -> None:
     """Raise TypeError naming the first key or value weights-only loading refuses.
 
     The one validator: the store checks a state with it before saving, and
     TrainState checks the user's extras with it when building its state dict.
     ``root`` + ``path`` name the value in the message (``state['opt'][1]``,
-    ``extras['when']``).
+    ``extras['when']``). ``allow_dtensor``: a DTensor leaf passes (a state the store
+    will save, which writes DTensors as shards: an FSDP2 model's EMA in extras).
     """
     for p, leaf in _walk_checked(state, path, root):
+        if allow_dtensor and is_dtensor(leaf):
+            continue
         _check_leaf(p, leaf, root)
 
 

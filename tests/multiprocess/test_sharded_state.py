@@ -636,3 +636,43 @@ def test_a_blocking_sharded_save_on_some_ranks_only_fails_clearly(tmp_path) -> N
         "CheckpointError: save() of sharded state is collective: call it on every rank. "
         "Rank 0 waited 2 s (load_timeout) in sharded save() call #2 on "), r0["error"]
     assert r0["steps"] == [1]
+
+
+def _ema_job(url: str, world_then: int) -> dict:
+    """An FSDP2 model's EMA kept in TrainState extras as a dict of DTensors (the
+    sharded form of ``extras={"ema": ema}``): saved at one world size, restored at
+    another; returns the restored EMA, gathered."""
+    import elastic_kit as ek
+
+    ek.init_distributed()
+    model = _model(1)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    ema = {n: p.detach().clone() for n, p in model.named_parameters()}
+    state = ek.TrainState(model, opt, extras={"ema": ema, "count": torch.tensor(0)})
+    ckpt = ek.Checkpointer(state, url, snapshot_every=0, handle_signals=False)
+    ckpt.restore()
+    if ckpt.restored_step is None:
+        _train(model, opt, 2, seed=5)
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                ema[n].mul_(0.5).add_(p.detach(), alpha=0.5)
+        state.extras["count"] += 2
+        state.step = 2
+        ckpt.save(blocking=True)
+    restored = state.extras["ema"]
+    out = {"step": ckpt.restored_step, "count": int(state.extras["count"]),
+           "dtensor": all(type(v).__name__ == "DTensor" for v in restored.values()),
+           "ema": {n: v.full_tensor().tolist() for n, v in restored.items()}}
+    ckpt.close()
+    return out
+
+
+def test_a_dict_of_dtensors_in_extras_is_saved_and_resharded(tmp_path) -> None:
+    """TrainState refused it (as if torch.save were to write it): the job died at its
+    first snapshot or save, on every rank and every restart."""
+    url = str(tmp_path / "ck")
+    saved = spawn_multi_process(2, _ema_job, url, 2)[0]
+    assert saved["step"] is None and saved["dtensor"]
+    restored = spawn_multi_process(3, _ema_job, url, 3)[0]
+    assert restored["step"] == 2 and restored["count"] == 2 and restored["dtensor"]
+    assert restored["ema"] == saved["ema"]
