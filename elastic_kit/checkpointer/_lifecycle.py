@@ -369,9 +369,12 @@ class Lifecycle:
             raise FinishedEarly(0)
         if self.info.is_main:
             got = self._hooks.stop.received  # None: a request, or another rank's signal
-            say(log, "%s: %s; exiting with status %d so torchrun restarts the group",
+            # torchrun's agent passes SIGINT and SIGHUP on as it ends the whole job
+            then = ("the job ends" if got in (signal.SIGINT, signal.SIGHUP)
+                    else "torchrun restarts the group")
+            say(log, "%s: %s; exiting with status %d so %s",
                 signal.Signals(got).name if got is not None else "stop", saved,
-                self.exit_code)
+                self.exit_code, then)
         self._close(remove_snapshots=False)  # the next group resumes from them
         raise SystemExit(self.exit_code)
 

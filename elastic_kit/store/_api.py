@@ -9,6 +9,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import torch
+
+from elastic_kit.errors import CheckpointMismatchError
 from elastic_kit.store._into import load_into
 from elastic_kit.store._store import CheckpointStore, LoadedCheckpoint
 
@@ -16,7 +19,29 @@ __all__ = ["save_checkpoint", "load_checkpoint"]
 
 _STORE_OPTIONS = ("keep_last", "node_local", "storage_options", "info", "checksum",
                   "reuse_staging", "io_timeout", "read_attempts", "load_timeout",
-                  "stale_after_s", "filesystem")
+                  "stale_after_s", "filesystem", "private")
+
+
+def _check_module_shapes(module: torch.nn.Module, loaded: dict[str, Any]) -> None:
+    """Refuse, before anything is copied, a checkpoint whose tensor at a key of
+    ``module``'s state dict has another shape: ``Module.load_state_dict`` copies the
+    tensors that fit before it raises, leaving a model half loaded. (Missing and
+    unexpected keys are left to it: a module's load hooks may rename them.)"""
+    bad = []
+    for key, own in module.state_dict(keep_vars=True).items():
+        src = loaded.get(key)
+        if (not isinstance(own, torch.Tensor) or not isinstance(src, torch.Tensor)
+                or isinstance(own, torch.nn.parameter.UninitializedParameter)):
+            continue
+        if own.dim() == 0 and src.dim() == 1 and src.numel() == 1:
+            continue  # torch's own loader takes a (1,) tensor for a 0-d one
+        if tuple(own.shape) != tuple(src.shape):
+            bad.append(f"{key} {list(src.shape)} (the module's: {list(own.shape)})")
+    if bad:
+        shown = "; ".join(bad[:5]) + (f"; and {len(bad) - 5} more" if len(bad) > 5 else "")
+        raise CheckpointMismatchError(
+            f"{len(bad)} checkpoint tensor(s) have another shape than the module's: "
+            f"{shown}; nothing was loaded")
 
 
 def _store(url_or_store: str | os.PathLike[str] | CheckpointStore, kw: dict[str, Any]) -> tuple[CheckpointStore, bool]:
@@ -77,9 +102,10 @@ def load_checkpoint(state: Any, url_or_store: str | os.PathLike[str] | Checkpoin
 
     Raises:
         CheckpointMismatchError: (a ``ValueError``) a checkpoint tensor's shape
-            differs from the tensor ``state`` holds at its key path, or a dict
-            ``state`` holds a tensor at a key path the checkpoint lacks; nothing was
-            loaded into ``state``.
+            differs from the tensor ``state`` (a dict, a module, a ``TrainState``)
+            holds at its key path, or a dict ``state`` holds a tensor at a key path
+            the checkpoint lacks; nothing was loaded into ``state``. A module's
+            missing or unexpected keys raise as ``Module.load_state_dict`` does.
 
     Example::
 
@@ -100,6 +126,8 @@ def load_checkpoint(state: Any, url_or_store: str | os.PathLike[str] | Checkpoin
             store.close()
     if loaded is not None and state is not None:
         if hasattr(state, "load_state_dict"):
+            if isinstance(state, torch.nn.Module) and isinstance(loaded.state, dict):
+                _check_module_shapes(state, loaded.state)
             state.load_state_dict(loaded.state)
         elif isinstance(state, dict):
             load_into(state, loaded.state)

@@ -203,13 +203,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="replace a different data set at OUT")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    make_imagefolder(
-        args.out,
-        classes=args.classes,
-        per_class=args.per_class,
-        val_per_class=args.val_per_class,
-        size=args.size,
-        seed=args.seed,
-        overwrite=args.overwrite,
-    )
+    try:
+        make_imagefolder(
+            args.out,
+            classes=args.classes,
+            per_class=args.per_class,
+            val_per_class=args.val_per_class,
+            size=args.size,
+            seed=args.seed,
+            overwrite=args.overwrite,
+        )
+    except (FileExistsError, ValueError) as e:  # a usage error: one line, exit 2
+        parser.error(str(e))
     return 0

@@ -68,6 +68,19 @@ def test_existing_directory_is_reused_when_same_and_refused_when_different(tmp_p
         make_imagefolder(tmp_path / "f", classes=1)
 
 
+def test_the_command_says_a_different_data_set_is_there_in_one_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from elastic_kit.testing._imagefolder import main
+
+    root = make_imagefolder(tmp_path / "e", classes=2, per_class=2, val_per_class=1, size=8)
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(root), "--classes", "2", "--per-class", "3", "--val-per-class", "1",
+              "--size", "8"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "--overwrite" in err
+
+
 def test_a_tiny_cnn_learns_it_well_above_chance(tmp_path: Path) -> None:
     classes = 5
     root = make_imagefolder(tmp_path / "g", classes=classes, per_class=24, val_per_class=8, size=16)

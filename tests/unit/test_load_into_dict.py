@@ -178,3 +178,25 @@ def test_a_tensor_that_cannot_be_copied_into_is_refused_before_anything_loads(
                                          r".*nothing was loaded"):
         load_checkpoint(target, url)
     assert torch.equal(target["a"], torch.zeros(4))
+
+
+def test_a_module_with_another_head_is_refused_before_anything_loads(tmp_path):
+    """``Module.load_state_dict`` copies the tensors that fit before it raises its
+    RuntimeError: the model was left half loaded, with no ValueError to catch."""
+    torch.manual_seed(0)
+    url = str(tmp_path / "ck")
+    save_checkpoint(torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 3)), url,
+                    step=1)
+    other = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 2))
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    with pytest.raises(CheckpointMismatchError,
+                       match=r"1\.weight \[3, 4\] \(the module's: \[2, 4\]\).*nothing was loaded"):
+        load_checkpoint(other, url)
+    assert all(torch.equal(before[k], v) for k, v in other.state_dict().items())
+
+
+def test_the_functions_take_every_store_option(tmp_path):
+    url = str(tmp_path / "ck")
+    save_checkpoint({"a": torch.ones(1)}, url, step=0, private=True)
+    assert (tmp_path / "ck").stat().st_mode & 0o777 == 0o700
+    assert load_checkpoint(None, url, private=True).step == 0
