@@ -78,7 +78,7 @@ from typing import Any, NoReturn
 
 from elastic_kit.health import (
     LEAVE_SIGNAL, RDZV_LOWEST_POLL_S as LOWEST_POLL_S, RDZV_TORCH_POLL_S as TORCH_POLL_S,
-    install_agent_leave,
+    agent_left, install_agent_leave,
     install_rendezvous_close, install_rendezvous_poll, install_resume_stopped,
     uninstall_agent_leave,
     preemption_signals, rendezvous_max_nodes as max_nodes,
@@ -284,7 +284,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     install_rendezvous_poll(poll)  # a restart's rendezvous ends within a poll of its state
     install_rendezvous_close()  # ... once every node of the last round is back
     install_resume_stopped()  # a stopped worker takes its death signal at once
-    torchrun_main(opts.torchrun_argv)
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    try:
+        torchrun_main(opts.torchrun_argv)
+    except SignalException:
+        if not agent_left():
+            raise
+        # the SIGTERM a planned leave ends the agent with: this node's orderly end (a
+        # non-zero status reads as a failed task: SLURM's --kill-on-bad-exit would
+        # then end the nodes that stay)
+        print("python -m elastic_kit.run: this node left the job on a notice",
+              file=sys.stderr)
+        raise SystemExit(0) from None
 
 
 if __name__ == "__main__":

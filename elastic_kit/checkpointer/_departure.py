@@ -93,10 +93,14 @@ class Departure:
         leaving = sorted({node for node, what in notices if what is not None})
         what = next(w for _, w in notices if w is not None)
         everyone = set(leaving) >= {node for node, _ in notices}
-        if everyone or not snapshot():
+        # torchrun has no restart left for the nodes that stay (its default
+        # --max-restarts is 0): their exit ends the job, and the step must outlive it
+        last = info.under_torchrun and info.restart_count >= info.max_restarts
+        if everyone or last or not snapshot():
             save()
         close()
-        step_kept = "a durable checkpoint" if everyone else "memory on the nodes that stay"
+        step_kept = ("a durable checkpoint" if everyone or last
+                     else "memory on the nodes that stay")
         if info.node_rank in leaving:
             stopped = True
             if info.is_local_main:
@@ -108,8 +112,11 @@ class Departure:
             # agent, fail, and the group restarts (with this node, until it is gone)
             raise SystemExit(exit_code if everyone or not stopped else 0)
         if info.is_main:
-            say(log, "node(s) %s leave at step %d (%s): the state is in %s; restarting "
-                "without them (status %d)", leaving, step, what, step_kept, exit_code)
+            then = (f"torchrun has no restart left (--max-restarts={info.max_restarts}): the "
+                    f"job ends; relaunch it to resume there" if last
+                    else "restarting without them")
+            say(log, "node(s) %s leave at step %d (%s): the state is in %s; %s (status %d)",
+                leaving, step, what, step_kept, then, exit_code)
         raise SystemExit(exit_code)
 
 

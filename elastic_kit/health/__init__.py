@@ -21,7 +21,7 @@ from elastic_kit.health._preemption import (
 )
 from elastic_kit.health._agent_leave import (
     LEAVE_ENV, LEAVE_SIGNAL, install as install_agent_leave, leave_rendezvous,
-    uninstall as uninstall_agent_leave,
+    left as agent_left, uninstall as uninstall_agent_leave,
 )
 from elastic_kit.health._rdzv_close import install as install_rendezvous_close
 from elastic_kit.health._stopped_workers import (
@@ -39,7 +39,7 @@ from elastic_kit.health._heartbeat import (
 )
 
 __all__ = [
-    "LEAVE_ENV", "LEAVE_SIGNAL", "install_agent_leave", "leave_rendezvous",
+    "LEAVE_ENV", "LEAVE_SIGNAL", "agent_left", "install_agent_leave", "leave_rendezvous",
     "uninstall_agent_leave",
     "RDZV_LOWEST_POLL_S", "RDZV_TORCH_POLL_S", "install_rendezvous_close", "install_rendezvous_poll",
     "rendezvous_max_nodes", "rendezvous_poll_seconds", "install_resume_stopped",

@@ -66,6 +66,13 @@ def install() -> None:
     os.environ[LEAVE_ENV] = LEAVE_SIGNAL.name
 
 
+def left() -> bool:
+    """Whether this agent was told to leave (a worker's planned leave): the SIGTERM it
+    then sends itself ends torchrun's ``main`` with ``SignalException``, which is this
+    node's orderly end, not a failure."""
+    return _signalled
+
+
 def uninstall() -> None:
     """In a worker forked from the agent: forget the agent's rendezvous handlers (their
     store connection is the agent's; the leave is the agent's to make) and give

@@ -121,7 +121,11 @@ def test_under_the_launcher_the_leaving_agent_leaves_the_rendezvous_at_once(
                  what="a step of the survivor alone", abort_if=lambda: not first.alive)
         alone_s = time.monotonic() - left
         log, gone = first.read_log(), second.read_log()
+        status = second.proc.wait(10)
     assert "the node leaves the rendezvous at once" in gone, gone[-8000:]
+    # an orderly end, not a failed task (SLURM's --kill-on-bad-exit would end the rest)
+    assert status == 0 and "this node left the job on a notice" in gone, (status, gone[-8000:])
+    assert "SignalException" not in gone, gone[-8000:]
     # without leaving the rendezvous, the survivor's next round waits out the keep-alives
     assert alone_s < SLOW_KEEP_ALIVE_S - 10, (alone_s, log[-8000:])
     (left_at,) = map(int, _ANY_LEAVE.findall(log))

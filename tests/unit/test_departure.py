@@ -105,7 +105,7 @@ def test_a_leave_without_an_agent_to_stop_fails_the_workers(monkeypatch) -> None
     monkeypatch.setattr(_departure, "is_dist_ready", lambda: True)
     monkeypatch.setattr(_departure, "all_gather_object",
                         lambda mine: [mine, (1, None)])
-    info = DistInfo(rank=0, world_size=2, num_nodes=2, run_id="job")
+    info = DistInfo(rank=0, world_size=2, num_nodes=2, run_id="job", max_restarts=3)
     watch = _departure.Departure.__new__(_departure.Departure)
     watch.notice = "signal SIGTERM"
     done: list[str] = []
@@ -114,3 +114,33 @@ def test_a_leave_without_an_agent_to_stop_fails_the_workers(monkeypatch) -> None
                     save=lambda: done.append("save"), close=lambda: done.append("close"),
                     exit_code=143)
     assert leaving.value.code == 143 and done == ["snapshot", "close"]
+
+
+def test_a_leave_with_no_restart_left_saves_durably(monkeypatch, caplog) -> None:  # type: ignore[no-untyped-def]
+    """With torchrun's restarts used up (its default --max-restarts is 0), the nodes
+    that stay end the job when they exit: the leave step was kept only in their
+    memory, and the relaunch went back to the last durable checkpoint."""
+    import logging
+
+    import pytest
+
+    from elastic_kit.checkpointer import _departure
+    from elastic_kit.distributed import DistInfo
+
+    monkeypatch.setattr(DistInfo, "under_torchrun", property(lambda self: True))
+    monkeypatch.setattr(_departure, "is_dist_ready", lambda: True)
+    # two nodes: this one (0) stays, node 1 was told it will go
+    monkeypatch.setattr(_departure, "all_gather_object", lambda mine: [mine, (1, "gce")])
+    for restarts, kept in ((0, ["save", "close"]), (1, ["snapshot", "close"])):
+        info = DistInfo(rank=0, world_size=2, num_nodes=2, run_id="job", restart_count=0,
+                        max_restarts=restarts)
+        watch = _departure.Departure.__new__(_departure.Departure)
+        watch.notice = None
+        done: list[str] = []
+        with caplog.at_level(logging.INFO, logger="elastic_kit"), \
+                pytest.raises(SystemExit) as leaving:
+            watch.leave(info, 7, snapshot=lambda: done.append("snapshot") or True,
+                        save=lambda: done.append("save"), close=lambda: done.append("close"),
+                        exit_code=143)
+        assert leaving.value.code == 143 and done == kept
+    assert "torchrun has no restart left (--max-restarts=0): the job ends" in caplog.text
