@@ -219,8 +219,10 @@ class Checkpointer(Lifecycle):
                             wait_staged=before_optimizer_step, at_exit=self._abandon_at_exit,
                             on_unheard=self._leave_unheard)
         # a signal heard while the script is away from step() and end_epoch() (a
-        # validation outlasting torchrun's grace) is acted on all the same
-        self._hooks.stop.unacted_after_s = UNACTED_AFTER_S
+        # validation outlasting torchrun's grace) is acted on all the same: armed from
+        # the first step on, for twice a step's wall time (see record_step), so that
+        # neither a long step nor a first step's warm-up (torch.compile) is cut short
+        self._hooks.stop.unacted_after_s = None
         self._cadence.saved()
         self._heartbeat = health.start_heartbeat(info, timeout_s=self.config.heartbeat_timeout,
                                                  on_silent=self._leave_silent)
@@ -336,8 +338,10 @@ class Checkpointer(Lifecycle):
         # one call, in which the training thread cannot hear a signal either
         now = time.monotonic()
         if self._last_step_at is not None:
+            wall = now - self._last_step_at  # the step, with the script's work between
             self._hooks.stop.unheard_after_s = min(max(
-                UNHEARD_AFTER_S, 2.0 * (now - self._last_step_at)), UNHEARD_MAX_S)
+                UNHEARD_AFTER_S, 2.0 * wall), UNHEARD_MAX_S)
+            self._hooks.stop.unacted_after_s = max(UNACTED_AFTER_S, 2.0 * wall)
         self._last_step_at = now
 
     def _act(self, flags: Flags) -> None:

@@ -35,11 +35,12 @@ UNHEARD_AFTER_S = 5.0
 #: The most a caller should set ``unheard_after_s`` to (for long steps, whose one
 #: backward pass is one call): the rest of torchrun's 30 s is for writing.
 UNHEARD_MAX_S = 15.0
-#: Seconds after a signal the main thread heard within which the caller must
-#: :meth:`~TerminationFlag.acknowledge` it (begin acting on it), or ``on_unheard`` is
-#: called all the same, where the flag asks for that (``unacted_after_s``): the script
-#: heard it but is away from the place that acts on it (end-of-epoch work, a
-#: validation longer than torchrun's grace); the rest of the 30 s is for writing.
+#: The least number of seconds after a signal the main thread heard within which the
+#: caller must :meth:`~TerminationFlag.acknowledge` it (begin acting on it), or
+#: ``on_unheard`` is called all the same, where the flag asks for that
+#: (``unacted_after_s``; a checkpointer asks for twice a step's wall time, at least
+#: this): the script heard it but is away from the place that acts on it (end-of-epoch
+#: work, a validation longer than torchrun's grace); the rest of the 30 s is for writing.
 UNACTED_AFTER_S = 15.0
 
 
@@ -187,8 +188,8 @@ class TerminationFlag:
                     continue
                 if self.on_unheard is not None:
                     log.warning("signal %d was heard but not acted on in %.0f s (the script "
-                                "is away from its training steps: end-of-epoch work, a "
-                                "validation)", got[0], after)
+                                "has been away from its training steps that long: "
+                                "end-of-epoch work, a validation)", got[0], after)
                     self.on_unheard(got[0])
         finally:
             os.close(r)

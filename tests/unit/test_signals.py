@@ -49,3 +49,44 @@ def test_without_unacted_after_s_a_heard_signal_is_left_to_the_caller() -> None:
     finally:
         flag.uninstall()
     assert flag.heard and called == []
+
+
+def test_a_checkpointer_arms_the_unacted_watch_for_twice_a_steps_wall_time(
+        tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Armed at a fixed 15 s, a SIGTERM during a 20 s step (many micro-batches) ended
+    the process before the step's end, where the stop's durable save would have come;
+    before the first step (a torch.compile warm-up) it is not armed at all."""
+    import types
+
+    import torch
+    from torch.utils.data import DataLoader
+
+    import elastic_kit as ek
+    from elastic_kit.checkpointer import _checkpointer
+
+    clock = [1000.0]
+    monkeypatch.setattr(_checkpointer, "time", types.SimpleNamespace(
+        monotonic=lambda: clock[0], perf_counter=lambda: clock[0]))
+    model = torch.nn.Linear(2, 1)
+    sampler = ek.ElasticDistributedSampler(list(range(64)), num_replicas=1, rank=0)
+    state = ek.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1), sampler=sampler)
+    ckpt = ek.Checkpointer(state, str(tmp_path / "ck"), snapshot_every=0,
+                           info=ek.DistInfo())
+    try:
+        ckpt.restore()
+        stop = ckpt._hooks.stop
+        assert stop.unacted_after_s is None
+        sampler.set_epoch(0)
+        walls = iter([1.0, 20.0])
+        for _ in DataLoader(list(range(64)), batch_size=4, sampler=sampler):
+            ckpt.step(4)
+            if stop.unacted_after_s is None:
+                assert state.step == 1
+            clock[0] += next(walls, 1.0)
+            if state.step == 2:
+                assert stop.unacted_after_s == 15.0  # a 1 s step: the floor
+            if state.step == 3:
+                assert stop.unacted_after_s == 40.0  # a 20 s step: twice it
+                break
+    finally:
+        ckpt.close()
