@@ -139,16 +139,28 @@ class Lifecycle:
         if not self._hooks.close(keep_signals=True):
             return
         stop.acknowledge()  # this is the stop's action: its watcher must not end it
+        previous: Any = None
         try:
             self._close_store(remove_snapshots)
         finally:
+            got = stop.received
+            if got is not None:
+                previous = stop.previous_handler(got)
             stop.uninstall()
-        if noted is None and stop.received is not None:
-            if self.info.is_main:
-                say(log, "%s during close(): the last checkpoint was written first; "
-                         "exiting with status %d", signal.Signals(stop.received).name,
-                    self.exit_code)
-            raise SystemExit(self.exit_code)
+        if noted is not None or got is None:
+            return
+        # the signal now gets what it had before the checkpointer: the script's own
+        # handler is called, an ignored one stays ignored; the default ends the process
+        # (as the stop does: with exit_code)
+        if previous is signal.SIG_IGN:
+            return
+        if callable(previous) and previous is not signal.default_int_handler:
+            previous(got, None)
+            return
+        if self.info.is_main:
+            say(log, "%s during close(): the last checkpoint was written first; "
+                     "exiting with status %d", signal.Signals(got).name, self.exit_code)
+        raise SystemExit(self.exit_code)
 
     def _close_store(self, remove_snapshots: bool) -> None:
         if (remove_snapshots and self.restored_from in ("memory", "peer")

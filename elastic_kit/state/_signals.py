@@ -100,6 +100,12 @@ class TerminationFlag:
         """Whether the main thread ran the handler of a signal that came."""
         return self._heard.is_set()
 
+    def previous_handler(self, signum: int) -> Any:
+        """The handler ``signum`` had before :meth:`install` (what ``signal.signal``
+        returned: a callable, ``SIG_DFL``, ``SIG_IGN``, or None for one not set from
+        Python); None while not installed."""
+        return self._previous.get(signum)
+
     def acknowledge(self) -> None:
         """Say that the signal is being acted on (the stop has begun): the watcher
         waits no longer for it (see ``unacted_after_s``)."""

@@ -7,6 +7,7 @@ finishes, and the process exits with the checkpointer's exit code."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -27,11 +28,17 @@ _SCRIPT = textwrap.dedent("""
 
     closing = False
 
+    sent = []
+
     def slow_final_write(path):
-        if closing:  # the job is stopped while the final checkpoint is written
+        if closing and not sent:  # the job is stopped while the final checkpoint is written
+            sent.append(True)
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(0.5)
 
+    got = []
+    if sys.argv[2] == "own":  # the script's own handler, installed before the checkpointer
+        signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))
     ffs = FaultFileSystem(fsspec.filesystem("file"))
     ffs.add("write", match="state", times=None, before=slow_final_write)
     store = ek.CheckpointStore(sys.argv[1], filesystem=ffs)
@@ -49,20 +56,29 @@ _SCRIPT = textwrap.dedent("""
         closing = True
         ckpt.end_epoch()  # its save, non-blocking, is written while close() waits
     ckpt.close()
-    print("after close", flush=True)
+    print("after close", got, flush=True)
 """)
 
 
-def test_a_sigterm_during_close_waits_for_the_final_checkpoint(tmp_path: Path) -> None:
+@pytest.mark.parametrize("handler", ["default", "own"])
+def test_a_sigterm_during_close_waits_for_the_final_checkpoint(tmp_path: Path,
+                                                               handler: str) -> None:
+    """With the default action the process then exits with the checkpointer's exit code;
+    a handler of the script's own installed before the checkpointer gets the signal
+    then, and the script goes on."""
     script = tmp_path / "train.py"
     script.write_text(_SCRIPT)
     url = str(tmp_path / "ck")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
            "TORCHELASTIC_RUN_ID": "job"}
-    done = subprocess.run([sys.executable, str(script), url], env=env, capture_output=True,
-                          text=True, timeout=150)
-    assert done.returncode == 143, (done.returncode, done.stderr[-3000:])
-    assert "after close" not in done.stdout
-    assert "SIGTERM during close(): the last checkpoint was written first" in done.stderr
+    done = subprocess.run([sys.executable, str(script), url, handler], env=env,
+                          capture_output=True, text=True, timeout=150)
+    if handler == "default":
+        assert done.returncode == 143, (done.returncode, done.stderr[-3000:])
+        assert "after close" not in done.stdout
+        assert "SIGTERM during close(): the last checkpoint was written first" in done.stderr
+    else:
+        assert done.returncode == 0, (done.returncode, done.stderr[-3000:])
+        assert done.stdout.strip().splitlines()[-1] == f"after close [{int(signal.SIGTERM)}]"
     infos = CheckpointStore(url).list()
     assert [(i.step, i.metadata["epoch"]) for i in infos] == [(4, 1)], done.stderr[-3000:]
