@@ -250,6 +250,12 @@ def own_kept_state(state: TrainState, sd: dict[str, Any]) -> None:
         if key == "optimizer" and (opt is None or not any(
                 p.device.type == "cpu" for g in opt.param_groups for p in g["params"])):
             continue
+        if key == "extras" and isinstance(sd[key], dict):
+            # a module there (an EMA) copies into its own tensors, as the model does:
+            # a copy here first would only cost its size in memory and time
+            sd[key] = {k: v if isinstance(state.extras.get(k), torch.nn.Module)
+                       else map_tree(v, own) for k, v in sd[key].items()}
+            continue
         sd[key] = map_tree(sd[key], own)
     copy_tensors(pairs)
 

@@ -62,3 +62,19 @@ def test_nothing_of_the_restored_snapshot_file_stays_mapped(shm: str, tmp_path: 
         assert torch.equal(_momentum(state), momentum)
     finally:
         ckpt.close()
+
+
+def test_a_module_in_extras_is_not_copied_twice() -> None:
+    """A module in extras (an EMA) copies the restored tensors into its own, as the
+    model does: copying them out of the file first cost its size in peak memory."""
+    from elastic_kit.checkpointer._restore import own_kept_state
+
+    ema = torch.nn.Linear(4, 4)
+    model = torch.nn.Linear(4, 4)
+    state = ek.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                          extras={"ema": ema, "norm": torch.zeros(3)})
+    sd = state.state_dict()
+    ema_weight, norm = sd["extras"]["ema"]["weight"], sd["extras"]["norm"]
+    own_kept_state(state, sd)
+    assert sd["extras"]["ema"]["weight"] is ema_weight  # left for the module to copy
+    assert sd["extras"]["norm"] is not norm and torch.equal(sd["extras"]["norm"], norm)
