@@ -107,8 +107,9 @@ class TerminationFlag:
         return self._previous.get(signum)
 
     def acknowledge(self) -> None:
-        """Say that the signal is being acted on (the stop has begun): the watcher
-        waits no longer for it (see ``unacted_after_s``)."""
+        """Say that the signal is being acted on, or that what runs now must not be cut
+        short by the watcher (the stop has begun, a final save is being written): the
+        watcher no longer calls ``on_unheard`` for it, heard or not."""
         self._acted.set()
 
     def set(self) -> None:
@@ -183,7 +184,7 @@ class TerminationFlag:
                 acted = True
                 came = time.monotonic()
                 if not self._heard.wait(self.unheard_after_s):
-                    if self.on_unheard is not None:
+                    if self.on_unheard is not None and not self._acted.is_set():
                         log.warning("signal %d was not heard by the main thread in %.0f s "
                                     "(it sits in a call that does not return)", got[0],
                                     self.unheard_after_s)

@@ -90,3 +90,29 @@ def test_a_checkpointer_arms_the_unacted_watch_for_twice_a_steps_wall_time(
                 break
     finally:
         ckpt.close()
+
+
+def test_an_acknowledged_flag_is_not_handed_over_even_unheard() -> None:
+    """What runs after acknowledge() (the stop's save, close()'s final one, in a
+    collective its peer joins a little later) is not cut short as an unheard signal's
+    hung collective would be."""
+    import threading
+
+    called: list[int] = []
+    flag = TerminationFlag(on_unheard=called.append, unheard_after_s=0.3)
+    flag.install()
+    try:
+        flag.acknowledge()
+        timer = threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGTERM))
+        timer.start()
+        # the main thread in a call that does not return to Python (as a collective):
+        # the signal goes to another thread, and the handler waits for the main one
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        try:
+            time.sleep(1.0)
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+        _wait(0.1)
+    finally:
+        flag.uninstall()
+    assert flag.heard and called == []
