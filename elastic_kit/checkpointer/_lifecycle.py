@@ -138,7 +138,7 @@ class Lifecycle:
         noted = stop.received
         if not self._hooks.close(keep_signals=True):
             return
-        stop.acknowledge()  # this is the stop's action: its watcher must not end it
+        stop.acknowledge(unheard=True)  # the final save: its watcher must not end it
         previous: Any = None
         try:
             self._close_store(remove_snapshots)

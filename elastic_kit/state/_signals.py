@@ -79,6 +79,7 @@ class TerminationFlag:
         self._event = threading.Event()
         self._heard = threading.Event()  # the handler ran (on the main thread)
         self._acted = threading.Event()  # acknowledge(): the caller acts on it
+        self._quiet = threading.Event()  # acknowledge(unheard=True)
         self.unacted_after_s: float | None = None
         self._previous: dict[int, Any] = {}
         self._pipe: tuple[int, int] | None = None
@@ -106,11 +107,14 @@ class TerminationFlag:
         Python); None while not installed."""
         return self._previous.get(signum)
 
-    def acknowledge(self) -> None:
-        """Say that the signal is being acted on, or that what runs now must not be cut
-        short by the watcher (the stop has begun, a final save is being written): the
-        watcher no longer calls ``on_unheard`` for it, heard or not."""
+    def acknowledge(self, *, unheard: bool = False) -> None:
+        """Say that the signal is being acted on (the stop has begun): the watcher no
+        longer calls ``on_unheard`` for a heard one. With ``unheard``, not for one the
+        main thread does not hear either: what runs now must not be cut short (a final
+        save, in a collective its peer joins a little later)."""
         self._acted.set()
+        if unheard:
+            self._quiet.set()
 
     def set(self) -> None:
         """Request a stop by hand (tests, or a user's own condition)."""
@@ -184,7 +188,7 @@ class TerminationFlag:
                 acted = True
                 came = time.monotonic()
                 if not self._heard.wait(self.unheard_after_s):
-                    if self.on_unheard is not None and not self._acted.is_set():
+                    if self.on_unheard is not None and not self._quiet.is_set():
                         log.warning("signal %d was not heard by the main thread in %.0f s "
                                     "(it sits in a call that does not return)", got[0],
                                     self.unheard_after_s)

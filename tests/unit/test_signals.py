@@ -93,7 +93,7 @@ def test_a_checkpointer_arms_the_unacted_watch_for_twice_a_steps_wall_time(
 
 
 def test_an_acknowledged_flag_is_not_handed_over_even_unheard() -> None:
-    """What runs after acknowledge() (the stop's save, close()'s final one, in a
+    """What runs after acknowledge(unheard=True) (close()'s final save, in a
     collective its peer joins a little later) is not cut short as an unheard signal's
     hung collective would be."""
     import threading
@@ -102,7 +102,7 @@ def test_an_acknowledged_flag_is_not_handed_over_even_unheard() -> None:
     flag = TerminationFlag(on_unheard=called.append, unheard_after_s=0.3)
     flag.install()
     try:
-        flag.acknowledge()
+        flag.acknowledge(unheard=True)
         timer = threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGTERM))
         timer.start()
         # the main thread in a call that does not return to Python (as a collective):
