@@ -133,9 +133,10 @@ class Lifecycle:
         # the signal handlers stay until the last save is written: a SIGTERM meanwhile
         # (a scheduler's time limit, torchrun's restart) took the default action and
         # ended the process with the final checkpoint half written; it is noted, and
-        # acted on once the save is in (SystemExit with exit_code)
+        # given what it had before the checkpointer once the save is in (so is one
+        # noted since the last step and not acted on: end_epoch() had returned)
         stop = self._hooks.stop
-        noted = stop.received
+        acted = stop.acknowledged  # a stop already acted on (its save, then this)
         if not self._hooks.close(keep_signals=True):
             return
         stop.acknowledge(unheard=True)  # the final save: its watcher must not end it
@@ -147,7 +148,7 @@ class Lifecycle:
             if got is not None:
                 previous = stop.previous_handler(got)
             stop.uninstall()
-        if noted is not None or got is None:
+        if acted or got is None:
             return
         # the signal now gets what it had before the checkpointer: the script's own
         # handler is called, an ignored one stays ignored; the default ends the process
@@ -158,7 +159,7 @@ class Lifecycle:
             previous(got, None)
             return
         if self.info.is_main:
-            say(log, "%s during close(): the last checkpoint was written first; "
+            say(log, "%s as training ended: the last checkpoint was written first; "
                      "exiting with status %d", signal.Signals(got).name, self.exit_code)
         raise SystemExit(self.exit_code)
 

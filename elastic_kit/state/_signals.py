@@ -107,6 +107,11 @@ class TerminationFlag:
         Python); None while not installed."""
         return self._previous.get(signum)
 
+    @property
+    def acknowledged(self) -> bool:
+        """Whether :meth:`acknowledge` was called (a stop is being acted on)."""
+        return self._acted.is_set()
+
     def acknowledge(self, *, unheard: bool = False) -> None:
         """Say that the signal is being acted on (the stop has begun): the watcher no
         longer calls ``on_unheard`` for a heard one. With ``unheard``, not for one the

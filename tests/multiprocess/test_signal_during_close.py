@@ -31,7 +31,7 @@ _SCRIPT = textwrap.dedent("""
     sent = []
 
     def slow_final_write(path):
-        if closing and not sent:  # the job is stopped while the final checkpoint is written
+        if closing and not sent and sys.argv[3] == "during":  # while the final save is written
             sent.append(True)
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(0.5)
@@ -55,28 +55,33 @@ _SCRIPT = textwrap.dedent("""
             ckpt.step(4)
         closing = True
         ckpt.end_epoch()  # its save, non-blocking, is written while close() waits
+    if sys.argv[3] == "before":  # after the last step's work, before close()
+        os.kill(os.getpid(), signal.SIGTERM)
     ckpt.close()
     print("after close", got, flush=True)
 """)
 
 
+@pytest.mark.parametrize("when", ["during", "before"])
 @pytest.mark.parametrize("handler", ["default", "own"])
 def test_a_sigterm_during_close_waits_for_the_final_checkpoint(tmp_path: Path,
-                                                               handler: str) -> None:
+                                                               handler: str, when: str) -> None:
     """With the default action the process then exits with the checkpointer's exit code;
     a handler of the script's own installed before the checkpointer gets the signal
-    then, and the script goes on."""
+    then, and the script goes on. So does a signal noted after the last end_epoch()
+    and before close() (nothing acted on it: it was dropped)."""
     script = tmp_path / "train.py"
     script.write_text(_SCRIPT)
     url = str(tmp_path / "ck")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
            "TORCHELASTIC_RUN_ID": "job"}
-    done = subprocess.run([sys.executable, str(script), url, handler], env=env,
+    done = subprocess.run([sys.executable, str(script), url, handler, when], env=env,
                           capture_output=True, text=True, timeout=150)
     if handler == "default":
         assert done.returncode == 143, (done.returncode, done.stderr[-3000:])
         assert "after close" not in done.stdout
-        assert "SIGTERM during close(): the last checkpoint was written first" in done.stderr
+        assert "SIGTERM as training ended: the last checkpoint was written first" in done.stderr, (
+            done.stderr[-3000:])
     else:
         assert done.returncode == 0, (done.returncode, done.stderr[-3000:])
         assert done.stdout.strip().splitlines()[-1] == f"after close [{int(signal.SIGTERM)}]"
