@@ -129,6 +129,15 @@ def test_a_failing_script_with_persistent_loader_workers_exits(tmp_path: Path) -
     assert done.returncode == 1 and "a bug in the training step" in done.stderr
 
 
+def _run_script(tmp_path: Path, source: str, *, timeout: float) -> subprocess.CompletedProcess:
+    """Run ``source`` as a training script (its checkpoint store under ``tmp_path``)."""
+    script = tmp_path / "train.py"
+    script.write_text(source)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, str(script), str(tmp_path / "ckpt")], env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
 _PDEATHSIG = textwrap.dedent("""
     import ctypes, sys, torch
     from torch.utils.data import DataLoader, Dataset
@@ -161,11 +170,7 @@ def test_a_loader_worker_dies_with_the_training_process(tmp_path: Path) -> None:
     the parent gone (up to 5 s). The kernel now kills it with its parent."""
     import signal as signals
 
-    script = tmp_path / "train.py"
-    script.write_text(_PDEATHSIG)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, str(script), str(tmp_path / "ckpt")], env=env,
-                          capture_output=True, text=True, timeout=120)
+    done = _run_script(tmp_path, _PDEATHSIG, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == f"[{int(signals.SIGKILL)}]"
 
@@ -218,11 +223,7 @@ def test_processes_a_loader_worker_starts_take_the_stop_signals(tmp_path: Path) 
     ``killpg`` included) and outlived the job. And the kernel's parent-death signal is
     tied to the thread that forked: workers of an iterator made on a thread that then
     ended were killed with it."""
-    script = tmp_path / "train.py"
-    script.write_text(_HELPERS)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, str(script), str(tmp_path / "ckpt")], env=env,
-                          capture_output=True, text=True, timeout=150)
+    done = _run_script(tmp_path, _HELPERS, timeout=150)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.strip().splitlines()
     # the worker blocks them; neither its subprocess nor its fork does; terminate() works
