@@ -35,11 +35,13 @@ __all__ = ["PRIMITIVES", "TENSOR_TYPES", "check_key", "map_tree", "leaves", "ref
 #: Leaf types weights-only loading reads back (exact types: numpy scalars subclass
 #: float and int, but are refused).
 PRIMITIVES = (int, float, complex, str, bytes, bool, type(None), torch.Size, torch.dtype,
-              torch.device)
+              torch.device, torch.layout, torch.qscheme)
 #: Tensor types a plain (replicated) checkpoint holds; a DTensor is sharded state.
 TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 _DICTS = (dict, collections.OrderedDict, collections.Counter)
-_KEY_TYPES = (int, float, str, bool, type(None), bytes)
+#: Key types: the immutable, hashable primitives (``torch.Size`` keys are tuples).
+_KEY_TYPES = (int, float, complex, str, bool, type(None), bytes, torch.dtype, torch.device,
+              torch.layout, torch.qscheme)
 #: The types :func:`map_tree` walks into (anything else is a leaf).
 _CONTAINERS = frozenset((*_DICTS, list, tuple, set))
 
@@ -52,7 +54,8 @@ def check_key(key: Any, path: str, *, root: str = "state") -> None:
     elif type(key) not in _KEY_TYPES:
         raise TypeError(
             f"{root}{path} has a dict key {key!r} of type {type(key).__qualname__}; "
-            "checkpoint keys must be str, int, float, bool, None or tuples of them"
+            "checkpoint keys must be str, int, float, complex, bool, None, bytes, "
+            "torch.dtype, torch.device, torch.layout or tuples of them"
         )
 
 
@@ -138,6 +141,9 @@ def refuse(value: Any, path: str, *, root: str = "state") -> TypeError:
     """The error for a leaf weights-only loading cannot read back, with a hint."""
     t = type(value)
     hint = ""
+    if t is bytearray:
+        return TypeError(f"{root}{path} is a bytearray, which can change while a "
+                         "non-blocking save writes it; store bytes(value) instead")
     if isinstance(value, argparse.Namespace):
         hint = " (store vars(args), a dict, instead of the argparse.Namespace)"
     elif t.__module__ == "numpy":
