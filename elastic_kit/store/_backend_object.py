@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import io
 import logging
+import posixpath
 import re
 import time
 from typing import IO, Any, TypeVar
@@ -219,7 +220,11 @@ class ObjectBackend:
         """One PUT with ``If-None-Match: *`` (fsspec's ``mode="create"``); where the
         filesystem knows no create mode, a plain PUT."""
         try:
-            self.fs.pipe_file(path, data, mode="create")
+            try:
+                self.fs.pipe_file(path, data, mode="create")
+            except FileNotFoundError:  # a filesystem with real directories (wrapped local)
+                self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
+                self.fs.pipe_file(path, data, mode="create")
         except FileExistsError:
             pass
         except TypeError:  # a filesystem that knows no create mode: a plain PUT

@@ -312,3 +312,22 @@ def test_hostname_in_the_url_names_this_hosts_directory(tmp_path) -> None:
     store = CheckpointStore(str(tmp_path / "ck" / "{hostname}"), node_local=True)
     assert store.url == str(tmp_path / "ck" / socket.gethostname())
     assert store.url_template == str(tmp_path / "ck" / "{hostname}")
+
+
+@pytest.mark.parametrize("wrap", ["faults", "dir"])
+def test_a_wrapped_local_filesystem_creates_the_run_identity_in_a_new_directory(
+        tmp_path, wrap) -> None:
+    """A local disk behind an fsspec wrapper (a ``dir://`` prefix, a fault or caching
+    layer) has real directories: creating the run identity in a new store's directory
+    failed (FileNotFoundError), so in-memory snapshots were off for the whole run."""
+    local = fsspec.filesystem("file")
+    if wrap == "faults":
+        fs, url = FaultFileSystem(local), str(tmp_path / "new" / "run")
+    else:
+        fs = fsspec.filesystem("dir", path=str(tmp_path), fs=local)
+        url = "new/run"
+    store = CheckpointStore(url, filesystem=fs)
+    identity = store.run_identity()
+    assert len(identity) == 32 and int(identity, 16) >= 0
+    assert CheckpointStore(url, filesystem=fs).run_identity(create=False) == identity
+    assert (tmp_path / "new" / "run" / "run-identity").read_text().strip() == identity
