@@ -9,7 +9,10 @@ flag of the next exchange, so every rank learns it at the same step. There:
    to the next node as always; the close that follows waits until this node's
    snapshot is written and its stream has landed in the peer's memory, and its
    barrier lets no rank go on before every node got that far. Without snapshots, or
-   when every node leaves (no memory survives), a durable checkpoint instead;
+   when every node leaves (no memory survives), a durable checkpoint instead. A
+   durable save still in flight (a periodic one) is waited for after that barrier,
+   by the ranks writing it only: a leaving node does not stay for a staying node's
+   upload, which may take longer than its notice;
 3. the leaving ranks exit 0 and local rank 0 of a leaving node stops its torchrun
    agent without closing the rendezvous (a finished agent would close it, ending the
    job for everyone): an agent of ``python -m elastic_kit.run`` leaves the
@@ -85,8 +88,9 @@ class Departure:
         """Carry out the agreed leave at ``step`` (collective: every rank, at the same step).
 
         ``snapshot`` takes one now and says whether snapshots are on; ``save`` saves
-        durably; ``close`` closes the checkpointer (waits for the writes and the
-        replica streams; a barrier).
+        durably; ``close`` closes the checkpointer for a leave (waits for the
+        snapshots and the replica streams, a barrier, then for this rank's own
+        durable writes).
         """
         notices = all_gather_object((info.node_rank, self.notice)) if is_dist_ready() else [
             (info.node_rank, self.notice)]
@@ -96,11 +100,11 @@ class Departure:
         # torchrun has no restart left for the nodes that stay (its default
         # --max-restarts is 0): their exit ends the job, and the step must outlive it
         last = info.under_torchrun and info.restart_count >= info.max_restarts
-        if everyone or last or not snapshot():
+        durable = everyone or last or not snapshot()
+        if durable:
             save()
         close()
-        step_kept = ("a durable checkpoint" if everyone or last
-                     else "memory on the nodes that stay")
+        step_kept = "a durable checkpoint" if durable else "memory on the nodes that stay"
         if info.node_rank in leaving:
             stopped = True
             if info.is_local_main:

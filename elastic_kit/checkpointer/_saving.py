@@ -8,6 +8,7 @@ covered: :func:`agree` makes the ranks raise together.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +26,8 @@ if TYPE_CHECKING:
 
 __all__ = ["open_store", "metadata", "save_durable", "save_snapshot", "close_store",
            "wait_staged", "abandon", "agree"]
+
+log = logging.getLogger(__name__)
 
 
 def open_store(store: StoreLike | str | os.PathLike[str] | None, info: DistInfo | None,
@@ -88,17 +91,30 @@ def _with_audit(audit: AuditSum, state_dict: dict[str, Any]) -> None:
 
 
 def close_store(store: StoreLike, tier: SnapshotTier | None, info: DistInfo, *,
-                remove_snapshots: bool, owns_store: bool) -> None:
-    """Wait for the last background save and agree on it (collective), then close."""
+                remove_snapshots: bool, owns_store: bool, leaving: bool = False) -> None:
+    """Wait for the last background save and agree on it (collective), then close.
+
+    ``leaving``: a planned leave's close. What the staying nodes restore is the
+    snapshots, so only they are waited for before the barrier; a durable save in
+    flight is waited for after it, by the ranks writing it only (a leaving node must
+    not stay for a staying writer's upload: its notice may be shorter), and its
+    failure is logged there (the restart restores from memory).
+    """
     err: BaseException | None = None
-    try:
-        store.wait()
-    except Exception as e:
-        err = e
+    if not leaving:
+        try:
+            store.wait()
+        except Exception as e:
+            err = e
     if tier is not None:
         tier.close(remove=False)
     # also the barrier after which no rank writes a snapshot any more
     agree(err, info, f"the last background save to {store.url}")
+    if leaving:
+        try:
+            store.wait()
+        except Exception as e:
+            log.error("the durable save in flight at the leave failed: %r", e)
     if tier is not None and remove_snapshots:
         tier.close(remove=True)
     if owns_store:
