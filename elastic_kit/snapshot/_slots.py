@@ -194,6 +194,9 @@ class Slot:
             # that touches it (SIGBUS): refuse here instead, as an OSError
             _check_room(path, plan.size, plan.size - st.st_blocks * 512)
             os.ftruncate(fd, plan.size)
+            # ... and reserve the pages: another process may fill the tmpfs between the
+            # check and the first touch below (a DataLoader's batches, another job)
+            _reserve(fd, plan.size, path)
             self.inode = st.st_ino
             self.mapped = map_file(path, plan.size, shared=True)
             # first touch of the tmpfs pages (or, in a reused file, of the mapping's
@@ -272,6 +275,23 @@ def _check_room(path: str, size: int, need: int) -> None:
     if free < need:
         raise OSError(errno.ENOSPC, f"no room for a snapshot file of {size / 1e6:.0f} MB: "
                       f"{free / 1e6:.0f} MB free, {need / 1e6:.0f} MB needed", path)
+
+
+def _reserve(fd: int, size: int, path: str) -> None:
+    """Allocate the file's ``size`` bytes now (``posix_fallocate``): a tmpfs answers
+    ENOSPC here, where a sparse file's page would kill its first toucher with SIGBUS.
+    A file system that cannot reserve (EOPNOTSUPP) is left to the free-space check.
+
+    Raises:
+        OSError: ENOSPC (or another error reserving), naming the file.
+    """
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            return
+        raise OSError(e.errno, f"cannot reserve {size / 1e6:.0f} MB for a snapshot file: "
+                      f"{os.strerror(e.errno or 0).lower()}", path) from e
 
 
 def _finished(event: Any) -> bool:
