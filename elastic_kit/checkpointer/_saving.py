@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from elastic_kit.distributed import DistInfo, all_reduce_max, is_dist_ready
+from elastic_kit.distributed import DistInfo, all_reduce_max, broadcast_object, is_dist_ready
 from elastic_kit.errors import CheckpointError
 from elastic_kit.store import CheckpointStore
 
@@ -137,13 +137,24 @@ def abandon(store: StoreLike | None, tier: SnapshotTier | None) -> None:
 
 
 def agree(err: BaseException | None, info: DistInfo, what: str) -> None:
-    """Raise on every rank if ``what`` failed on any (collective when distributed)."""
-    failed = all_reduce_max(int(err is not None)) if (
-        is_dist_ready() and info.world_size > 1) else int(err is not None)
+    """Raise on every rank if ``what`` failed on any (collective when distributed).
+
+    The other ranks raise a ``CheckpointError`` with the failed rank's error as it
+    reads there: the failure may be an earlier background save's, which the writer
+    raised only now, and its message names the step and the file.
+    """
+    if not (is_dist_ready() and info.world_size > 1):
+        if err is not None:
+            raise err
+        return
+    failed = all_reduce_max(info.rank + 1 if err is not None else 0) - 1
+    if failed < 0:
+        return
+    said = broadcast_object(None if err is None else f"{type(err).__name__}: {err}",
+                            src=failed)
     if err is not None:
         raise err
-    if failed:
-        raise CheckpointError(f"{what} failed on the writer rank (see its log)")
+    raise CheckpointError(f"{what} failed on rank {failed}: {said}")
 
 
 def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

@@ -319,8 +319,9 @@ class CheckpointStore:
             return None
         err = fut.exception()
         if err is not None:
-            log.error("background save of checkpoint step %s to %s failed: %r", step,
-                      self.url, err)
+            # str(): an OSError's repr leaves out the file it names
+            log.error("background save of checkpoint step %s to %s failed: %s: %s", step,
+                      self.url, type(err).__name__, err)
         return err
 
     def take_pending_error(self) -> BaseException | None:
