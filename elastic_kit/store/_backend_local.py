@@ -284,8 +284,16 @@ class LocalBackend:
             _write_manifest(join(tmp, MANIFEST_NAME), manifest)
             self._restrict(payload, join(tmp, MANIFEST_NAME))
             fsync_dir(tmp)
-            trash = self._move_leftover(directory)
-            os.rename(tmp, directory)
+            trash = [self._move_leftover(directory)]
+            try:
+                os.rename(tmp, directory)
+            except OSError as e:
+                # another process made the step directory since the check above: the
+                # conflict if it committed it, else its leftover moved away too
+                if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                    raise
+                trash.append(self._move_leftover(directory))
+                os.rename(tmp, directory)
             fsync_dir(self.root, committed=True)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -293,8 +301,9 @@ class LocalBackend:
         finally:
             with _LIVE_LOCK:
                 _LIVE_TMP.discard(tmp_name)
-        if trash is not None:
-            shutil.rmtree(trash, ignore_errors=True)
+        for moved in trash:
+            if moved is not None:
+                shutil.rmtree(moved, ignore_errors=True)
         return manifest
 
     def _move_leftover(self, directory: str) -> str | None:

@@ -46,7 +46,9 @@ from __future__ import annotations
 import errno
 import logging
 import re
+import threading
 import uuid
+import zlib
 from dataclasses import dataclass
 from typing import IO, Any, Callable, Iterator
 
@@ -71,6 +73,12 @@ log = logging.getLogger(__name__)
 
 STEP_DIGITS = 12
 _STEP_RE = re.compile(r"step-([0-9]{12})", re.ASCII)
+#: Striped locks of the commits of this process, by step directory (see ``commit``).
+_COMMIT_LOCKS = tuple(threading.Lock() for _ in range(64))
+
+
+def _commit_lock(path: str) -> threading.Lock:
+    return _COMMIT_LOCKS[zlib.crc32(path.encode("utf-8", "surrogateescape")) % len(_COMMIT_LOCKS)]
 _CHUNK = 8 << 20
 
 
@@ -433,6 +441,14 @@ class Layout:
         """
         self.check_root()
         d = self.dir_of(step)
+        # two stores of one process saving one step (a script's own export to the
+        # checkpointer's URL): one after the other, the second a re-save
+        with _commit_lock(d.path):
+            return self._commit(d, state, step=step, checksum=checksum, metadata=metadata,
+                                world_size=world_size)
+
+    def _commit(self, d: StepDir, state: Any, *, step: int, checksum: str,
+                metadata: dict[str, Any], world_size: int) -> tuple[str, Manifest]:
         old, replacing = self.existing(d)
         # A re-save's payload gets a fresh name: the old one stays intact (and named by
         # the manifest in place) until the backend switches the manifest. So does every
