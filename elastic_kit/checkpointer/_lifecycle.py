@@ -300,8 +300,7 @@ class Lifecycle:
                     self._snapshot_at_exit()
                     if self.snapshots is not None:
                         self.snapshots.close(remove=False, flush=False)
-                    if self.store is not None:
-                        self.store.wait_local()
+                    _saving.abandon(self.store, None)
                 elif self._abandoning.is_set():  # the training thread writes it
                     self._abandoned.wait(SILENT_EXIT_WRITE_S)
             except BaseException as e:  # exiting anyway: say why nothing was written

@@ -129,8 +129,13 @@ def wait_staged(store: StoreLike | None, tier: SnapshotTier | None) -> None:
 
 
 def abandon(store: StoreLike | None, tier: SnapshotTier | None) -> None:
-    """Let this rank's own writes finish without any collective (no flush to peers)."""
+    """Let this rank's own writes finish without any collective (no flush to peers).
+    A background sharded save that waits for a peer gives up once the peer is silent
+    (a dead peer would hold the exit for the healthy group's 300 s)."""
     if store is not None:
+        give_up = getattr(store, "give_up_on_silent_peers", None)
+        if give_up is not None:
+            give_up()
         store.wait_local()
     if tier is not None:
         tier.close(remove=False, flush=False)

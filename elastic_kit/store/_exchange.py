@@ -31,11 +31,13 @@ from typing import Any
 
 from elastic_kit.errors import CheckpointError
 
-__all__ = ["KvExchange", "MOST_TIMEOUTS"]
+__all__ = ["KvExchange", "MOST_TIMEOUTS", "BEAT_S"]
 
 #: The longest one wait lasts, in timeouts, however long the ranks it waits for show
 #: progress (a rank whose write hangs keeps beating: its beats come from a thread).
 MOST_TIMEOUTS = 12
+#: The longest pause between two progress beats of a rank in a save (seconds).
+BEAT_S = 1.0
 
 
 class KvExchange:
@@ -54,8 +56,10 @@ class KvExchange:
         self.kv, self.prefix = kv, prefix
         self.rank, self.world_size, self.timeout = rank, world_size, timeout
         self._calls = 0
-        # beat well within the timeout, look for beats as often
-        self._beat_every = max(min(timeout / 5, 30.0), 0.01)
+        # beat well within the timeout, look for beats as often; at least every second,
+        # so that a peer's silence shows within seconds once hurried (see hurry())
+        self._beat_every = max(min(timeout / 5, BEAT_S), 0.01)
+        self._hurried: tuple[float, float] | None = None
         self._stop: threading.Event | None = None
         self._beater: threading.Thread | None = None
 
@@ -93,19 +97,23 @@ class KvExchange:
         longest = now + MOST_TIMEOUTS * self.timeout
         waiting = dict(keys)
         seen, look_at = self._progress(list(waiting)), now + self._beat_every / 2
+        last_sign = now
         while not self.kv.check(list(waiting.values())):
             now = time.monotonic()
             if now >= look_at:
                 waiting = {r: k for r, k in waiting.items() if not self.kv.check([k])}
                 progress = self._progress(list(waiting))
                 if progress > seen:  # alive and still in this save: wait on
-                    deadline = now + self.timeout
+                    deadline, last_sign = now + self.timeout, now
                 seen, look_at = progress, now + self._beat_every / 2
-            if now > deadline:
+            limit, hurried, until = self.timeout, self._hurried, deadline
+            if hurried is not None and max(hurried[0], last_sign) + hurried[1] < until:
+                limit, until = hurried[1], max(hurried[0], last_sign) + hurried[1]
+            if now > until:
                 raise CheckpointError(
                     f"background sharded save {self.prefix}: rank {self.rank} waited "
-                    f"{self.timeout:g} s for {what} with no sign of progress (did a rank "
-                    f"fail or leave?)")
+                    f"{limit:g} s for {what} with no sign of progress (did a rank fail "
+                    f"or leave?)")
             if now > longest:
                 raise CheckpointError(
                     f"background sharded save {self.prefix}: rank {self.rank} waited "
@@ -113,6 +121,13 @@ class KvExchange:
                     f"progress (a write that never ends?)")
             time.sleep(pause)
             pause = min(pause * 2, 0.05)
+
+    def hurry(self, timeout: float) -> None:
+        """From now on, fail a wait once the awaited ranks showed no progress for
+        ``timeout`` seconds (a rank leaving on an error path, where a dead peer is
+        likely: the healthy group's long timeout would hold its exit, and so the
+        restart, for minutes). Thread-safe; a wait in progress takes it at once."""
+        self._hurried = (time.monotonic(), timeout)
 
     # ------------------------------------------------------------------ exchange
     def broadcast(self, obj: Any) -> Any:

@@ -104,6 +104,10 @@ _SHARDED_SAVES_KEPT = 256  # counts of the most recent steps (a re-save comes so
 #: verdict with no sign of progress from it before it fails (a rank that died
 #: mid-save: its group is restarted anyway). A rank still writing is waited for.
 SHARDED_EXCHANGE_TIMEOUT = 300.0
+#: Seconds without progress after which a rank leaving on an error path gives up a
+#: background sharded save's wait for its peers
+#: (:meth:`CheckpointStore.give_up_on_silent_peers`).
+SILENT_PEERS_S = 5.0
 # Reads of a store whose sharded checkpoints keep vanishing under the readers.
 _MAX_RESCANS = 20
 
@@ -266,6 +270,9 @@ class CheckpointStore:
         self._newest_verified = -1  # newest step this store wrote or fully verified
         self._staging: dict[str, torch.Tensor] = {}
         self._staged: threading.Event | None = None  # set when deferred copies are done
+        #: the key-value exchange of a background sharded save in flight (see
+        #: give_up_on_silent_peers)
+        self._exchange_in_flight: KvExchange | None = None
         self.last_save_s: float = 0.0  # duration of the last write (writers only)
 
     # ------------------------------------------------------------------ roles
@@ -492,10 +499,12 @@ class CheckpointStore:
             except BaseException as e:
                 failure = e
         if failure is not None:
+            self._exchange_in_flight = exchange
             self._submit(self._sharded_refused, step, metadata, exchange, failure, earlier)
             raise failure
         handle = SaveHandle(step, committed=Future())
         self._pending_step = step
+        self._exchange_in_flight = exchange
         self._pending = self._submit(self._sharded_in_background, staged, step, metadata,
                                      exchange, on_commit, handle)
         return handle
@@ -529,6 +538,8 @@ class CheckpointStore:
             log.debug("background sharded save of step %d, refused here: %r", step, e)
         finally:
             exchange.close()
+            if self._exchange_in_flight is exchange:
+                self._exchange_in_flight = None
 
     def _write_sharded(self, state: Any, step: int, metadata: dict[str, Any],
                        gather: Callable[[Any], list[Any]],
@@ -574,6 +585,8 @@ class CheckpointStore:
             raise
         finally:
             exchange.close()
+            if self._exchange_in_flight is exchange:
+                self._exchange_in_flight = None
         handle.committed.set_result(None)
         if committer:
             if on_commit is not None:
@@ -670,6 +683,16 @@ class CheckpointStore:
         the one the user sees.
         """
         self._take_pending()
+
+    def give_up_on_silent_peers(self, seconds: float = SILENT_PEERS_S) -> None:
+        """For a rank leaving on an error path (a peer failed, likely died): a
+        background sharded save in flight stops waiting for ranks that show no sign of
+        progress for ``seconds``, instead of the healthy group's
+        ``SHARDED_EXCHANGE_TIMEOUT``; it then fails, and :meth:`wait_local` returns.
+        A peer that is alive and in the save keeps it waiting. Not collective."""
+        exchange = self._exchange_in_flight
+        if exchange is not None:
+            exchange.hurry(seconds)
 
     def close(self) -> None:
         """Wait for the in-flight save (raising its error) and stop the background

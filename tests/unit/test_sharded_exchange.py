@@ -53,3 +53,43 @@ def test_a_rank_that_never_answers_fails_the_save_naming_the_wait() -> None:
     ex = KvExchange(kv, "save/2", 1, 2, timeout=0.2)
     with pytest.raises(CheckpointError, match=r"rank 1 waited 0.2 s for rank 0"):
         ex.broadcast(None)
+
+
+def test_a_hurried_wait_gives_up_a_silent_peer_and_keeps_waiting_for_a_beating_one() -> None:
+    """A rank leaving on an error path (its collective failed: a peer likely died)
+    hurries the background save's wait: a silent peer fails it within the hurried
+    time, not the healthy group's timeout (300 s: the exit, and the restart, waited
+    that long); a peer still beating in the save is waited for."""
+    kv = dist.HashStore()
+    waiting = KvExchange(kv, "save/3", 1, 2, timeout=300.0)
+    out: list = []
+
+    def wait() -> None:
+        try:
+            waiting.broadcast(None)
+        except CheckpointError as e:
+            out.append(e)
+
+    t = threading.Thread(target=wait)
+    t.start()
+    waiting.hurry(0.3)
+    t.join(60)
+    assert not t.is_alive()
+    (err,) = out
+    assert "rank 1 waited 0.3 s for rank 0 with no sign of progress" in str(err)
+
+    # rank 0 alive and in the save: it beats (every 0.2 s at this timeout) and
+    # answers after 1.5 s, five times the hurried wait
+    kv = dist.HashStore()
+    sender, receiver = (KvExchange(kv, "save/4", r, 2, timeout=1.0) for r in (0, 1))
+    sender._start_beating()
+    got: list = []
+    t = threading.Thread(target=lambda: got.append(receiver.broadcast(None)))
+    t.start()
+    receiver.hurry(0.6)
+    threading.Event().wait(1.5)
+    sender.broadcast({"ok": True})
+    t.join(30)
+    sender.close()
+    receiver.close()
+    assert got == [{"ok": True}]
