@@ -762,12 +762,24 @@ class CheckpointStore:
                 self._layout.verify(d, deep=deep)
                 out.append((d.step, d.path, None))
             except CheckpointCorruptError as e:
+                if self._gone(d):
+                    continue
                 out.append((d.step, d.path, str(e)))
             except CheckpointError:
                 raise
             except Exception as e:  # the layout re-reads a vanished file: report it
+                if self._gone(d):
+                    continue
                 out.append((d.step, d.path, f"{type(e).__name__}: {e}"))
         return out
+
+    def _gone(self, d: StepDir) -> bool:
+        """Whether ``d`` was deleted since the scan (the job's retention, running
+        beside a tool that verifies the same URL): no problem to report."""
+        try:
+            return not self._layout._exists_dir(d)
+        except Exception:
+            return False
 
     def prune(self, keep: int, *, dry_run: bool = False) -> list[CheckpointInfo]:
         """Delete the checkpoints older than the newest ``keep`` that verify, and stale

@@ -331,3 +331,21 @@ def test_a_wrapped_local_filesystem_creates_the_run_identity_in_a_new_directory(
     assert len(identity) == 32 and int(identity, 16) >= 0
     assert CheckpointStore(url, filesystem=fs).run_identity(create=False) == identity
     assert (tmp_path / "new" / "run" / "run-identity").read_text().strip() == identity
+
+
+def test_a_step_the_jobs_retention_deletes_during_verify_is_not_reported(tmp_path) -> None:
+    """``verify`` beside a live job on the same URL (as the docs invite): a step its
+    retention deleted between verify's listing and its read was reported CORRUPT
+    ("manifest.json is missing"), and the CLI exited 1."""
+    import shutil
+
+    url = str(tmp_path / "ck")
+    store = CheckpointStore(url, keep_last=None)
+    for step in (1, 2, 3):
+        store.save({"w": torch.full((10,), float(step))}, step=step)
+    ffs = FaultFileSystem(fsspec.filesystem("file"))
+    ffs.add("open", match="step-000000000001/", before=lambda _: shutil.rmtree(
+        os.path.join(url, "step-000000000001"), ignore_errors=True))
+    got = CheckpointStore(url, filesystem=ffs).verify()
+    assert ffs.fired("open") == 1
+    assert [(step, problem) for step, _, problem in got] == [(2, None), (3, None)]
