@@ -184,9 +184,11 @@ class ElasticLoop:
                 "the sampler has drop_last=True; the loop needs drop_last=False (it pads "
                 "the tail of an epoch and gives the padding zero weight, so every sample "
                 "counts once)")
-        if info.world_size > 1 and not hasattr(state.model, "no_sync"):
-            log.warning("world size %d but the model is not DistributedDataParallel: "
-                        "gradients are not averaged over ranks (use wrap_ddp)",
+        # DDP (no_sync) and FSDP2 (set_requires_gradient_sync) average the gradients
+        if info.world_size > 1 and not any(hasattr(state.model, name) for name in (
+                "no_sync", "set_requires_gradient_sync")):
+            log.warning("world size %d but the model is neither DistributedDataParallel "
+                        "nor FSDP2: gradients are not averaged over ranks (use wrap_ddp)",
                         info.world_size)
         # Fail on an impossible batch plan before touching the store.
         self.policy.plan(info.world_size, state.initial_world_size or info.world_size)
@@ -393,7 +395,10 @@ class ElasticLoop:
 
         Each real sample's loss is weighted ``W / n_real`` and padding 0, so DDP's
         average over ``W`` ranks is the mean over the step's real samples whatever
-        ``W`` is. Gradients are all-reduced only on the last micro-batch.
+        ``W`` is. Under DDP, gradients are all-reduced only on the last micro-batch;
+        an FSDP2 model reduce-scatters them on every micro-batch (not syncing would
+        keep each rank's gradients unsharded between micro-batches: the whole model's
+        size per rank, which FSDP is there to avoid).
 
         Returns:
             ``(sum of weighted losses on this rank, outputs of loss_fn)``.
