@@ -412,7 +412,12 @@ class SnapshotTier:
         if filesystem is None:
             self._slots = Slots(self.write_dir, held=self._kept)
             fs, path = resolve_url(self.write_dir)
-            self._flat_layout = Layout(fs, path, url=self.write_dir, private=True)
+            # this rank is the directory's only writer: a leftover of an interrupted
+            # commit (a temporary directory, a step without its manifest: a whole
+            # state's file each) is a dead predecessor's, removed at once (a durable
+            # store's 600 s let a crash loop fill the tmpfs and turn snapshots off)
+            self._flat_layout = Layout(fs, path, url=self.write_dir, private=True,
+                                       stale_after_s=0.0)
         if info.local_rank == 0:
             self._remove_unusable()
         if info.local_rank == 0 or sharded:
@@ -423,8 +428,21 @@ class SnapshotTier:
                 parts = [part_dir_name(info.local_rank)] if sharded else []
                 self._slots.claim_dead(also=[os.path.join(stale, *parts)
                                              for stale in self._stale_nodes()])
+                self._clean_leftovers()
             else:
                 remove_dead_slots(self.write_dir)
+
+    def _clean_leftovers(self) -> None:
+        """Remove what a killed predecessor's interrupted commits left here, before
+        the first snapshot's space check counts it as used."""
+        layout = self._flat_layout
+        if layout is None:
+            return
+        try:
+            newest = max((d.step for d, _ in layout.committed()), default=0)
+            layout.clean_stale(newest_committed=newest)
+        except OSError as e:
+            log.debug("cannot clean %s: %r", self.write_dir, e)
 
     def _disable(self, why: str) -> None:
         if self.enabled and self.info.local_rank == 0:
