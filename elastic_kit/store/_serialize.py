@@ -47,6 +47,13 @@ __all__ = ["save_into", "WRITEBACK_EVERY", "prepare_state", "stage_tensor", "val
            "hash_stream", "load_payload", "pinned_copy"]
 
 _ASYNC_MIN = 1 << 16  # smaller chunks are copied: cheaper than locating their memory
+#: ``torch.save`` writes every tensor as several small pieces (a zip header, the
+#: bytes, the padding): a state of many small tensors made hundreds of thousands of
+#: calls to :meth:`HashingWriter.write`, each a Python call, a hand-off to the hash
+#: thread and a write. :func:`save_into` puts a C :class:`io.BufferedWriter` of this
+#: size in front, which joins pieces up to this size and passes larger ones through
+#: unchanged (the same memory, so a large tensor is still hashed without a copy).
+COALESCE_BYTES = _ASYNC_MIN
 #: A file's first bytes, up to this many, are hashed on the writing thread: a file
 #: that small is not worth the helper thread's start.
 _INLINE_MAX = 1 << 20
@@ -91,11 +98,12 @@ def prepare_state(state: Any, *, copy: bool, path: str = "",
 
     def leaf(p: str, value: Any) -> Any:
         if type(value) in TENSOR_TYPES:
-            same = _view_key(value)
+            dense = _is_dense(value)
+            same = _view_key(value, dense)
             if same is not None and same in staged:
                 return staged[same]
             out = stage_tensor(value, p, copy=copy, pool=pool, used=used, later=later,
-                               deferred=deferred)
+                               deferred=deferred, dense=dense)
             if same is not None:
                 staged[same] = out
             return out
@@ -112,11 +120,12 @@ def _is_dense(x: torch.Tensor) -> bool:
     return x.layout == torch.strided and not x.is_quantized and not x.is_nested
 
 
-def _view_key(x: torch.Tensor) -> tuple[Any, ...] | None:
+def _view_key(x: torch.Tensor, dense: bool | None = None) -> tuple[Any, ...] | None:
     """What makes two tensors the same values (device, address of the first element,
     shape, strides, dtype, and the conjugate and negative bits: ``z.conj()`` shares
-    ``z``'s bytes but not its values), for a dense non-empty one; None for any other."""
-    if not _is_dense(x) or not x.numel():
+    ``z``'s bytes but not its values), for a dense non-empty one; None for any other.
+    ``dense``: :func:`_is_dense` of ``x``, when the caller knows it."""
+    if not (_is_dense(x) if dense is None else dense) or not x.numel():
         return None
     return (x.data_ptr(), x.device, x.shape, x.stride(), x.dtype, x.is_conj(), x.is_neg())
 
@@ -124,36 +133,45 @@ def _view_key(x: torch.Tensor) -> tuple[Any, ...] | None:
 def stage_tensor(x: torch.Tensor, path: str, *, copy: bool,
                  pool: dict[str, torch.Tensor] | None, used: dict[str, torch.Tensor] | None,
                  later: frozenset[int] = frozenset(),
-                 deferred: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> torch.Tensor:
-    """One tensor of :func:`prepare_state` (its arguments, for the tensor at ``path``)."""
+                 deferred: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+                 dense: bool | None = None) -> torch.Tensor:
+    """One tensor of :func:`prepare_state` (its arguments, for the tensor at ``path``;
+    ``dense``: :func:`_is_dense` of ``x``, when the caller knows it).
+
+    Runs once per tensor of every save: a state of many small tensors spends its
+    time here, so each property is read once (``is_cuda`` and ``is_cpu`` rather than
+    ``device.type``, which builds a device object per call).
+    """
     x = x.detach()
     # quantized and nested tensors are strided too, but torch.empty cannot make their
     # like (a quantizer, per-component sizes): they are copied whole below
-    dense = _is_dense(x)
-    defer = (copy and deferred is not None and dense
+    if dense is None:
+        dense = _is_dense(x)
+    cuda = x.is_cuda
+    defer = (copy and deferred is not None and dense and bool(later)
              and x.untyped_storage().data_ptr() in later)
     if copy and (pool is not None or defer) and dense:
         buf = pool.get(path) if pool is not None else None
         if buf is None or buf.shape != x.shape or buf.dtype != x.dtype:
-            buf = torch.empty(x.shape, dtype=x.dtype, device="cpu",
-                              pin_memory=x.device.type == "cuda")
+            buf = torch.empty(x.shape, dtype=x.dtype, device="cpu", pin_memory=cuda)
             if pool is not None:
                 pool[path] = buf
         if defer:
             assert deferred is not None
             deferred.append((x, buf))
         else:
-            buf.copy_(x, non_blocking=x.device.type == "cuda")
+            buf.copy_(x, non_blocking=cuda)
         if used is not None:
             used[path] = buf
         return buf
-    if x.device.type == "cuda" and dense:
+    if cuda and dense:
         return pinned_copy(x)
-    if copy or x.device.type != "cpu":
-        return x.to("cpu", copy=True) if x.device.type == "cpu" else x.to("cpu")
+    cpu = x.is_cpu
+    if copy or not cpu:
+        return x.to("cpu", copy=True) if cpu else x.to("cpu")
     # an empty view too: torch.save writes a view's whole storage
-    if (x.layout == torch.strided and not x.is_nested
-            and x.untyped_storage().nbytes() > 2 * x.numel() * x.element_size()):
+    if ((dense or (x.layout == torch.strided and not x.is_nested))
+            and x.untyped_storage().nbytes() > 2 * x.nbytes):
         return x.clone()
     return x
 
@@ -271,15 +289,25 @@ class HashingWriter(io.RawIOBase):
 
     def __init__(self, raw: IO[bytes], algorithm: str = "xxh3_128", *,
                  stable: Iterable[torch.Tensor] = (),
-                 writeback_every: int | None = None) -> None:
+                 writeback_every: int | None = None,
+                 stable_above: int = _ASYNC_MIN - 1) -> None:
         super().__init__()
         self._raw = raw
         self._hasher = new_hasher(algorithm)
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        self._ranges = _storage_ranges(stable)
-        self._starts = [r[0] for r in self._ranges]
+        # the storages' ranges, found at the first chunk large enough to be queued
+        # without a copy (a state of small tensors never asks: no walk over them)
+        self._stable: Iterable[torch.Tensor] | None = stable
+        self._ranges: list[tuple[int, int]] = []
+        self._starts: list[int] = []
+        #: chunks of at most this many bytes are copied without asking whether their
+        #: memory is stable (behind a buffer of that size, only larger ones can be)
+        self._stable_above = max(int(stable_above), _ASYNC_MIN - 1)
+        #: set after a failed save: further writes (a buffer's flush on the way out)
+        #: are dropped, so that nothing is written after the error was raised
+        self.discard = False
         self.on_first_write: Callable[[], None] | None = None
         self.size = 0
         self._writeback_every = writeback_every
@@ -291,6 +319,10 @@ class HashingWriter(io.RawIOBase):
         return True
 
     def _is_stable(self, mv: memoryview) -> bool:
+        if self._stable is not None:
+            self._ranges = _storage_ranges(self._stable)
+            self._starts = [r[0] for r in self._ranges]
+            self._stable = None
         if not self._ranges:
             return False
         addr = int(np.frombuffer(mv, dtype=np.uint8).ctypes.data)
@@ -313,6 +345,10 @@ class HashingWriter(io.RawIOBase):
             cb()
         mv = memoryview(b).cast("B")
         n = mv.nbytes
+        if self.discard:
+            return n
+        if self.write_error is not None:  # the file failed: never written again
+            raise self.write_error
         if self._thread is None and self.size + n <= _INLINE_MAX:
             # a small file (a payload, a snapshot's state without its tensors): hashed
             # here, cheaper than starting the helper thread for it
@@ -322,7 +358,7 @@ class HashingWriter(io.RawIOBase):
                 self._thread = threading.Thread(target=self._hash_loop, name="ek-hash",
                                                 daemon=True)
                 self._thread.start()
-            self._queue.put(mv if n >= _ASYNC_MIN and self._is_stable(mv) else bytes(mv))
+            self._queue.put(mv if n > self._stable_above and self._is_stable(mv) else bytes(mv))
         try:
             written = self._raw.write(mv)
             # Raw (unbuffered) files may write less than asked; buffered ones never do.
@@ -459,14 +495,23 @@ def save_into(f: IO[bytes], path: str, state: Any, checksum: str, *, fsync: bool
 
     ``f`` may be a :class:`DirectFile` (``O_DIRECT``): no page cache, hence no
     writeback to start; its :meth:`~DirectFile.finish` writes the tail and fsyncs.
+
+    ``torch.save`` writes through a C :class:`io.BufferedWriter` of
+    :data:`COALESCE_BYTES` in front of the checksumming writer: the small pieces it
+    writes per tensor are joined without a Python call each, and pieces larger than
+    the buffer reach the writer as they are (zero-copy hashing of large tensors).
     """
     direct = isinstance(f, DirectFile)
-    w = HashingWriter(f, checksum, stable=list(iter_tensors(state)),
-                      writeback_every=WRITEBACK_EVERY if fsync and not direct else None)
+    w = HashingWriter(f, checksum, stable=iter_tensors(state),
+                      writeback_every=WRITEBACK_EVERY if fsync and not direct else None,
+                      stable_above=COALESCE_BYTES)
+    buffered = io.BufferedWriter(w, buffer_size=COALESCE_BYTES)
+    done = False
     try:
         try:
             with torch_zip_crc_off(w):
-                torch.save(state, w)
+                torch.save(state, buffered)
+            buffered.flush()  # torch.save flushed it; cheap, and says so here
             if direct:
                 f.finish(fsync=fsync)
             else:
@@ -480,6 +525,12 @@ def save_into(f: IO[bytes], path: str, state: Any, checksum: str, *, fsync: bool
                 raise write_error(w.write_error, path) from e
             raise
         size, digest = w.finish()
+        done = True
     finally:
+        # a failed save may leave bytes in the buffer: dropped, never written after
+        # the error (the buffer would flush them when detached, or when collected)
+        w.discard = not done
+        with contextlib.suppress(Exception):
+            buffered.detach()
         w.close()
     return FileEntry(size=size, checksum=digest)
