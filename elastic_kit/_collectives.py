@@ -37,6 +37,7 @@ __all__ = [
     "group_id",
     "hold_collective_tensor",
     "settle_collectives",
+    "wait_for_ranks",
 ]
 
 log = logging.getLogger(__name__)
@@ -205,6 +206,32 @@ def group_id() -> str:
         agreed = broadcast_object(uuid.uuid4().hex if dist.get_rank() == 0 else None)
         _GROUP_ID = (weakref.ref(group), str(agreed))
     return _GROUP_ID[1]
+
+
+def wait_for_ranks(key: str, ranks: Sequence[int], *,
+                   give_up: Callable[[], bool] = lambda: False) -> bool:
+    """Count this rank in under ``key`` in the job's key-value store, then wait until
+    all of ``ranks`` have (True), or ``give_up()`` says to stop waiting (False).
+
+    A barrier of some ranks only, which the others need not join (a process group of
+    them would have to be made by every rank); through the store, so it waits on no
+    collective and as long as it takes (a peer's upload). ``key`` must name this
+    barrier in the whole job (see :func:`group_id`). Each rank of ``ranks`` calls it
+    once. True at once without a process group.
+    """
+    if not is_dist_ready():
+        return True
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    kv = _get_default_store()
+    kv.add(key, 1)
+    pause = 0.002
+    while int(kv.add(key, 0)) < len(ranks):
+        if give_up():
+            return False
+        time.sleep(pause)
+        pause = min(pause * 2, 0.1)
+    return True
 
 
 def all_gather_object(obj: Any) -> list[Any]:

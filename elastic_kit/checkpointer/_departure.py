@@ -10,9 +10,10 @@ flag of the next exchange, so every rank learns it at the same step. There:
    snapshot is written and its stream has landed in the peer's memory, and its
    barrier lets no rank go on before every node got that far. Without snapshots, or
    when every node leaves (no memory survives), a durable checkpoint instead. A
-   durable save still in flight (a periodic one) is waited for after that barrier,
-   by the ranks writing it only: a leaving node does not stay for a staying node's
-   upload, which may take longer than its notice;
+   durable save still in flight (a periodic one) is waited for after that barrier:
+   a leaving node does not stay for a staying node's upload, which may take longer
+   than its notice, while the staying ranks wait for one another's writes (one's
+   exit would make its agent stop the others, a writer among them);
 3. the leaving ranks exit 0 and local rank 0 of a leaving node stops its torchrun
    agent without closing the rendezvous (a finished agent would close it, ending the
    job for everyone): an agent of ``python -m elastic_kit.run`` leaves the
@@ -84,17 +85,21 @@ class Departure:
             self._watcher = None
 
     def leave(self, info: DistInfo, step: int, *, snapshot: Callable[[], bool],
-              save: Callable[[], None], close: Callable[[], None], exit_code: int) -> NoReturn:
+              save: Callable[[], None], close: Callable[[list[int]], None],
+              exit_code: int) -> NoReturn:
         """Carry out the agreed leave at ``step`` (collective: every rank, at the same step).
 
         ``snapshot`` takes one now and says whether snapshots are on; ``save`` saves
-        durably; ``close`` closes the checkpointer for a leave (waits for the
+        durably; ``close(staying)`` closes the checkpointer for a leave (waits for the
         snapshots and the replica streams, a barrier, then for this rank's own
-        durable writes).
+        durable writes, and on the ranks that stay for those of every rank that
+        stays: a staying rank's exit makes its torchrun agent stop the node's other
+        workers, a writer among them, whose upload would then be cut off).
         """
         notices = all_gather_object((info.node_rank, self.notice)) if is_dist_ready() else [
             (info.node_rank, self.notice)]
         leaving = sorted({node for node, what in notices if what is not None})
+        staying = [rank for rank, (node, _) in enumerate(notices) if node not in leaving]
         what = next(w for _, w in notices if w is not None)
         everyone = set(leaving) >= {node for node, _ in notices}
         # torchrun has no restart left for the nodes that stay (its default
@@ -103,7 +108,7 @@ class Departure:
         durable = everyone or last or not snapshot()
         if durable:
             save()
-        close()
+        close(staying)
         step_kept = "a durable checkpoint" if durable else "memory on the nodes that stay"
         if info.node_rank in leaving:
             stopped = True

@@ -13,7 +13,7 @@ import logging
 import signal
 import sys
 import threading
-from typing import TYPE_CHECKING, Any, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
 
 from elastic_kit._console import exit_now, say
 
@@ -129,7 +129,8 @@ class Lifecycle:
         """
         self._close(remove_snapshots=True)
 
-    def _close(self, *, remove_snapshots: bool, leaving: bool = False) -> None:
+    def _close(self, *, remove_snapshots: bool,
+               staying: Sequence[int] | None = None) -> None:
         # the signal handlers stay until the last save is written: a SIGTERM meanwhile
         # (a scheduler's time limit, torchrun's restart) took the default action and
         # ended the process with the final checkpoint half written; it is noted, and
@@ -142,7 +143,7 @@ class Lifecycle:
         stop.acknowledge(unheard=True)  # the final save: its watcher must not end it
         previous: Any = None
         try:
-            self._close_store(remove_snapshots, leaving=leaving)
+            self._close_store(remove_snapshots, staying=staying)
         finally:
             got = stop.received
             if got is not None:
@@ -163,7 +164,8 @@ class Lifecycle:
                      "exiting with status %d", signal.Signals(got).name, self.exit_code)
         raise SystemExit(self.exit_code)
 
-    def _close_store(self, remove_snapshots: bool, *, leaving: bool = False) -> None:
+    def _close_store(self, remove_snapshots: bool, *,
+                     staying: Sequence[int] | None = None) -> None:
         if (remove_snapshots and self.restored_from in ("memory", "peer")
                 and self.restored_step == self.state.step
                 and self._last_saved_step != self.state.step):
@@ -181,7 +183,10 @@ class Lifecycle:
             if self.store is not None:
                 _saving.close_store(self.store, self.snapshots, self.info,
                                     remove_snapshots=remove_snapshots,
-                                    owns_store=self._owns_store, leaving=leaving)
+                                    owns_store=self._owns_store, staying=staying,
+                                    # SIGTERM: the agent stops this worker, and waits
+                                    # no longer than its grace
+                                    give_up=lambda: self._hooks.stop.received is not None)
         except BaseException:
             # a collective failed (a peer died as training ended) or the last save
             # did: the hooks are gone, so no abandon follows (the ``with`` block's
@@ -399,7 +404,8 @@ class Lifecycle:
             return not (all_reduce_max(off) if is_dist_ready() else off)
 
         self._departure.leave(self.info, self.state.step, snapshot=snapshot, save=self.save,
-                              close=lambda: self._close(remove_snapshots=False, leaving=True),
+                              close=lambda staying: self._close(remove_snapshots=False,
+                                                                staying=staying),
                               exit_code=self.exit_code)
 
     def _stop_heartbeat(self) -> None:

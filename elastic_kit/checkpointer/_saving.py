@@ -10,11 +10,13 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
-from elastic_kit.distributed import DistInfo, all_reduce_max, broadcast_object, is_dist_ready
+from elastic_kit.distributed import (
+    DistInfo, all_reduce_max, broadcast_object, group_id, is_dist_ready, wait_for_ranks,
+)
 from elastic_kit.errors import CheckpointError
 from elastic_kit.store import CheckpointStore
 
@@ -91,30 +93,40 @@ def _with_audit(audit: AuditSum, state_dict: dict[str, Any]) -> None:
 
 
 def close_store(store: StoreLike, tier: SnapshotTier | None, info: DistInfo, *,
-                remove_snapshots: bool, owns_store: bool, leaving: bool = False) -> None:
+                remove_snapshots: bool, owns_store: bool,
+                staying: Sequence[int] | None = None,
+                give_up: Callable[[], bool] = lambda: False) -> None:
     """Wait for the last background save and agree on it (collective), then close.
 
-    ``leaving``: a planned leave's close. What the staying nodes restore is the
-    snapshots, so only they are waited for before the barrier; a durable save in
-    flight is waited for after it, by the ranks writing it only (a leaving node must
-    not stay for a staying writer's upload: its notice may be shorter), and its
-    failure is logged there (the restart restores from memory).
+    ``staying``: a planned leave's close, and the ranks that stay. What they restore
+    is the snapshots, so only these are waited for before the barrier; a durable
+    save in flight is waited for after it, by the ranks writing it (its failure is
+    logged there: the restart restores from memory). A leaving rank then goes (its
+    notice may be shorter than a staying writer's upload); the staying ranks wait
+    for one another (:func:`wait_for_ranks`, until ``give_up()``): one's exit makes
+    its torchrun agent stop the node's other workers, and a writer among them would
+    have its upload cut off.
     """
     err: BaseException | None = None
-    if not leaving:
+    if staying is None:
         try:
             store.wait()
         except Exception as e:
             err = e
+    else:
+        # every rank, on the training thread: the staying ranks' key names this group
+        key = f"elastic_kit/leave/{group_id()}/close"
     if tier is not None:
         tier.close(remove=False)
     # also the barrier after which no rank writes a snapshot any more
     agree(err, info, f"the last background save to {store.url}")
-    if leaving:
+    if staying is not None:
         try:
             store.wait()
         except Exception as e:
             log.error("the durable save in flight at the leave failed: %r", e)
+        if info.rank in staying and len(staying) > 1:
+            wait_for_ranks(key, staying, give_up=give_up)
     if tier is not None and remove_snapshots:
         tier.close(remove=True)
     if owns_store:
