@@ -73,13 +73,16 @@ log = logging.getLogger(__name__)
 
 STEP_DIGITS = 12
 _STEP_RE = re.compile(r"step-([0-9]{12})", re.ASCII)
-#: Striped locks of the commits of this process, by step directory (see ``commit``).
-_COMMIT_LOCKS = tuple(threading.Lock() for _ in range(64))
-
-
-def _commit_lock(path: str) -> threading.Lock:
-    return _COMMIT_LOCKS[zlib.crc32(path.encode("utf-8", "surrogateescape")) % len(_COMMIT_LOCKS)]
 _CHUNK = 8 << 20
+#: Striped locks of the commits of this process, by step directory (see ``commit``);
+#: reentrant: a storage callback (a fault-injecting filesystem's) may commit as
+#: another writer would, on the committing thread.
+_COMMIT_LOCKS = tuple(threading.RLock() for _ in range(64))
+
+
+def _commit_lock(path: str) -> Any:
+    """The lock of commits of the step directory ``path``."""
+    return _COMMIT_LOCKS[zlib.crc32(path.encode("utf-8", "surrogateescape")) % len(_COMMIT_LOCKS)]
 
 
 def step_dir_name(step: int) -> str:

@@ -19,20 +19,31 @@ def _state(v: float) -> dict[str, Any]:
     return {"w": torch.full((1000,), v)}
 
 
+def _other_process_commits(fs: Any, step_dir: str, into: str) -> None:
+    """Another process's commit of a step landing: its files (a payload, then the
+    manifest), copied from where that writer saved them. (A second store of this
+    process would wait for the first one's commit of the step: one after the other.)"""
+    names = sorted(fs.ls(step_dir, detail=False), key=lambda p: p.endswith("manifest.json"))
+    for path in names:
+        fs.pipe_file(f"{into}/{path.rsplit('/', 1)[1]}", fs.cat_file(path))
+
+
 def test_the_later_manifest_of_a_step_names_intact_bytes() -> None:
     root = f"memory://ek-two-writers-{uuid.uuid4().hex}"
-    ffs = FaultFileSystem(fsspec.filesystem("memory"))
-    stale = CheckpointStore(root, keep_last=1)
+    memory = fsspec.filesystem("memory")
+    ffs = FaultFileSystem(memory)
+    other = f"memory://ek-two-writers-other-{uuid.uuid4().hex}"
+    CheckpointStore(other).save(_state(-5.0), step=5)
     new = CheckpointStore(root, keep_last=1, filesystem=ffs)
     new.save(_state(4.0), step=4)
 
     def stale_commits_first(path: str) -> None:  # between the new payload and its manifest
-        stale.save(_state(-5.0), step=5)
+        _other_process_commits(memory, f"{other[len('memory://'):]}/step-000000000005",
+                               f"{root[len('memory://'):]}/step-000000000005")
 
     ffs.add("pipe", match="step-000000000005/manifest.json", before=stale_commits_first)
     new.save(_state(5.0), step=5)          # its manifest lands last
     new.wait()                             # and the retention after it (step 4 goes)
-    stale.wait()
     assert ffs.fired("pipe") == 1
     loaded = CheckpointStore(root).load()
     assert loaded is not None and loaded.step == 5
@@ -51,15 +62,18 @@ def test_a_step_committed_by_another_writer_during_a_local_save_is_kept(
     from elastic_kit.errors import CheckpointConflictError
     from elastic_kit.store import _backend_local
 
+    import shutil
+
     url = str(tmp_path / "ck")
-    stale, new = CheckpointStore(url, keep_last=None), CheckpointStore(url, keep_last=None)
+    CheckpointStore(str(tmp_path / "other"), keep_last=None).save(_state(-5.0), step=5)
+    new = CheckpointStore(url, keep_last=None)
     real = _backend_local.LocalBackend._move_leftover
     fired: list[str] = []
 
     def other_commits_first(self: Any, directory: str) -> Any:
-        if not fired:
+        if not fired:  # another process's commit of the step, renamed into place
             fired.append(directory)
-            stale.save(_state(-5.0), step=5)
+            shutil.copytree(tmp_path / "other" / "step-000000000005", directory)
         return real(self, directory)
 
     monkeypatch.setattr(_backend_local.LocalBackend, "_move_leftover", other_commits_first)
