@@ -33,7 +33,8 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 import torch
 
-__all__ = ["ALGORITHM", "BLOCK", "Partial", "partial", "partial_bytes", "combine", "runs"]
+__all__ = ["ALGORITHM", "BLOCK", "Partial", "partial", "partial_bytes", "BoxShare", "combine",
+           "runs"]
 
 ALGORITHM = "elastic_kit.wsum64/1"
 BLOCK = 1 << 16
@@ -152,6 +153,51 @@ def partial_bytes(data: np.ndarray, global_start: int,
             visit(data[lb:lb + ge - gb])
         total += _word(data, lb, lb + ge - gb, gb)
     return total & _M64
+
+
+class BoxShare:
+    """A saved box's share of its tensor's digest, from the box's bytes as they are
+    read (C order, in pieces of any size): what :func:`partial` gives for the box,
+    without holding it whole (a shard file is verified as a stream).
+
+    ``local_shape`` and ``offsets`` are the box's in the tensor of ``global_shape``,
+    whose elements are ``itemsize`` bytes. ``visit``, if given, receives every byte
+    once, in order, as :func:`partial_bytes` adds it (a checksum of the same bytes).
+    """
+
+    def __init__(self, local_shape: Sequence[int], offsets: Sequence[int],
+                 global_shape: Sequence[int], itemsize: int,
+                 visit: Callable[[np.ndarray], None] | None = None) -> None:
+        self._runs = runs(local_shape, offsets, global_shape)
+        self._item = itemsize
+        self._visit = visit
+        self._at = 0  # global byte of the next byte of the current run
+        self._left = 0  # bytes left in the current run
+        self._total = 0
+
+    def update(self, data: np.ndarray) -> None:
+        """Add the box's next bytes ``data`` (1-D ``uint8``).
+
+        Raises:
+            ValueError: more bytes than the box holds.
+        """
+        pos = 0
+        while pos < len(data):
+            if not self._left:
+                run = next(self._runs, None)
+                if run is None:
+                    raise ValueError("more bytes than the box holds")
+                self._at, self._left = run[1] * self._item, run[2] * self._item
+            take = min(self._left, len(data) - pos)
+            self._total += partial_bytes(data[pos:pos + take], self._at, self._visit)
+            pos += take
+            self._at += take
+            self._left -= take
+
+    @property
+    def value(self) -> Partial:
+        """The share of the bytes added so far (all of them: the box's share)."""
+        return self._total & _M64
 
 
 def combine(partials: Sequence[Partial]) -> str:

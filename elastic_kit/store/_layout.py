@@ -57,14 +57,17 @@ import fsspec
 from elastic_kit.store._backend import Backend
 from elastic_kit.store._backend_local import LocalBackend
 from elastic_kit.store._backend_object import ObjectBackend
-from elastic_kit.store._chunk_listing import flat_file, is_flat, verify_flat_file
+from elastic_kit.store._chunk_listing import check_digests, verify_tensor_file
 from elastic_kit.store._fs import is_local, join, retrying
 from elastic_kit.store._manifest import (
     MANIFEST_NAME, MAX_MANIFEST_BYTES, PAYLOAD_NAME, FileEntry, Manifest, check_file_name,
     run_id,
 )
-from elastic_kit.store._serialize import hash_stream, save_into
-from elastic_kit.errors import CheckpointConflictError, CheckpointCorruptError, CheckpointError
+from elastic_kit.store._serialize import hash_stream, load_payload, save_into
+from elastic_kit.store._tree import leaves
+from elastic_kit.errors import (
+    CheckpointConflictError, CheckpointCorruptError, CheckpointError, UnsafeCheckpointError,
+)
 
 __all__ = ["STEP_DIGITS", "step_dir_name", "parse_step_dir", "StepDir",
            "Found", "Layout"]
@@ -237,10 +240,16 @@ class Layout:
         return m
 
     def _check_file(self, d: StepDir, m: Manifest, name: str, *, deep: bool,
-                    keep: bool) -> IO[bytes] | None:
-        """Verify one listed file; with ``keep`` return its verified bytes as a source."""
+                    keep: bool, shares: dict[int, int] | None = None) -> IO[bytes] | None:
+        """Verify one listed file; with ``keep`` return its verified bytes as a source.
+
+        ``shares`` (a tensor file of a sharded step, deep and not kept): the file is
+        checked as a load checks it (its chunks' places and checksums, see
+        :func:`~._chunk_listing.verify_tensor_file`) and its chunks' digest shares are
+        added to ``shares`` (tensor index -> share) once it verified."""
         entry = m.files[name]
         path = join(d.path, check_file_name(name))
+        found: dict[int, int] = {}
 
         def read() -> IO[bytes] | None:
             f, size = self.backend.open_regular(path, None)
@@ -251,9 +260,11 @@ class Layout:
                         f"{entry.size} (truncated or partially written)")
                 if not deep:
                     return None
-                if is_flat(m) and name == flat_file(m) and not keep:
-                    # its checksum is of its chunks' (see _chunk_listing)
-                    verify_flat_file(f, m, name, where=d.path)
+                if shares is not None:
+                    # one pass: the chunks' checksums and digest shares, and the whole
+                    # file's checksum (a flat file's is of its chunks', _chunk_listing)
+                    found.clear()
+                    found.update(verify_tensor_file(f, m, name, where=d.path, path=path))
                     return None
                 buf = self.backend.kept_copy() if keep else None
                 n, digest = hash_stream(f, m.checksum, chunk=_CHUNK,
@@ -283,7 +294,11 @@ class Layout:
                     f.close()
 
         try:
-            return self._read(read, path)
+            got = self._read(read, path)
+            for i, share in found.items():
+                assert shares is not None
+                shares[i] = shares.get(i, 0) + share
+            return got
         except FileNotFoundError as e:
             # Absent because the checkpoint was re-saved or deleted meanwhile? Then the
             # manifest changed or vanished: read the store again. Else it is damage.
@@ -298,7 +313,10 @@ class Layout:
 
     def verify(self, d: StepDir, *, deep: bool = True, keep: bool = False) -> Found | Manifest:
         """Check ``d`` against its manifest: every listed file's type, size and (deep)
-        checksum. Returns a :class:`Found` (payload source kept open) when ``keep``,
+        checksum; deep and without ``keep``, a sharded (or flat) step's index too, as a
+        load checks it: every chunk's place in its file and checksum, and every
+        tensor's digest (:func:`~._chunk_listing.verify_tensor_file`, one pass over
+        each file). Returns a :class:`Found` (payload source kept open) when ``keep``,
         else the manifest.
 
         Raises:
@@ -307,16 +325,35 @@ class Layout:
         """
         m = self.read_manifest(d)
         source = None
+        # A sharded (or flat) step checked in full: each tensor file once, as a load
+        # checks what it reads (every chunk's place and checksum, and its share of its
+        # tensor's digest), then every tensor's digest. The files' own checksums do
+        # not cover the index: a manifest whose chunk checksum, offset or shape, or
+        # tensor digest, was damaged would verify while no load of it succeeds.
+        shares: dict[int, int] | None = (
+            {} if deep and not keep and m.sharded is not None else None)
         try:
             for name in m.files:
-                # Loading a sharded checkpoint reads each shard file by ranges, on the
-                # ranks that own them, and verifies what it reads there (chunk
-                # checksums, the global digest): here only their sizes are checked.
+                # With ``keep`` (a load): loading a sharded checkpoint reads each shard
+                # file by ranges, on the ranks that own them, and verifies what it reads
+                # there (chunk checksums, the global digest): here only their sizes are
+                # checked.
                 deep_file = deep and (not keep or m.sharded is None or name == m.payload)
                 got = self._check_file(d, m, name, deep=deep_file,
-                                       keep=keep and name == m.payload)
+                                       keep=(keep or shares is not None) and name == m.payload,
+                                       shares=shares if name != m.payload else None)
                 if got is not None:
                     source = got
+            if shares is not None:
+                check_digests(m, shares, where=d.path)
+                # and the payload's placeholders name the index's tensors where they are
+                assert source is not None and m.sharded is not None
+                try:
+                    replicated = load_payload(source, map_location="cpu", where=d.path)
+                except UnsafeCheckpointError as e:  # what a load refuses: not a good step
+                    raise CheckpointCorruptError(str(e)) from e
+                for path, value in leaves(replicated):
+                    m.sharded.placed(path, value, where=d.path)
         except BaseException:
             if source is not None:
                 source.close()
@@ -324,6 +361,8 @@ class Layout:
         if keep:
             assert source is not None
             return Found(d, m, source)
+        if source is not None:
+            source.close()
         return m
 
     def newest_verified(self, *, below: int | None = None) -> Found | None:

@@ -21,6 +21,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from elastic_kit.errors import CheckpointCorruptError
 from elastic_kit.store._digest import ALGORITHM
 from elastic_kit.store._tensorfile import TensorEntry, dtype_from_name
 
@@ -85,6 +86,23 @@ class ShardIndex:
                 self._by_tensor.setdefault(c.tensor, []).append(c)
         return self._by_tensor.get(i, [])
 
+    def placed(self, path: str, value: Any, *, where: str) -> int | None:
+        """The sharded tensor that ``value``, the leaf at ``path`` of the replicated
+        payload, stands for (None: ``value`` is no placeholder).
+
+        Raises:
+            CheckpointCorruptError: the placeholder names a tensor that the index does
+                not hold at ``path`` (a load cannot put it back in place).
+        """
+        i = placeholder_id(value)
+        if i is None:
+            return None
+        if i >= len(self.tensors) or self.tensors[i].path != path:
+            raise CheckpointCorruptError(f"{where}: payload placeholder at {path} names "
+                                         f"sharded tensor {i}, which the manifest does not "
+                                         f"hold at that path")
+        return i
+
     def to_json(self) -> dict[str, Any]:
         return {
             "digest": self.digest,
@@ -118,13 +136,16 @@ class ShardIndex:
         return index
 
     def check_coverage(self) -> None:
-        """Every chunk lies inside its tensor and each tensor's chunks add up to it:
-        what a load requires (checked at parse time, and before a commit).
+        """Every chunk lies inside its tensor and each tensor's chunks add up to it
+        without overlapping one another, so they cover it exactly once: what a load
+        requires (checked at parse time, and before a commit).
 
         Raises:
             ValueError: naming the tensor.
         """
         covered = [0] * len(self.tensors)
+        boxes: list[list[tuple[tuple[int, ...], tuple[int, ...]]]] = [
+            [] for _ in self.tensors]
         for c in self.chunks:
             if not 0 <= c.tensor < len(self.tensors):
                 raise ValueError(f"sharded chunk tensor={c.tensor} must index the "
@@ -137,10 +158,42 @@ class ShardIndex:
                                  f"{c.entry.dtype}{list(c.entry.shape)}, does not lie inside "
                                  f"{t.dtype}{list(t.shape)}")
             covered[c.tensor] += math.prod(c.entry.shape)
+            boxes[c.tensor].append((c.offsets, c.entry.shape))
         for i, t in enumerate(self.tensors):
             if covered[i] != math.prod(t.shape):
                 raise ValueError(f"sharded tensor {t.path}: its chunks hold {covered[i]} "
                                  f"elements, the tensor {math.prod(t.shape)}")
+            both = _overlap(boxes[i])
+            if both is not None:
+                (ao, ashape), (bo, bshape) = both
+                raise ValueError(f"the chunks of {t.path} at {list(ao)} of shape "
+                                 f"{list(ashape)} and at {list(bo)} of shape {list(bshape)} "
+                                 f"overlap (then some of the tensor is in no chunk)")
+
+
+def _overlap(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]],
+             ) -> tuple[tuple[tuple[int, ...], tuple[int, ...]],
+                        tuple[tuple[int, ...], tuple[int, ...]]] | None:
+    """Two of the boxes ``(offsets, shape)`` that overlap, else None. A sweep along the
+    dimension whose offsets differ most (the sharded one: each box then meets the few
+    boxes of the same slab, not all of them)."""
+    boxes = [b for b in boxes if all(b[1])]  # an empty box overlaps nothing
+    if len(boxes) < 2:
+        return None
+    dims = len(boxes[0][0])
+    if dims == 0:  # two boxes of a scalar
+        return boxes[0], boxes[1]
+    d = max(range(dims), key=lambda k: len({o[k] for o, _ in boxes}))
+    active: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    for box in sorted(boxes, key=lambda b: b[0][d]):
+        o, shape = box
+        active = [a for a in active if a[0][d] + a[1][d] > o[d]]
+        for a in active:
+            if all(a[0][k] < o[k] + shape[k] and o[k] < a[0][k] + a[1][k]
+                   for k in range(dims)):
+                return a, box
+        active.append(box)
+    return None
 
 
 def _ints(v: Any, what: str, *, max_len: int = 64) -> tuple[int, ...]:

@@ -58,13 +58,14 @@ from typing import Any, Callable, Sequence
 import torch
 
 from elastic_kit.errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
+from elastic_kit.store._chunk_listing import check_chunk, digest_mismatch
 from elastic_kit.store._digest import combine, partial
 from elastic_kit.store._fs import is_local, join
 from elastic_kit.store._layout import Layout, StepDir
 from elastic_kit.store._manifest import PAYLOAD_NAME, FileEntry, Manifest, check_file_name
 from elastic_kit.store._serialize import new_hasher, prepare_state, save_into, stage_tensor
 from elastic_kit.store._shard_index import (
-    Chunk, ShardedTensor, ShardIndex, placeholder, placeholder_id,
+    Chunk, ShardedTensor, ShardIndex, placeholder,
 )
 from elastic_kit.store._tensorfile import (
     RangeReader, TensorEntry, dtype_from_name, dtype_name, plan, tensor_from_bytes, write_stream,
@@ -585,13 +586,10 @@ def _fill(dst: torch.Tensor, dst_offsets: Sequence[int], chunks: list[Chunk],
 
 
 def _check(readers: _Readers, c: Chunk, checksum: str, data: Any) -> None:
-    """A chunk read whole must match its checksum."""
+    """A chunk read whole must match its checksum (as verifying the step checks it)."""
     h = new_hasher(checksum)
     h.update(data)
-    if h.hexdigest() != c.entry.checksum:
-        raise CheckpointCorruptError(
-            f"{readers.d.path}: {c.file} bytes of {c.entry.key!r} have {checksum} "
-            f"{h.hexdigest()} but the manifest says {c.entry.checksum}")
+    check_chunk(c, checksum, str(h.hexdigest()), where=readers.d.path)
 
 
 class ShardsVanished(CheckpointError):
@@ -652,8 +650,7 @@ def read_sharded(layout: Layout, d: StepDir, manifest: Manifest, replicated: Any
                 full = torch.empty(t.shape, dtype=dtype)
                 _fill(full, (0,) * len(t.shape), index.chunks_of(i), readers, manifest.checksum)
                 if combine([partial(full, (0,) * len(t.shape), t.shape)]) != t.digest:
-                    raise CheckpointCorruptError(f"{d.path}: sharded tensor {t.path} does not "
-                                                 f"match its saved digest {t.digest}")
+                    raise digest_mismatch(t.path, t.digest, where=d.path)
                 filled[i] = full
                 mine.append(0)
                 continue
@@ -704,14 +701,8 @@ def read_sharded(layout: Layout, d: StepDir, manifest: Manifest, replicated: Any
             f"wrong assembly; nothing was loaded")
 
     def leaf(path: str, value: Any) -> Any:
-        i = placeholder_id(value)
-        if i is None:
-            return value
-        if i not in filled or index.tensors[i].path != path:
-            raise CheckpointCorruptError(f"{d.path}: payload placeholder at {path} names "
-                                         f"sharded tensor {i}, which the manifest does not "
-                                         f"hold at that path")
-        return filled[i]
+        i = index.placed(path, value, where=d.path)  # as verifying the step checks it
+        return value if i is None else filled[i]
 
     return map_tree(replicated, leaf)
 
