@@ -31,13 +31,19 @@ from typing import Any
 
 from elastic_kit.errors import CheckpointError
 
-__all__ = ["KvExchange", "MOST_TIMEOUTS", "BEAT_S"]
+__all__ = ["KvExchange", "MOST_TIMEOUTS", "BEAT_S", "LOOK_S"]
 
 #: The longest one wait lasts, in timeouts, however long the ranks it waits for show
 #: progress (a rank whose write hangs keeps beating: its beats come from a thread).
 MOST_TIMEOUTS = 12
-#: The longest pause between two progress beats of a rank in a save (seconds).
-BEAT_S = 1.0
+#: The longest pause between two progress beats of a rank in a save (seconds): short
+#: enough that a hurried wait (see :meth:`KvExchange.hurry`) tells a silent peer from
+#: a working one within a few beats, long enough that a job of thousands of ranks
+#: adds little traffic to its key-value store.
+BEAT_S = 5.0
+#: The longest pause between two looks at the awaited ranks' progress, unhurried (each
+#: look reads one key per awaited rank).
+LOOK_S = 15.0
 
 
 class KvExchange:
@@ -56,8 +62,8 @@ class KvExchange:
         self.kv, self.prefix = kv, prefix
         self.rank, self.world_size, self.timeout = rank, world_size, timeout
         self._calls = 0
-        # beat well within the timeout, look for beats as often; at least every second,
-        # so that a peer's silence shows within seconds once hurried (see hurry())
+        # beat well within the timeout (at least every BEAT_S, so that a peer's silence
+        # shows within seconds once hurried: see hurry())
         self._beat_every = max(min(timeout / 5, BEAT_S), 0.01)
         self._hurried: tuple[float, float] | None = None
         self._stop: threading.Event | None = None
@@ -96,7 +102,7 @@ class KvExchange:
         deadline, pause = now + self.timeout, 0.002
         longest = now + MOST_TIMEOUTS * self.timeout
         waiting = dict(keys)
-        seen, look_at = self._progress(list(waiting)), now + self._beat_every / 2
+        seen, look_at = self._progress(list(waiting)), now + self._look_every()
         last_sign = now
         while not self.kv.check(list(waiting.values())):
             now = time.monotonic()
@@ -105,7 +111,9 @@ class KvExchange:
                 progress = self._progress(list(waiting))
                 if progress > seen:  # alive and still in this save: wait on
                     deadline, last_sign = now + self.timeout, now
-                seen, look_at = progress, now + self._beat_every / 2
+                seen, look_at = progress, now + self._look_every()
+            elif self._hurried is not None:
+                look_at = min(look_at, now + self._look_every())
             limit, hurried, until = self.timeout, self._hurried, deadline
             if hurried is not None and max(hurried[0], last_sign) + hurried[1] < until:
                 limit, until = hurried[1], max(hurried[0], last_sign) + hurried[1]
@@ -121,6 +129,14 @@ class KvExchange:
                     f"progress (a write that never ends?)")
             time.sleep(pause)
             pause = min(pause * 2, 0.05)
+
+    def _look_every(self) -> float:
+        """Seconds between two looks at the progress: twice per beat once hurried,
+        else as rarely as the timeout allows (a look reads a key per awaited rank)."""
+        half_beat = self._beat_every / 2
+        if self._hurried is not None:
+            return half_beat
+        return max(half_beat, min(self.timeout / 20, LOOK_S))
 
     def hurry(self, timeout: float) -> None:
         """From now on, fail a wait once the awaited ranks showed no progress for

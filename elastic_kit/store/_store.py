@@ -107,7 +107,7 @@ SHARDED_EXCHANGE_TIMEOUT = 300.0
 #: Seconds without progress after which a rank leaving on an error path gives up a
 #: background sharded save's wait for its peers
 #: (:meth:`CheckpointStore.give_up_on_silent_peers`).
-SILENT_PEERS_S = 5.0
+SILENT_PEERS_S = 15.0  # three progress beats (store._exchange.BEAT_S)
 # Reads of a store whose sharded checkpoints keep vanishing under the readers.
 _MAX_RESCANS = 20
 

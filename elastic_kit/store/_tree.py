@@ -55,7 +55,7 @@ def check_key(key: Any, path: str, *, root: str = "state") -> None:
         raise TypeError(
             f"{root}{path} has a dict key {key!r} of type {type(key).__qualname__}; "
             "checkpoint keys must be str, int, float, complex, bool, None, bytes, "
-            "torch.dtype, torch.device, torch.layout or tuples of them"
+            "torch.dtype, torch.device, torch.layout, torch.qscheme or tuples of them"
         )
 
 
