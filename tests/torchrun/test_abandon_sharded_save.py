@@ -23,7 +23,7 @@ from elastic_kit.testing import LocalCluster
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
 SCRIPT = textwrap.dedent("""
-    import os, signal, sys
+    import os, signal, sys, time
     from pathlib import Path
     import fsspec, torch
     from torch import nn
@@ -45,14 +45,19 @@ SCRIPT = textwrap.dedent("""
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     state = ek.TrainState(model, opt)
     try:
-        with ek.Checkpointer(state, store, every_steps=3, snapshot_every=0,
+        with ek.Checkpointer(state, store, every_steps=100_000, snapshot_every=0,
                              heartbeat_timeout=0) as ckpt:
             ckpt.restore()
-            for _ in range(20):
+            # one background save (at step 3), then training until the peer's death
+            # fails a collective (no second save waits for the first meanwhile)
+            for _ in range(100_000):
                 model(torch.randn(4, 8)).square().mean().backward()
                 opt.step()
                 opt.zero_grad()
                 ckpt.step(4)
+                if state.step == 3:
+                    ckpt.save(blocking=False)
+                time.sleep(0.01)
     except BaseException as e:
         (marks / f"rank{info.rank}").write_text(f"{state.step} {type(e).__name__}")
         raise

@@ -111,7 +111,7 @@ def test_a_leave_without_an_agent_to_stop_fails_the_workers(monkeypatch) -> None
     done: list[str] = []
     with pytest.raises(SystemExit) as leaving:
         watch.leave(info, 7, snapshot=lambda: done.append("snapshot") or True,
-                    save=lambda: done.append("save"), close=lambda: done.append("close"),
+                    save=lambda: done.append("save"), close=lambda staying: done.append("close"),
                     exit_code=143)
     assert leaving.value.code == 143 and done == ["snapshot", "close"]
 
@@ -140,7 +140,7 @@ def test_a_leave_with_no_restart_left_saves_durably(monkeypatch, caplog) -> None
         with caplog.at_level(logging.INFO, logger="elastic_kit"), \
                 pytest.raises(SystemExit) as leaving:
             watch.leave(info, 7, snapshot=lambda: done.append("snapshot") or True,
-                        save=lambda: done.append("save"), close=lambda: done.append("close"),
+                        save=lambda: done.append("save"), close=lambda staying: done.append("close"),
                         exit_code=143)
         assert leaving.value.code == 143 and done == kept
     assert "torchrun has no restart left (--max-restarts=0): the job ends" in caplog.text
