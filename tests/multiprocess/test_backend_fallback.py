@@ -14,21 +14,13 @@ import torch
 
 import elastic_kit as ek
 from elastic_kit.testing import spawn_multi_process
-
-
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
+from tests.log_lines import LogLines
 
 
 def _init_with_one_pretend_gpu(_: Any) -> dict[str, Any]:
     torch.cuda.is_available = lambda: True  # this rank process only
     torch.cuda.device_count = lambda: 1
-    records = _Records()
+    records = LogLines(logging.INFO)
     logger = logging.getLogger("elastic_kit.distributed")
     logger.addHandler(records)
     logger.setLevel(logging.INFO)

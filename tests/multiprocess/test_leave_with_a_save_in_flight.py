@@ -25,6 +25,7 @@ from torch import nn
 
 import elastic_kit as ek
 from elastic_kit.testing import FaultFileSystem, spawn_multi_process
+from tests.log_lines import LogLines
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -44,21 +45,12 @@ def _hold_until_left(marks: Path) -> None:
                                   else "held until it gave up")
 
 
-class _Said(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
 def _run(url: str, shm: str, marks_dir: str, snapshot_every: int = 1000) -> dict[str, Any]:
     os.environ["ELASTIC_KIT_SNAPSHOT_DIR"] = shm
     os.environ["ELASTIC_KIT_SNAPSHOT_NODE"] = f"node{os.environ['GROUP_RANK']}"
     os.environ["TORCHELASTIC_MAX_RESTARTS"] = "3"  # the staying node is restarted
     marks = Path(marks_dir)
-    said = _Said()
+    said = LogLines(logging.INFO)
     logging.getLogger("elastic_kit").addHandler(said)
     logging.getLogger("elastic_kit").setLevel(logging.INFO)
     torch.set_num_threads(1)

@@ -14,19 +14,11 @@ import torch
 from torch import nn
 
 from elastic_kit.testing import spawn_multi_process
+from tests.log_lines import LogLines
 
 pytestmark = pytest.mark.timeout(180)
 
 N = 24
-
-
-class _Said(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
 
 
 def _run() -> dict[str, Any]:
@@ -34,7 +26,7 @@ def _run() -> dict[str, Any]:
 
     import elastic_kit as ek
 
-    said = _Said()
+    said = LogLines(logging.WARNING)
     logging.getLogger("elastic_kit").addHandler(said)
     info = ek.init_distributed()
     torch.manual_seed(0)

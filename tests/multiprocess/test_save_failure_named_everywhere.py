@@ -17,22 +17,14 @@ from torch import nn
 
 import elastic_kit as ek
 from elastic_kit.testing import FaultFileSystem, spawn_multi_process
+from tests.log_lines import LogLines
 
 pytestmark = pytest.mark.timeout(180)
 
 
-class _Said(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.ERROR)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
 def _run(url: str) -> dict[str, Any]:
     info = ek.init_distributed()
-    said = _Said()
+    said = LogLines(logging.ERROR)
     logging.getLogger("elastic_kit").addHandler(said)
     store: Any = url
     if info.rank == 0:
