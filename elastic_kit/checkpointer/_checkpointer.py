@@ -217,7 +217,8 @@ class Checkpointer(Lifecycle):
                             optimizer=state.optimizer if staging or self._step_end.enabled
                             else None,
                             wait_staged=before_optimizer_step, at_exit=self._abandon_at_exit,
-                            on_unheard=self._leave_unheard)
+                            on_unheard=self._leave_unheard,
+                            on_received=self._stop_received)
         # a signal heard while the script is away from step() and end_epoch() (a
         # validation outlasting torchrun's grace) is acted on all the same: armed from
         # the first step on, for twice a step's wall time (see record_step), so that

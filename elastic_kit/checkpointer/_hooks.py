@@ -62,9 +62,11 @@ class Hooks:
     def install(self, *, signals: bool, optimizer: torch.optim.Optimizer | None,
                 wait_staged: Callable[..., None],
                 at_exit: Callable[[], None] | None = None,
-                on_unheard: Callable[[int], None] | None = None) -> None:
+                on_unheard: Callable[[int], None] | None = None,
+                on_received: Callable[[int], None] | None = None) -> None:
         """Catch SIGTERM when ``signals`` (``on_unheard``, a bound method held
-        weakly: called on a watcher thread when the main thread does not hear it; see
+        weakly: called on a watcher thread when the main thread does not hear it;
+        ``on_received``, likewise: called in the handler as the signal comes; see
         :class:`~elastic_kit.state.TerminationFlag`);
         run ``wait_staged`` before every step of ``optimizer`` (the only place the
         parameters a background save reads change); call the bound method ``at_exit``
@@ -72,6 +74,7 @@ class Hooks:
         its object alive)."""
         if signals:
             self.stop.on_unheard = None if on_unheard is None else _weakly(on_unheard)
+            self.stop.on_received = None if on_received is None else _weakly(on_received)
             self.stop.install()
         if optimizer is not None and self._step_hook is None:
             self._step_hook = optimizer.register_step_pre_hook(wait_staged)

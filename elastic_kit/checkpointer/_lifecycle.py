@@ -254,6 +254,16 @@ class Lifecycle:
         self._leave_alone(f"leaving silent rank {rank} behind",
                           lambda: health.exit_for_silence(rank, seconds))
 
+    def _stop_received(self, signum: int) -> None:
+        """In the stop signal's handler, as it comes: the durable store's background
+        sharded saves give up a peer silent for seconds from now on. torchrun sends
+        it when a worker failed (a peer likely died in a save), and the training
+        thread may sit in the next ``save()`` or in ``close()``, waiting for the
+        save in flight: it would wait the healthy group's 300 s, past torchrun's
+        grace, where now the save fails and the script hears of it. A live peer in
+        the save keeps it going."""
+        _saving.give_up_on_silent_peers(self.store)
+
     def _leave_unheard(self, signum: int) -> None:
         """The SIGTERM watcher's action when the training thread did not hear the
         signal (it sits in a collective whose peer is gone, which never fails: NCCL's,

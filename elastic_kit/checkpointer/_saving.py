@@ -145,12 +145,20 @@ def abandon(store: StoreLike | None, tier: SnapshotTier | None) -> None:
     A background sharded save that waits for a peer gives up once the peer is silent
     (a dead peer would hold the exit for the healthy group's 300 s)."""
     if store is not None:
-        give_up = getattr(store, "give_up_on_silent_peers", None)
-        if give_up is not None:
-            give_up()
+        give_up_on_silent_peers(store)
         store.wait_local()
     if tier is not None:
         tier.close(remove=False, flush=False)
+
+
+def give_up_on_silent_peers(store: StoreLike | None) -> None:
+    """Let ``store``'s background sharded saves (the one in flight and later ones)
+    give up a peer silent for seconds: a peer likely died (see
+    :meth:`~elastic_kit.store.CheckpointStore.give_up_on_silent_peers`; a store of
+    another kind has no such wait)."""
+    give_up = getattr(store, "give_up_on_silent_peers", None)
+    if give_up is not None:
+        give_up()
 
 
 def agree(err: BaseException | None, info: DistInfo, what: str) -> None:

@@ -68,13 +68,21 @@ class TerminationFlag:
     (an event loop's). With ``unacted_after_s`` set, also when the handler ran but
     nobody called :meth:`acknowledge` within that many seconds of the signal
     (:attr:`heard` then tells the two apart).
+
+    ``on_received``: called with the signal's number in the handler (on the main
+    thread, between two bytecodes of whatever it was running), for the first signal
+    only; it must be quick and must not wait for anything (a flag, a shorter
+    timeout). A main thread in a wait that does not return for signals hears them
+    there too (a ``Future``'s, a lock's): what this sets can end that wait.
     """
 
     def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM,), *,
                  on_unheard: Callable[[int], None] | None = None,
-                 unheard_after_s: float = UNHEARD_AFTER_S) -> None:
+                 unheard_after_s: float = UNHEARD_AFTER_S,
+                 on_received: Callable[[int], None] | None = None) -> None:
         self.signals = tuple(signals)
         self.on_unheard = on_unheard
+        self.on_received = on_received
         self.unheard_after_s = unheard_after_s
         self._event = threading.Event()
         self._heard = threading.Event()  # the handler ran (on the main thread)
@@ -88,10 +96,16 @@ class TerminationFlag:
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         # Nothing but bookkeeping here: the loop does the work at a safe point.
-        if self.received is None:
+        first = self.received is None
+        if first:
             self.received, self.received_at = signum, time.monotonic()
         self._heard.set()
         self._event.set()
+        if first and self.on_received is not None:
+            try:
+                self.on_received(signum)
+            except Exception as e:  # a handler must not raise into the code it interrupted
+                log.warning("acting on signal %d at once failed: %r", signum, e)
 
     def is_set(self) -> bool:
         return self._event.is_set()

@@ -27,7 +27,7 @@ from __future__ import annotations
 import pickle
 import threading
 import time
-from typing import Any
+from typing import Any, Collection
 
 from elastic_kit.errors import CheckpointError
 
@@ -55,12 +55,20 @@ class KvExchange:
         rank, world_size: this rank's place in the group.
         timeout: seconds to wait without any sign of progress from the awaited ranks
             before failing the save.
+        presumed_silent: ranks an earlier save's hurried wait gave up: once hurried,
+            a wait for them fails when they show no sign within one beat (neither
+            their entry nor progress), instead of the whole hurried time again.
     """
 
     def __init__(self, kv: Any, prefix: str, rank: int, world_size: int,
-                 timeout: float) -> None:
+                 timeout: float, presumed_silent: Collection[int] = ()) -> None:
         self.kv, self.prefix = kv, prefix
         self.rank, self.world_size, self.timeout = rank, world_size, timeout
+        #: ranks an earlier hurried wait gave up (see hurry()); a live view when given
+        #: a set (its owner adds to it)
+        self.presumed_silent = presumed_silent
+        #: the ranks this exchange gave up as silent (set as it fails for them)
+        self.silent: frozenset[int] = frozenset()
         self._calls = 0
         # beat well within the timeout (at least every BEAT_S, so that a peer's silence
         # shows within seconds once hurried: see hurry())
@@ -80,6 +88,9 @@ class KvExchange:
             return
         stop = threading.Event()
         key = self._key("alive", self.rank)
+        # at once: a rank in the save shows it from its first exchange on (a peer
+        # that presumes it silent looks one beat later)
+        self.kv.add(key, 1)
 
         def beat() -> None:
             while not stop.wait(self._beat_every):
@@ -104,8 +115,12 @@ class KvExchange:
         waiting = dict(keys)
         seen, look_at = self._progress(list(waiting)), now + self._look_every()
         last_sign = now
+        presumed_until = now + self._beat_every
         while not self.kv.check(list(waiting.values())):
             now = time.monotonic()
+            if self._hurried is not None and self.presumed_silent and now > presumed_until:
+                self._give_up_presumed(waiting, what)
+                presumed_until = float("inf")
             if now >= look_at:
                 waiting = {r: k for r, k in waiting.items() if not self.kv.check([k])}
                 progress = self._progress(list(waiting))
@@ -118,6 +133,7 @@ class KvExchange:
             if hurried is not None and max(hurried[0], last_sign) + hurried[1] < until:
                 limit, until = hurried[1], max(hurried[0], last_sign) + hurried[1]
             if now > until:
+                self.silent = frozenset(r for r, k in waiting.items() if not self.kv.check([k]))
                 raise CheckpointError(
                     f"background sharded save {self.prefix}: rank {self.rank} waited "
                     f"{limit:g} s for {what} with no sign of progress (did a rank fail "
@@ -129,6 +145,19 @@ class KvExchange:
                     f"progress (a write that never ends?)")
             time.sleep(pause)
             pause = min(pause * 2, 0.05)
+
+    def _give_up_presumed(self, waiting: dict[int, str], what: str) -> None:
+        """Fail the wait if a rank presumed silent still gave no sign of being in
+        this save (no entry, no progress beat) one beat after the wait began."""
+        gone = sorted(r for r, k in waiting.items()
+                      if r in self.presumed_silent and not self.kv.check([k])
+                      and int(self.kv.add(self._key("alive", r), 0)) == 0)
+        if gone:
+            self.silent = frozenset(gone)
+            raise CheckpointError(
+                f"background sharded save {self.prefix}: rank {self.rank} gave up "
+                f"waiting for {what}: rank(s) {gone}, silent in an earlier save, showed no "
+                f"sign of progress in this one (did a rank fail or leave?)")
 
     def _look_every(self) -> float:
         """Seconds between two looks at the progress: twice per beat once hurried,

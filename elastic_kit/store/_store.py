@@ -273,6 +273,10 @@ class CheckpointStore:
         #: the key-value exchange of a background sharded save in flight (see
         #: give_up_on_silent_peers)
         self._exchange_in_flight: KvExchange | None = None
+        #: seconds of silence after which a peer is given up, once asked to, and the
+        #: ranks given up so far
+        self._silent_peers_s: float | None = None
+        self._silent_ranks: set[int] = set()
         self.last_save_s: float = 0.0  # duration of the last write (writers only)
 
     # ------------------------------------------------------------------ roles
@@ -499,12 +503,12 @@ class CheckpointStore:
             except BaseException as e:
                 failure = e
         if failure is not None:
-            self._exchange_in_flight = exchange
+            self._in_flight(exchange)
             self._submit(self._sharded_refused, step, metadata, exchange, failure, earlier)
             raise failure
         handle = SaveHandle(step, committed=Future())
         self._pending_step = step
-        self._exchange_in_flight = exchange
+        self._in_flight(exchange)
         self._pending = self._submit(self._sharded_in_background, staged, step, metadata,
                                      exchange, on_commit, handle)
         return handle
@@ -524,8 +528,29 @@ class CheckpointStore:
         # the group's own keys (see group_id: collective its first time, as save() is
         # for sharded state)
         prefix = f"elastic_kit/sharded-save/{group_id()}/{store}/{step}/{n}"
+        # the ranks given up so far, a live view (a save in flight may give one up
+        # before this one waits)
         return KvExchange(_get_default_store(), prefix, info.rank, info.world_size,
-                          timeout=SHARDED_EXCHANGE_TIMEOUT)
+                          timeout=SHARDED_EXCHANGE_TIMEOUT,
+                          presumed_silent=self._silent_ranks)
+
+    def _in_flight(self, exchange: KvExchange) -> None:
+        """``exchange`` is the background save's now; hurried if this rank was told to
+        give up silent peers (see :meth:`give_up_on_silent_peers`; set before the
+        check, as that method reads it after setting its own: one of them hurries)."""
+        self._exchange_in_flight = exchange
+        if self._silent_peers_s is not None:
+            exchange.hurry(self._silent_peers_s)
+
+    def _exchange_done(self, exchange: KvExchange) -> None:
+        """A background sharded save's exchange ended: remember the ranks it gave up
+        as silent (a later save's hurried wait gives them one beat, not the whole
+        hurried time: a rank leaving on an error path, after the save in flight
+        failed for a dead peer, may have to take part in one more: its refusal)."""
+        exchange.close()
+        self._silent_ranks |= exchange.silent
+        if self._exchange_in_flight is exchange:
+            self._exchange_in_flight = None
 
     def _sharded_refused(self, step: int, metadata: dict[str, Any], exchange: KvExchange,
                          failure: BaseException, earlier: bool) -> None:
@@ -537,9 +562,7 @@ class CheckpointStore:
         except BaseException as e:
             log.debug("background sharded save of step %d, refused here: %r", step, e)
         finally:
-            exchange.close()
-            if self._exchange_in_flight is exchange:
-                self._exchange_in_flight = None
+            self._exchange_done(exchange)
 
     def _write_sharded(self, state: Any, step: int, metadata: dict[str, Any],
                        gather: Callable[[Any], list[Any]],
@@ -584,9 +607,7 @@ class CheckpointStore:
             handle.committed.set_exception(e)
             raise
         finally:
-            exchange.close()
-            if self._exchange_in_flight is exchange:
-                self._exchange_in_flight = None
+            self._exchange_done(exchange)
         handle.committed.set_result(None)
         if committer:
             if on_commit is not None:
@@ -685,11 +706,16 @@ class CheckpointStore:
         self._take_pending()
 
     def give_up_on_silent_peers(self, seconds: float = SILENT_PEERS_S) -> None:
-        """For a rank leaving on an error path (a peer failed, likely died): a
-        background sharded save in flight stops waiting for ranks that show no sign of
-        progress for ``seconds``, instead of the healthy group's
-        ``SHARDED_EXCHANGE_TIMEOUT``; it then fails, and :meth:`wait_local` returns.
-        A peer that is alive and in the save keeps it waiting. Not collective."""
+        """For a rank leaving on an error path or told to stop (a peer failed, likely
+        died; torchrun's SIGTERM, after which it waits its grace and no longer): a
+        background sharded save in flight, and any started later, stops waiting for
+        ranks that show no sign of progress for ``seconds``, instead of the healthy
+        group's ``SHARDED_EXCHANGE_TIMEOUT``; it then fails, and :meth:`wait` raises
+        (:meth:`wait_local` logs). A peer that is alive and in the save keeps it
+        waiting; a peer given up once is given one progress beat in a later save
+        (a failed save's refusal, which a rank leaving still takes part in). Not
+        collective; safe to call from a signal handler."""
+        self._silent_peers_s = float(seconds)
         exchange = self._exchange_in_flight
         if exchange is not None:
             exchange.hurry(seconds)

@@ -7,8 +7,13 @@ SIGTERM was held meanwhile, and its SIGKILL after the grace ended the worker wit
 nothing said (a node lost mid-save cost five minutes where torchrun gives no grace).
 The wait now gives up a peer silent for seconds, and the worker exits on its own.
 
+The same for a survivor whose training thread waits in its next ``save()`` for the
+one in flight: no collective fails there, and torchrun's SIGTERM is all it hears; the
+wait went on past torchrun's grace. The signal now has the save give up the silent peer.
+
 The peer dies for real (SIGKILL) when it opens its shard file of the save, through a
-fault-injecting fsspec wrapper of the local disk.
+fault-injecting fsspec wrapper of the local disk (in the second case 2 s later, once
+both training threads wait in the next save).
 """
 
 from __future__ import annotations
@@ -31,13 +36,18 @@ SCRIPT = textwrap.dedent("""
     import elastic_kit as ek
     from elastic_kit.testing import FaultFileSystem
 
-    url, marks = sys.argv[1], Path(sys.argv[2])
+    url, marks, second = sys.argv[1], Path(sys.argv[2]), sys.argv[3] == "second-save"
     info = ek.init_distributed()
     store = url
+
+    def die(_):
+        if second:
+            time.sleep(2.0)  # the training threads reach their next save meanwhile
+        os.kill(os.getpid(), signal.SIGKILL)
+
     if info.rank == 1:
         ffs = FaultFileSystem(fsspec.filesystem("file"))
-        ffs.add("open", match="step-000000000003", mode="wb",
-                before=lambda _: os.kill(os.getpid(), signal.SIGKILL))
+        ffs.add("open", match="step-000000000003", mode="wb", before=die)
         store = ek.CheckpointStore(url, filesystem=ffs)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
@@ -55,7 +65,7 @@ SCRIPT = textwrap.dedent("""
                 opt.step()
                 opt.zero_grad()
                 ckpt.step(4)
-                if state.step == 3:
+                if state.step == 3 or (second and state.step == 4):
                     ckpt.save(blocking=False)
                 time.sleep(0.01)
     except BaseException as e:
@@ -64,12 +74,13 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.parametrize("case", ["one-save", "second-save"])
 def test_the_survivor_of_a_peer_dead_in_a_sharded_save_exits_on_its_own(
-        tmp_path: Path) -> None:
+        tmp_path: Path, case: str) -> None:
     script, marks = tmp_path / "train.py", tmp_path / "marks"
     script.write_text(SCRIPT)
     marks.mkdir()
-    with LocalCluster([str(script), str(tmp_path / "run"), str(marks)], nnodes="1",
+    with LocalCluster([str(script), str(tmp_path / "run"), str(marks), case], nnodes="1",
                       nproc_per_node=2, max_restarts=0, env={"OMP_NUM_THREADS": "1"},
                       log_dir=tmp_path / "logs") as cluster:
         cluster.add_agent()
@@ -79,5 +90,9 @@ def test_the_survivor_of_a_peer_dead_in_a_sharded_save_exits_on_its_own(
     # before: no word from rank 0, SIGKILLed by torchrun 30 s after its SIGTERM
     assert (marks / "rank0").exists(), logs[-6000:]
     step, why = (marks / "rank0").read_text().split()
-    assert int(step) >= 3 and why in ("SystemExit", "RuntimeError", "DistBackendError"), why
+    assert int(step) >= 3 and why in ("SystemExit", "RuntimeError", "DistBackendError",
+                                      "CheckpointError"), why
+    if case == "second-save":
+        # it heard of the failure in its save of step 4 (before: SIGKILLed there)
+        assert int(step) == 4, (step, why)
     assert "no sign of progress" in logs, logs[-6000:]

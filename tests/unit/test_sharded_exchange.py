@@ -93,3 +93,44 @@ def test_a_hurried_wait_gives_up_a_silent_peer_and_keeps_waiting_for_a_beating_o
     sender.close()
     receiver.close()
     assert got == [{"ok": True}]
+
+
+def test_a_rank_given_up_once_gets_one_beat_in_a_later_hurried_wait() -> None:
+    """A rank whose save in flight failed for a dead peer still takes part in one more
+    (the next save's refusal): hurried, a wait for a rank an earlier save gave up
+    fails once that rank shows no sign for one beat, not after the whole hurried
+    time again (the two waits outlasted torchrun's 30 s grace); the ranks it gave up
+    are named on the exchange. A rank presumed silent that beats is waited for."""
+    kv = dist.HashStore()
+    # timeout 1.0: beats every 0.2 s; hurried time 20 s, far beyond the one beat
+    waiting = KvExchange(kv, "save/5", 1, 2, timeout=1.0, presumed_silent={0})
+    waiting.hurry(20.0)
+    with pytest.raises(CheckpointError, match=r"rank\(s\) \[0\], silent in an earlier save"):
+        waiting.broadcast(None)
+    assert waiting.silent == {0}
+    waiting.close()
+
+    # an earlier wait's failure names the ranks it gave up
+    kv = dist.HashStore()
+    first = KvExchange(kv, "save/6", 0, 3, timeout=0.3)
+    kv.set("save/6/1/g/1", b"x")  # rank 1 answered, rank 2 never does
+    with pytest.raises(CheckpointError, match="no sign of progress"):
+        first.gather("mine")
+    assert first.silent == {2}
+    first.close()
+
+    # presumed silent, but alive in this save: it beats, and its answer is awaited
+    kv = dist.HashStore()
+    sender, receiver = (KvExchange(kv, "save/7", r, 2, timeout=1.0, presumed_silent={0})
+                        for r in (0, 1))
+    sender._start_beating()
+    got: list = []
+    t = threading.Thread(target=lambda: got.append(receiver.broadcast(None)))
+    receiver.hurry(0.6)
+    t.start()
+    threading.Event().wait(1.5)
+    sender.broadcast({"ok": True})
+    t.join(30)
+    sender.close()
+    receiver.close()
+    assert got == [{"ok": True}]

@@ -116,3 +116,32 @@ def test_an_acknowledged_flag_is_not_handed_over_even_unheard() -> None:
     finally:
         flag.uninstall()
     assert flag.heard and called == []
+
+
+def test_on_received_runs_in_the_handler_while_the_main_thread_waits_on_a_future() -> None:
+    """A training thread waiting in ``save()`` for the save in flight (a Future) runs
+    the handler there: ``on_received`` is what can end that wait (it hurries the save,
+    whose dead peer would hold it past torchrun's grace); it is called once, for the
+    first signal, and an exception in it does not reach the interrupted code."""
+    from concurrent.futures import Future
+
+    calls: list[int] = []
+    waited: Future[str] = Future()
+
+    def received(signum: int) -> None:
+        calls.append(signum)
+        waited.set_result("ended by the signal")
+        raise RuntimeError("must not reach the interrupted wait")
+
+    flag = TerminationFlag(on_received=received)
+    flag.install()
+    try:
+        # the signal comes while the main thread sits in the Future's wait
+        import threading
+        threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        assert waited.result(timeout=30) == "ended by the signal"
+        os.kill(os.getpid(), signal.SIGTERM)
+        _wait(0.2)
+    finally:
+        flag.uninstall()
+    assert calls == [signal.SIGTERM] and flag.received == signal.SIGTERM
