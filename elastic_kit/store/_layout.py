@@ -43,12 +43,12 @@ removed on the same age rule, and only below the newest committed step.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import re
 import threading
 import uuid
-import zlib
 from dataclasses import dataclass
 from typing import IO, Any, Callable, Iterator
 
@@ -77,15 +77,32 @@ log = logging.getLogger(__name__)
 STEP_DIGITS = 12
 _STEP_RE = re.compile(r"step-([0-9]{12})", re.ASCII)
 _CHUNK = 8 << 20
-#: Striped locks of the commits of this process, by step directory (see ``commit``);
-#: reentrant: a storage callback (a fault-injecting filesystem's) may commit as
-#: another writer would, on the committing thread.
-_COMMIT_LOCKS = tuple(threading.RLock() for _ in range(64))
+#: The locks of the commits in progress in this process, by step directory (see
+#: ``commit``), with the number of commits holding or awaiting each; reentrant: a
+#: storage callback (a fault-injecting filesystem's) may commit as another writer
+#: would, on the committing thread. One per directory: a commit (its whole write)
+#: never waits for another directory's.
+_COMMIT_LOCKS: dict[str, tuple[threading.RLock, int]] = {}
+_COMMIT_LOCKS_LOCK = threading.Lock()
 
 
-def _commit_lock(path: str) -> Any:
-    """The lock of commits of the step directory ``path``."""
-    return _COMMIT_LOCKS[zlib.crc32(path.encode("utf-8", "surrogateescape")) % len(_COMMIT_LOCKS)]
+@contextlib.contextmanager
+def _commit_lock(path: str) -> Iterator[None]:
+    """Hold the lock of commits of the step directory ``path``."""
+    with _COMMIT_LOCKS_LOCK:
+        lock, users = _COMMIT_LOCKS.get(path, (None, 0))
+        lock = threading.RLock() if lock is None else lock
+        _COMMIT_LOCKS[path] = (lock, users + 1)
+    try:
+        with lock:
+            yield
+    finally:
+        with _COMMIT_LOCKS_LOCK:
+            users = _COMMIT_LOCKS[path][1] - 1
+            if users:
+                _COMMIT_LOCKS[path] = (lock, users)
+            else:
+                del _COMMIT_LOCKS[path]
 
 
 def step_dir_name(step: int) -> str:

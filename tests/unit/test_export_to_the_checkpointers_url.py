@@ -103,3 +103,43 @@ def test_a_step_committed_by_another_process_just_before_the_rename_is_the_confl
     monkeypatch.undo()
     assert torch.equal(ek.CheckpointStore(str(url)).load().state["w"], torch.full((4,), 7.0))
     assert [p.name for p in url.iterdir() if p.name.startswith(".tmp")] == []
+
+
+def test_a_commit_never_waits_for_another_step_directorys(tmp_path: Path) -> None:
+    """The commit lock is one per step directory: a save of another step (a second
+    store of the process: a node-local copy, an export) goes on while a commit is held
+    up in its write (a slow upload). Striped locks (64) made one such pair in 64 wait
+    for the whole write; the directories here are chosen to share a stripe."""
+    import zlib
+
+    import fsspec
+
+    from elastic_kit.testing import FaultFileSystem
+
+    url = str(tmp_path / "ck")
+    slow = ek.CheckpointStore(url)
+    root = slow._layout.dir_of(1).path[: -len("step-000000000001")]
+
+    def stripe(step: int) -> int:
+        return zlib.crc32(f"{root}step-{step:012d}".encode()) % 64
+
+    other = next(s for s in range(2, 10_000) if stripe(s) == stripe(1))
+    held, release = threading.Event(), threading.Event()
+    ffs = FaultFileSystem(fsspec.filesystem("file"))
+    ffs.add("open", match="step-000000000001", mode="wb",
+            before=lambda _: (held.set(), release.wait(60)))
+    slow = ek.CheckpointStore(url, filesystem=ffs)
+    first = threading.Thread(target=slow.save, args=({"w": torch.ones(8)},),
+                             kwargs={"step": 1})
+    first.start()
+    try:
+        assert held.wait(30)
+        second = threading.Thread(target=ek.CheckpointStore(url).save,
+                                  args=({"w": torch.zeros(8)},), kwargs={"step": other})
+        second.start()
+        second.join(30)
+        assert not second.is_alive(), "the other step's commit waited for the held one"
+    finally:
+        release.set()
+        first.join(60)
+    assert [i.step for i in ek.CheckpointStore(url).list()] == [1, other]
