@@ -722,13 +722,16 @@ class CheckpointStore:
 
     def close(self) -> None:
         """Wait for the in-flight save (raising its error) and stop the background
-        worker. Not collective. The store may be used again afterwards."""
+        worker. Not collective. The store may be used again afterwards (by a
+        healthy group: waits for silent peers take their usual time again)."""
         try:
             self._raise_pending()
         finally:
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
                 self._executor = None
+            self._silent_peers_s = None
+            self._silent_ranks.clear()
 
     # ------------------------------------------------------------------ housekeeping
     def run_identity(self, *, create: bool = True, adopt: str | None = None) -> str | None:

@@ -134,3 +134,28 @@ def test_a_rank_given_up_once_gets_one_beat_in_a_later_hurried_wait() -> None:
     sender.close()
     receiver.close()
     assert got == [{"ok": True}]
+
+
+def test_a_store_told_to_give_up_hurries_later_saves_until_it_is_closed(tmp_path) -> None:
+    """After give_up_on_silent_peers (a stop signal, an error path) every background
+    sharded save of the store is hurried, the one in flight and later ones, and waits
+    for ranks given up once take one beat; close() ends that: a store used again by a
+    healthy group waits the usual time."""
+    from elastic_kit.store import CheckpointStore
+
+    store = CheckpointStore(str(tmp_path / "ck"))
+    kv = dist.HashStore()
+    in_flight = KvExchange(kv, "save/8", 0, 2, timeout=300.0)
+    store._in_flight(in_flight)
+    store.give_up_on_silent_peers(4.0)
+    assert in_flight._hurried is not None and in_flight._hurried[1] == 4.0
+    later = KvExchange(kv, "save/9", 0, 2, timeout=300.0, presumed_silent=store._silent_ranks)
+    store._in_flight(later)
+    assert later._hurried is not None and later._hurried[1] == 4.0
+    later.silent = frozenset({1})
+    store._exchange_done(later)
+    assert store._silent_ranks == {1}
+    store.close()
+    again = KvExchange(kv, "save/10", 0, 2, timeout=300.0, presumed_silent=store._silent_ranks)
+    store._in_flight(again)
+    assert again._hurried is None and set(again.presumed_silent) == set()
