@@ -81,9 +81,12 @@ class KvExchange:
         return "/".join([self.prefix, *map(str, parts)])
 
     # ------------------------------------------------------------------ progress
-    def _start_beating(self) -> None:
+    def start_beating(self) -> None:
         """Bump this rank's progress counter until :meth:`close` (on a thread of its
-        own: the save's thread may sit in one long write)."""
+        own: the save's thread may sit in one long write). Called by the first
+        exchange at the latest; a save calls it as it begins, so that the work before
+        its first exchange (rank 0's storage calls: a slow listing, a retried request)
+        shows as progress too."""
         if self._beater is not None:
             return
         stop = threading.Event()
@@ -108,7 +111,19 @@ class KvExchange:
 
     def _poll(self, keys: dict[int, str], what: str) -> None:
         """Wait until every rank's key in ``keys`` (rank -> key) is set; only the
-        progress of the ranks whose keys are still missing counts."""
+        progress of the ranks whose keys are still missing counts. A rank that gives
+        up says so (one key): the others stop waiting at their next look, where
+        they would wait for its entries until they gave up in turn."""
+        try:
+            self._wait_for(keys, what)
+        except CheckpointError:
+            try:
+                self.kv.set(self._key("left"), str(self.rank).encode())
+            except Exception:  # pragma: no cover - a closed store: its peers give up too
+                pass
+            raise
+
+    def _wait_for(self, keys: dict[int, str], what: str) -> None:
         now = time.monotonic()
         deadline, pause = now + self.timeout, 0.002
         longest = now + MOST_TIMEOUTS * self.timeout
@@ -122,6 +137,11 @@ class KvExchange:
                 self._give_up_presumed(waiting, what)
                 presumed_until = float("inf")
             if now >= look_at:
+                if self.kv.check([self._key("left")]):
+                    left = self.kv.get(self._key("left")).decode()
+                    raise CheckpointError(
+                        f"background sharded save {self.prefix}: rank {self.rank} stopped "
+                        f"waiting for {what}: rank {left} gave up this save")
                 waiting = {r: k for r, k in waiting.items() if not self.kv.check([k])}
                 progress = self._progress(list(waiting))
                 if progress > seen:  # alive and still in this save: wait on
@@ -177,7 +197,7 @@ class KvExchange:
     # ------------------------------------------------------------------ exchange
     def broadcast(self, obj: Any) -> Any:
         """Rank 0's ``obj`` on every rank."""
-        self._start_beating()
+        self.start_beating()
         self._calls += 1
         key = self._key(self._calls, "b")
         if self.rank == 0:
@@ -189,7 +209,7 @@ class KvExchange:
     def gather(self, obj: Any) -> list[Any]:
         """Every rank's ``obj`` in rank order on rank 0; ``[obj]`` on the others (the
         sharded save reads them on rank 0 only)."""
-        self._start_beating()
+        self.start_beating()
         self._calls += 1
         keys = [self._key(self._calls, "g", r) for r in range(self.world_size)]
         self.kv.set(keys[self.rank], pickle.dumps(obj))
@@ -213,6 +233,7 @@ class KvExchange:
                     self.kv.delete_key(self._key(n, "b"))
                 for r in range(self.world_size):
                     self.kv.delete_key(self._key("alive", r))
+                self.kv.delete_key(self._key("left"))
                 self.kv.delete_key(self._key("done"))
         except Exception:  # pragma: no cover - a closed store: nothing to clean
             pass

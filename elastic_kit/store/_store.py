@@ -535,9 +535,13 @@ class CheckpointStore:
                           presumed_silent=self._silent_ranks)
 
     def _in_flight(self, exchange: KvExchange) -> None:
-        """``exchange`` is the background save's now; hurried if this rank was told to
-        give up silent peers (see :meth:`give_up_on_silent_peers`; set before the
-        check, as that method reads it after setting its own: one of them hurries)."""
+        """``exchange`` is the background save's now: this rank shows progress in it
+        from now on (the work before its first exchange counts: a hurried peer would
+        give up a rank 0 in slow storage calls), and it is hurried if this rank was
+        told to give up silent peers (see :meth:`give_up_on_silent_peers`; set before
+        the check, as that method reads it after setting its own: one of them
+        hurries)."""
+        exchange.start_beating()
         self._exchange_in_flight = exchange
         if self._silent_peers_s is not None:
             exchange.hurry(self._silent_peers_s)

@@ -82,7 +82,7 @@ def test_a_hurried_wait_gives_up_a_silent_peer_and_keeps_waiting_for_a_beating_o
     # answers after 1.5 s, five times the hurried wait
     kv = dist.HashStore()
     sender, receiver = (KvExchange(kv, "save/4", r, 2, timeout=1.0) for r in (0, 1))
-    sender._start_beating()
+    sender.start_beating()
     got: list = []
     t = threading.Thread(target=lambda: got.append(receiver.broadcast(None)))
     t.start()
@@ -123,7 +123,7 @@ def test_a_rank_given_up_once_gets_one_beat_in_a_later_hurried_wait() -> None:
     kv = dist.HashStore()
     sender, receiver = (KvExchange(kv, "save/7", r, 2, timeout=1.0, presumed_silent={0})
                         for r in (0, 1))
-    sender._start_beating()
+    sender.start_beating()
     got: list = []
     t = threading.Thread(target=lambda: got.append(receiver.broadcast(None)))
     receiver.hurry(0.6)
@@ -159,3 +159,51 @@ def test_a_store_told_to_give_up_hurries_later_saves_until_it_is_closed(tmp_path
     again = KvExchange(kv, "save/10", 0, 2, timeout=300.0, presumed_silent=store._silent_ranks)
     store._in_flight(again)
     assert again._hurried is None and set(again.presumed_silent) == set()
+
+
+def test_a_rank_that_gives_up_says_so_and_its_peer_stops_waiting_at_once() -> None:
+    """A rank that gave up a save (hurried: it took a live peer in slow storage calls
+    for a dead one) left its peer waiting for its entries the whole hurried time
+    again (15 s), which pushed the stop's own save past torchrun's grace: it says
+    so now, and the peer stops at its next look."""
+    kv = dist.HashStore()
+    root = KvExchange(kv, "save/11", 0, 2, timeout=300.0)
+    root.hurry(60.0)  # looks every 2.5 s; would wait 60 s for a silent peer
+    quick = KvExchange(kv, "save/11", 1, 2, timeout=0.3)
+    out: list = []
+
+    def gather() -> None:
+        try:
+            root.gather("entries of rank 0")
+        except CheckpointError as e:
+            out.append(e)
+
+    t = threading.Thread(target=gather)
+    t.start()
+    with pytest.raises(CheckpointError, match="no sign of progress"):
+        quick.broadcast(None)  # rank 0 gathers first: no verdict comes
+    t.join(30)
+    assert not t.is_alive(), "rank 0 kept waiting for the rank that gave up"
+    (err,) = out
+    assert "rank 0 stopped waiting for every rank's entries: rank 1 gave up this save" \
+        in str(err)
+    quick.close()
+    root.close()
+    assert not kv.check(["save/11/left"])  # the last rank out removed it
+
+
+def test_a_save_shows_progress_from_its_start_not_its_first_exchange(tmp_path) -> None:
+    """Rank 0's storage calls before the save's first exchange (a slow listing, a
+    retried request) showed no progress: a hurried peer took it for dead and the job
+    lost the save in flight and the stop's own. The store starts the beat as it hands
+    the save over."""
+    from elastic_kit.store import CheckpointStore
+
+    store = CheckpointStore(str(tmp_path / "ck"))
+    kv = dist.HashStore()
+    ex = KvExchange(kv, "save/12", 0, 2, timeout=300.0)
+    store._in_flight(ex)
+    try:
+        assert int(kv.add("save/12/alive/0", 0)) >= 1
+    finally:
+        store._exchange_done(ex)
