@@ -166,7 +166,7 @@ class Lifecycle:
 
     def _close_store(self, remove_snapshots: bool, *,
                      staying: Sequence[int] | None = None) -> None:
-        if (remove_snapshots and self.restored_from in ("memory", "peer")
+        if (remove_snapshots and staying is None and self.restored_from in ("memory", "peer")
                 and self.restored_step == self.state.step
                 and self._last_saved_step != self.state.step):
             # the run ended where a restore from memory put it (killed in its final
@@ -413,10 +413,18 @@ class Lifecycle:
             off = int(self.snapshots is None or not self.snapshots.enabled)
             return not (all_reduce_max(off) if is_dist_ready() else off)
 
+        def close(staying: list[int]) -> None:
+            # A node that leaves while others stay removes its snapshots: after the
+            # close's barrier the step is in the memory of the nodes that stay (their
+            # own parts and the replicas streamed to them) or in the durable store,
+            # and this host may stay up (a notice cancelled, a node handed back to a
+            # shared pool), holding twice a state's size or more. The nodes that
+            # stay, and every node when all leave, keep theirs for the restart.
+            self._close(remove_snapshots=bool(staying) and self.info.rank not in staying,
+                        staying=staying)
+
         self._departure.leave(self.info, self.state.step, snapshot=snapshot, save=self.save,
-                              close=lambda staying: self._close(remove_snapshots=False,
-                                                                staying=staying),
-                              exit_code=self.exit_code)
+                              close=close, exit_code=self.exit_code)
 
     def _stop_heartbeat(self) -> None:
         # a goodbye first: a peer that finished (or failed in Python) is not silent

@@ -6,7 +6,9 @@ whose metadata server announces a preemption 30 s ahead. At the next exchange ev
 rank snapshots the same step, the snapshot reaches the other node's memory, the
 announced node stops its agent and leaves, and the survivor restarts alone and
 resumes from its own memory at exactly the step the group left: no step redone, every
-epoch's audit exact.
+epoch's audit exact. Each agent has a shared-memory root of its own, as two hosts do:
+the host that left keeps nothing of the run there (its machine may stay up: a notice
+cancelled, a node handed back to a shared pool).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any, Iterator
 import pytest
 
 from elastic_kit.testing import FakeMetadataServer, LocalCluster, wait_for
+from tests.snapshot_tree import left_in
 
 pytestmark = pytest.mark.integration
 
@@ -55,13 +58,18 @@ def _two_nodes_training(tmp_path: Path, rdzv_conf: str,
             "-b", str(BATCH), "-j", "0", "-p", "1", "--seed", "3",
             "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "1000",
             "--snapshot-every", "1000", "--audit"]
-    env = {"OMP_NUM_THREADS": "1", "ELASTIC_KIT_SNAPSHOT_DIR": str(shm)}
+    env = {"OMP_NUM_THREADS": "1"}
+    roots = [shm / "host0", shm / "host1"]
+    for root in roots:
+        root.mkdir()
     with FakeMetadataServer("gce") as gce, LocalCluster(
             args, nnodes="1:2", nproc_per_node=1, max_restarts=3, rdzv_conf=rdzv_conf,
             env=env, log_dir=tmp_path / "logs", **cluster) as c:
-        first = c.add_agent(env={"ELASTIC_KIT_CLOUD": "none"})
+        first = c.add_agent(env={"ELASTIC_KIT_CLOUD": "none",
+                                 "ELASTIC_KIT_SNAPSHOT_DIR": str(roots[0])})
         second = c.add_agent(env={"ELASTIC_KIT_CLOUD": "gce",
-                                  "ELASTIC_KIT_METADATA_URL": gce.url})
+                                  "ELASTIC_KIT_METADATA_URL": gce.url,
+                                  "ELASTIC_KIT_SNAPSHOT_DIR": str(roots[1])})
 
         def steps_at_two() -> int:
             log = first.read_log()
@@ -84,8 +92,12 @@ def test_an_announced_preemption_leaves_with_no_step_redone(tmp_path: Path) -> N
         wait_for(lambda: _steps_alone(first.read_log()) >= 3, 120, interval=0.05,
                  what="3 steps of the survivor alone", abort_if=lambda: not first.alive)
         log, gone = first.read_log(), second.read_log()
+        left_behind = left_in(tmp_path / "shm" / "host1")
     assert "this node leaves at step" in gone and "stopping its torchrun agent" in gone, gone[-8000:]
     assert left_s < 30.0, left_s  # within the notice
+    # the step is in the survivor's memory: the host that left held a state's size
+    # (twice, with the survivor's replica) until the next job there cleaned it up
+    assert left_behind == [], left_behind
     (left_at,) = map(int, _LEAVE.findall(log))
     (restored,) = _restores_after_the_leave(log)
     assert restored == (str(left_at), "this node's memory", "2 -> 1"), log[-8000:]  # none redone
