@@ -52,6 +52,10 @@ def _store(url_or_store: str | os.PathLike[str] | CheckpointStore, kw: dict[str,
                             f"the existing {url_or_store!r}")
         return url_or_store, False
     opts = {k: kw.pop(k) for k in list(kw) if k in _STORE_OPTIONS}
+    # a call saves (or loads) one checkpoint, as torch.save does: it deletes none of
+    # the URL's others unless asked (they may be a Checkpointer's, with its own
+    # keep_last: a script's export to the checkpointer's URL pruned them to three)
+    opts.setdefault("keep_last", None)
     return CheckpointStore(url_or_store, **opts), True
 
 
@@ -63,7 +67,10 @@ def save_checkpoint(state: Any, url_or_store: str | os.PathLike[str] | Checkpoin
     save_checkpoint(...)`` works (other ranks would return at once anyway). ``kw``
     holds the store options (``keep_last``, ``node_local``, ``storage_options``,
     ``info``, ``checksum``, ...) when a URL is given, and the save options
-    (``metadata``, ``blocking``).
+    (``metadata``, ``blocking``). With a URL nothing else there is deleted unless
+    ``keep_last`` is given (a :class:`CheckpointStore`'s default keeps 3): the URL's
+    other checkpoints may be a :class:`~elastic_kit.Checkpointer`'s, kept by its own
+    ``keep_last``.
 
     .. warning::
         With a URL the temporary store is closed before returning, so

@@ -143,3 +143,30 @@ def test_a_commit_never_waits_for_another_step_directorys(tmp_path: Path) -> Non
         release.set()
         first.join(60)
     assert [i.step for i in ek.CheckpointStore(url).list()] == [1, other]
+
+
+def test_an_export_to_the_checkpointers_url_deletes_none_of_its_checkpoints(
+        tmp_path: Path) -> None:
+    """The export's temporary store kept the store's default three and deleted the
+    checkpointer's others at every export (a checkpointer that keeps them all, or six,
+    kept three). A function-form save deletes nothing unless given ``keep_last``."""
+    url = str(tmp_path / "ck")
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = ek.TrainState(model, opt)
+    with ek.Checkpointer(state, url, every_steps=1, keep_last=None, snapshot_every=0,
+                         handle_signals=False, heartbeat_timeout=0) as ckpt:
+        ckpt.restore()
+        for _ in range(2):
+            for _ in range(4):
+                model(torch.randn(3, 4)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+                ckpt.step(3)
+            ckpt.end_epoch()
+            ek.save_checkpoint(state, url, step=state.step)
+    assert [i.step for i in ek.CheckpointStore(url).list()] == list(range(1, 9))
+    # asked to, it prunes as a store does
+    ek.save_checkpoint({"w": torch.zeros(2)}, url, step=9, keep_last=2)
+    assert [i.step for i in ek.CheckpointStore(url).list()] == [8, 9]
