@@ -128,7 +128,9 @@ def close_store(store: StoreLike, tier: SnapshotTier | None, info: DistInfo, *,
         if info.rank in staying and len(staying) > 1:
             wait_for_ranks(key, staying, give_up=give_up)
     if tier is not None and remove_snapshots:
-        tier.close(remove=True)
+        # a leave's (on a leaving node): the nodes that stay keep theirs, on this host
+        # too where several agents share one
+        tier.close(remove=True, node_only=staying is not None)
     if owns_store:
         store.close()
 

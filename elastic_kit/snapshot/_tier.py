@@ -1283,11 +1283,14 @@ class SnapshotTier:
         return loaded
 
     # ------------------------------------------------------------------ cleanup
-    def close(self, *, remove: bool, flush: bool = True) -> None:
+    def close(self, *, remove: bool, flush: bool = True, node_only: bool = False) -> None:
         """Join the in-flight snapshot and, with ``flush``, its stream to the peer (at
         most ``FLUSH_TIMEOUT_S``); with ``remove``, also stop receiving replicas and
         delete this run's snapshots on this host (local rank 0; call it once every
-        rank is done writing).
+        rank is done writing). ``node_only``: delete only this node's (its parts and
+        the replicas it holds), and the run's directory once empty: a node that
+        leaves while others stay, which may share this host (several agents on one
+        machine) and keep theirs for the restart.
 
         ``flush=False`` is for a worker that is failing: the whole group restarts,
         so the peer's receiver goes down with its worker and a stream cannot land,
@@ -1330,7 +1333,14 @@ class SnapshotTier:
             # (not this user's directory above it, even when empty: gone, another
             # user could make one of that name, which switches this user's snapshots
             # off, until the host reboots)
-            shutil.rmtree(self.run_dir, ignore_errors=True)
+            if not node_only:
+                shutil.rmtree(self.run_dir, ignore_errors=True)
+                return
+            shutil.rmtree(self.node_dir, ignore_errors=True)
+            try:
+                os.rmdir(self.run_dir)
+            except OSError:  # another node's snapshots, on this host: theirs to keep
+                pass
 
 
 #: The replica receivers of tiers closed without removing their snapshots (see
