@@ -36,11 +36,12 @@ import threading
 import time
 from typing import Callable, NoReturn
 
+from elastic_kit._agent import python_module, torchrun_agent_pid
 from elastic_kit._console import say
 from elastic_kit.distributed import DistInfo, all_gather_object, is_dist_ready
 from elastic_kit.health import LEAVE_ENV, LEAVE_SIGNAL, PreemptionWatcher
 
-__all__ = ["Departure", "torchrun_agent_pid"]
+__all__ = ["Departure"]
 
 log = logging.getLogger(__name__)
 
@@ -129,66 +130,6 @@ class Departure:
         raise SystemExit(exit_code)
 
 
-_AGENT_MODULES = (b"torch.distributed.run", b"torch.distributed.launch", b"elastic_kit.run")
-
-
-#: The interpreter's options that take the next argument as their value.
-_PYTHON_VALUE_OPTIONS = (b"-X", b"-W", b"--check-hash-based-pycs")
-
-
-def _python_module(argv: list[bytes]) -> bytes | None:
-    """The module of ``python [options] -m MODULE ...`` (the interpreter's options read
-    as Python reads them: up to the first argument that is not one), else None."""
-    i = 1
-    while i < len(argv):
-        a = argv[i]
-        if a == b"-m":
-            return argv[i + 1] if i + 1 < len(argv) else None
-        if a in _PYTHON_VALUE_OPTIONS:
-            i += 2
-            continue
-        if not a.startswith(b"-") or a == b"-" or a == b"-c":
-            return None  # a script, stdin or a command: no module
-        i += 1
-    return None
-
-
-def _is_agent(argv: list[bytes]) -> bool:
-    """``torchrun ...``, ``python /path/torchrun ...`` or ``python [options] -m
-    <launcher> ...`` (exactly: a test file under ``tests/torchrun/`` on a command line
-    is no agent)."""
-    if any(os.path.basename(a) == b"torchrun" for a in argv[:2]):
-        return True
-    return _python_module(argv) in _AGENT_MODULES
-
-
-def torchrun_agent_pid(pid: int | None = None, *, proc: str = "/proc",
-                       levels: int = 3) -> int | None:
-    """The pid of the torchrun agent above process ``pid`` (default: this one), or None.
-
-    The agent is the nearest ancestor, within ``levels``, whose command line runs
-    torchrun (``torchrun``, ``python -m torch.distributed.run``, ``python -m
-    elastic_kit.run``): the parent for torchrun's default start methods, the
-    grandparent under a fork server. Never a process that is not an agent: a worker
-    started some other way (a test's spawned ranks) finds none.
-    """
-    pid = os.getpid() if pid is None else pid
-    for _ in range(levels):
-        try:
-            with open(f"{proc}/{pid}/stat", "rb") as f:
-                stat = f.read()
-            pid = int(stat[stat.rfind(b")") + 2:].split()[1])  # the parent's pid
-            with open(f"{proc}/{pid}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
-        except (OSError, ValueError, IndexError):
-            return None
-        if pid <= 1:
-            return None
-        if _is_agent(argv):
-            return pid
-    return None
-
-
 def _stop_agent(info: DistInfo) -> bool:
     """Stop this worker's torchrun agent without closing the rendezvous; whether it
     was told to (False: none found, or the signal failed).
@@ -236,4 +177,4 @@ def _leave_signal(agent: int) -> int | None:
             argv = f.read().split(b"\0")
     except OSError:
         return None
-    return LEAVE_SIGNAL if _python_module(argv) == b"elastic_kit.run" else None
+    return LEAVE_SIGNAL if python_module(argv) == b"elastic_kit.run" else None

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from elastic_kit.checkpointer._departure import torchrun_agent_pid
+from elastic_kit._agent import torchrun_agent_pid
 
 
 def _proc(root: Path, pid: int, ppid: int, argv: list[str]) -> None:
