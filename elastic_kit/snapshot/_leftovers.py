@@ -20,6 +20,7 @@ import socket
 import time
 from dataclasses import dataclass, field
 
+from elastic_kit._agent import is_agent, torchrun_agent_pid
 from elastic_kit.snapshot._private import check_root, is_private_entry, private_dir, user_dir_name
 from elastic_kit.snapshot._slots import owner_alive, process_start, slot_owner_alive, slot_pid
 
@@ -99,11 +100,25 @@ def _user_dir(root: str) -> str | None:
         return None
 
 
+def _runs_an_agent(pid: int) -> bool:
+    """Whether process ``pid`` is a torchrun agent, or the fork server of one (a node
+    directory is named after its workers' parent). A run outside torchrun names its
+    node after its parent too: a shell, a notebook server, which lives on after the
+    run and is no sign of it."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if is_agent(f.read().split(b"\0")):
+                return True
+    except OSError:
+        return False
+    return torchrun_agent_pid(pid, levels=1) is not None
+
+
 def _survey(path: str) -> SnapshotRun:
     run = SnapshotRun(path=path, newest=os.lstat(path).st_mtime)
     for name in sorted(os.listdir(path)):
         agent = host_node_pid(name)
-        if agent is not None and host_node_alive(name):
+        if agent is not None and host_node_alive(name) and _runs_an_agent(agent):
             run.agents.append(agent)
     for dirpath, dirnames, filenames in os.walk(path, followlinks=False):
         for name in dirnames + filenames:

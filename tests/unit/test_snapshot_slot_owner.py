@@ -149,3 +149,24 @@ def test_the_space_check_counts_the_files_aligned_size(
         assert f"two snapshots need {need:.1f} MB" in caplog.text
     finally:
         tier.close(remove=True)
+
+
+def test_a_run_named_after_a_live_parent_that_is_no_agent_is_idle_and_removed(
+        tmp_path: Path) -> None:
+    """A run outside torchrun names its node after its parent (the shell that started
+    ``python train.py``): once the run ended without close(), the live shell kept it
+    "in use (agent pid ...)", and the command the warning gives to remove it
+    (``snapshots --remove --idle-minutes 0``) removed nothing while that shell lived.
+    Only a live torchrun agent (or its fork server) counts."""
+    from elastic_kit.snapshot._leftovers import host_node_name
+
+    root = tmp_path / "shm"
+    run = root / user_dir_name() / "local-2222"
+    node = run / host_node_name(os.getpid())  # a live process, and no torchrun agent
+    (node / "step-000000000010").mkdir(parents=True)
+    (node / "step-000000000010" / "manifest.json").write_bytes(b"{}")
+    for d in (root, root / user_dir_name(), run, node, node / "step-000000000010"):
+        d.chmod(0o700)
+    assert [r.agents for r in snapshot_runs(str(root))] == [[]]
+    assert [Path(r.path).name for r in remove_idle_runs(str(root), idle_s=0)] == ["local-2222"]
+    assert not run.exists()
