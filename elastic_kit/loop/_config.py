@@ -39,7 +39,9 @@ class LoopConfig:
     Attributes:
         epochs: train until this many epochs are complete.
         global_batch_size: ``G`` for ``fixed_global``: samples per optimizer step over
-            all ranks; must be divisible by every world size the job runs at.
+            all ranks; must be divisible by every world size the job runs at. Required
+            under ``fixed_global``, the default policy (no default fits every
+            dataset), so ``LoopConfig()`` alone raises ``BatchPolicyError``.
         micro_batch_size: the most samples a rank feeds the model at once
             (``fixed_global``); the per-worker batch for ``linear_lr``.
         batch_policy: ``"fixed_global"`` (default), ``"linear_lr"`` or a

@@ -82,7 +82,9 @@ class ElasticLoop:
         store: a :class:`~elastic_kit.CheckpointStore` (or any
             :class:`~elastic_kit.checkpointer.StoreLike`); ``None`` trains without
             checkpoints.
-        config: a :class:`LoopConfig`.
+        config: a :class:`LoopConfig` (give one: its default batch policy needs
+            ``global_batch_size``, and ``None`` stands for ``LoopConfig()``, which
+            raises ``BatchPolicyError`` saying so).
         on_epoch_end: ``fn(state, summary)`` after every epoch, on every rank, before
             the epoch's checkpoint (validation; update ``state.extras`` here).
         on_step_end: ``fn(state, step_info)`` after every optimizer step, every rank;
