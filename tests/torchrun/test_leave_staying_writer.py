@@ -43,6 +43,15 @@ SCRIPT = textwrap.dedent("""
         time.sleep(3)  # time enough for a staying rank to exit, were it let go
         (marks / "released").write_text(str(time.time()))
 
+    def left(*_):
+        mark = marks / f"left-{info.rank}"
+        if not mark.exists():
+            mark.write_text(str(time.time()))
+
+    # a leaving rank's agent, which it stops, stops it in turn (SIGTERM): on a loaded
+    # machine that can come before its SystemExit reaches the mark below (the
+    # checkpointer gives the signal back to this handler once it closed)
+    signal.signal(signal.SIGTERM, lambda *a: (left(), os._exit(143)))
     store = url
     if info.rank == 0:
         ffs = FaultFileSystem(fsspec.filesystem("file"))
@@ -67,7 +76,7 @@ SCRIPT = textwrap.dedent("""
                 os.kill(os.getpid(), signal.SIGUSR1)
         ckpt.close()
     except SystemExit:
-        (marks / f"left-{info.rank}").write_text(str(time.time()))
+        left()
         raise
 """)
 
