@@ -286,7 +286,25 @@ def init_distributed(
         info.rank, info.world_size, info.node_rank, info.num_nodes, info.local_rank,
         info.backend, info.restart_count, info.run_id,
     )
+    if info.is_main and info.restart_count == 0:
+        _warn_shared_agent_store(info)
     return info
+
+
+def _warn_shared_agent_store(info: DistInfo) -> None:
+    """Say once (rank 0, first start) when torchrun shares its rendezvous store with
+    the workers while it may restart them: a restarted gloo group
+    then sometimes fails to form, or hangs, on the dead group's addresses, and a
+    joining node's round hangs on torch 2.13-2.14. The agents' environment decides
+    it; the workers inherit it, so they can tell."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or info.max_restarts == 0:
+        return
+    log.warning("torchrun shares its rendezvous store with the workers "
+                "(TORCH_DISABLE_SHARE_RDZV_TCP_STORE is not 1 in the agents' environment): "
+                "with --max-restarts=%d a restarted group may fail to form or hang on the "
+                "previous group's addresses, and a node joining the job may hang its round; "
+                "start every agent with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1",
+                info.max_restarts)
 
 
 #: The longest a rank other than 0 polls for rank 0's store before joining the group.
