@@ -9,7 +9,8 @@ with ``snapshot`` above ``store`` (snapshots are kept in the store's format) and
 ``state`` above ``store`` too (TrainState checks its extras with the store's one
 validator, so what it builds is what the store saves). The root
 package's own modules (``__init__``, ``cli``, ``run``, ``__main__``) and ``testing``
-sit above everything; ``_version``, ``_console`` and ``_env`` below everything.
+sit above everything; ``_version``, ``_console``, ``_env`` and ``_agent`` (which
+process is a torchrun agent) below everything.
 """
 
 from __future__ import annotations
@@ -39,8 +40,9 @@ ALLOWED: dict[str, frozenset[str]] = {
     "_version": frozenset(),
     "_console": frozenset(),
     "_env": frozenset(),
+    "_agent": frozenset(),
 }
-BASE = frozenset({"_version", "_console", "_env"})
+BASE = frozenset({"_version", "_console", "_env", "_agent"})
 TOP = frozenset({"__init__", "__main__", "cli", "run", "testing"})
 
 
