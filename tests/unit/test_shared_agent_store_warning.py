@@ -13,10 +13,19 @@ import elastic_kit as ek
 from elastic_kit.distributed import _warn_shared_agent_store
 
 
-@pytest.mark.parametrize("shared, restarts, warned", [
-    ("True", 3, True), ("False", 3, False), ("True", 0, False), (None, 3, False)])
+@pytest.mark.parametrize("shared, restarts, disabled, warned", [
+    ("True", 3, None, True), ("False", 3, "1", False), ("True", 0, None, False),
+    (None, 3, None, False),
+    # a static rendezvous shares its store whatever the variable says: the advice to
+    # set it, given where it is set, could never be followed
+    ("True", 3, "1", False)])
 def test_a_shared_agent_store_with_restarts_is_named_once(
-        monkeypatch, caplog, shared: str | None, restarts: int, warned: bool) -> None:
+        monkeypatch, caplog, shared: str | None, restarts: int, disabled: str | None,
+        warned: bool) -> None:
+    if disabled is None:
+        monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)
+    else:
+        monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", disabled)
     if shared is None:
         monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
     else:
