@@ -102,9 +102,7 @@ def _user_dir(root: str) -> str | None:
 
 def _runs_an_agent(pid: int) -> bool:
     """Whether process ``pid`` is a torchrun agent, or the fork server of one (a node
-    directory is named after its workers' parent). A run outside torchrun names its
-    node after its parent too: a shell, a notebook server, which lives on after the
-    run and is no sign of it."""
+    directory is named after its workers' parent)."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             if is_agent(f.read().split(b"\0")):
@@ -116,9 +114,16 @@ def _runs_an_agent(pid: int) -> bool:
 
 def _survey(path: str) -> SnapshotRun:
     run = SnapshotRun(path=path, newest=os.lstat(path).st_mtime)
+    # A run outside torchrun (run id "local") names its node after its parent too: a
+    # shell, a notebook server, which lives on after the run and is no sign of it; its
+    # parent counts only if it is an agent after all. Under torchrun the parent counts
+    # while it lives (a launcher that runs torchrun's agent in its own process, such
+    # as accelerate's, has a command line of its own).
+    plain = os.path.basename(path).startswith("local-")
     for name in sorted(os.listdir(path)):
         agent = host_node_pid(name)
-        if agent is not None and host_node_alive(name) and _runs_an_agent(agent):
+        if agent is not None and host_node_alive(name) and (
+                not plain or _runs_an_agent(agent)):
             run.agents.append(agent)
     for dirpath, dirnames, filenames in os.walk(path, followlinks=False):
         for name in dirnames + filenames:

@@ -157,7 +157,7 @@ def test_a_run_named_after_a_live_parent_that_is_no_agent_is_idle_and_removed(
     ``python train.py``): once the run ended without close(), the live shell kept it
     "in use (agent pid ...)", and the command the warning gives to remove it
     (``snapshots --remove --idle-minutes 0``) removed nothing while that shell lived.
-    Only a live torchrun agent (or its fork server) counts."""
+    For such a run only a live torchrun agent (or its fork server) counts."""
     from elastic_kit.snapshot._leftovers import host_node_name
 
     root = tmp_path / "shm"
@@ -167,6 +167,13 @@ def test_a_run_named_after_a_live_parent_that_is_no_agent_is_idle_and_removed(
     (node / "step-000000000010" / "manifest.json").write_bytes(b"{}")
     for d in (root, root / user_dir_name(), run, node, node / "step-000000000010"):
         d.chmod(0o700)
-    assert [r.agents for r in snapshot_runs(str(root))] == [[]]
+    # under torchrun (another run id) a live parent counts, whatever its command
+    # line (a launcher running torchrun's agent in its own process)
+    job = root / user_dir_name() / "job-3333"
+    (job / host_node_name(os.getpid())).mkdir(parents=True)
+    for d in (job, job / host_node_name(os.getpid())):
+        d.chmod(0o700)
+    assert sorted((Path(r.path).name, r.agents) for r in snapshot_runs(str(root))) == [
+        ("job-3333", [os.getpid()]), ("local-2222", [])]
     assert [Path(r.path).name for r in remove_idle_runs(str(root), idle_s=0)] == ["local-2222"]
-    assert not run.exists()
+    assert not run.exists() and job.exists()
