@@ -549,16 +549,10 @@ class Layout:
         except Exception as e:
             log.debug("could not list %s for unnamed payloads: %r", d.path, e)
             return
-        # ages against the manifest just written, both from the storage's clock (an
-        # object store's times are its own: this host's clock may be off by minutes)
-        committed = dict(files).get(MANIFEST_NAME)
-        if committed is None:
-            return
         for name, age in files:
             if (name in manifest.files or not _OWN_PAYLOAD.fullmatch(name) or age is None
-                    or age - committed < self.stale_after_s):
+                    or age < self.stale_after_s):
                 continue
-            age -= committed
             log.info("removing %s in %s: no manifest names it (the payload of an "
                      "interrupted save, unchanged for %.0f s)", name, d.path, age)
             try:

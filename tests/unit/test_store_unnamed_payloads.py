@@ -18,21 +18,9 @@ import torch
 from elastic_kit.store import CheckpointStore
 
 
-@pytest.mark.parametrize("kind", ["local", "memory", "memory-clock-ahead"])
+@pytest.mark.parametrize("kind", ["local", "memory"])
 def test_a_commit_removes_stale_payloads_its_manifest_does_not_name(
-        tmp_path: Path, kind: str, monkeypatch) -> None:
-    """``memory-clock-ahead``: this host's clock runs an hour ahead of the storage's
-    (an object store's times are its own): a payload written a moment ago is not
-    taken for an old one; ages count from the manifest the commit just wrote."""
-    if kind == "memory-clock-ahead":
-        import types
-
-        from elastic_kit.store import _backend_object
-
-        ahead = types.SimpleNamespace(**{k: getattr(time, k) for k in dir(time)
-                                         if not k.startswith("_")})
-        ahead.time = lambda: time.time() + 3600
-        monkeypatch.setattr(_backend_object, "time", ahead)
+        tmp_path: Path, kind: str) -> None:
     if kind == "local":
         url = str(tmp_path / "ck")
         step_dir = Path(url) / "step-000000000003"
@@ -45,7 +33,7 @@ def test_a_commit_removes_stale_payloads_its_manifest_does_not_name(
 
         def names() -> set[str]:
             return {p.name for p in step_dir.iterdir()}
-    else:  # an object store (written in place, times from its listing)
+    else:
         url = f"memory://ek-unnamed-{uuid.uuid4().hex}"
         fs = fsspec.filesystem("memory")
         root = url[len("memory://"):]
