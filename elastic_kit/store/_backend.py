@@ -129,10 +129,6 @@ class Backend(Protocol):
     def remove_file(self, path: str) -> None:
         """Remove one file."""
 
-    def list_files(self, directory: str) -> list[tuple[str, float | None]]:
-        """The regular files directly in ``directory``: (name, seconds since it last
-        changed, None: unknown); empty when it is gone."""
-
     def remove_step(self, path: str) -> None:
         """Remove a step directory so that a crash half way never leaves it committed."""
 

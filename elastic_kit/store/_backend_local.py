@@ -463,22 +463,6 @@ class LocalBackend:
     def remove_file(self, path: str) -> None:
         os.remove(path)
 
-    def list_files(self, directory: str) -> list[tuple[str, float | None]]:
-        out: list[tuple[str, float | None]] = []
-        now = time.time()
-        try:
-            with os.scandir(directory) as it:
-                for e in it:
-                    try:
-                        st = e.stat(follow_symlinks=False)
-                    except FileNotFoundError:
-                        continue
-                    if stat.S_ISREG(st.st_mode):
-                        out.append((e.name, now - st.st_mtime))
-        except (FileNotFoundError, NotADirectoryError):
-            return []
-        return out
-
     def remove_step(self, path: str) -> None:
         """Renamed away first (a crash half way leaves a ``.tmp-`` leftover, never a
         half-deleted committed step), then removed."""

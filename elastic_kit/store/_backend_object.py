@@ -238,23 +238,6 @@ class ObjectBackend:
     def remove_file(self, path: str) -> None:
         self.fs.rm_file(path)
 
-    def list_files(self, directory: str) -> list[tuple[str, float | None]]:
-        try:
-            self.fs.invalidate_cache(directory)  # another writer may have written
-        except Exception:  # pragma: no cover - not every filesystem caches
-            pass
-        try:
-            listing = self._read(lambda: self.fs.ls(directory, detail=True), self.url)
-        except FileNotFoundError:
-            return []
-        now = time.time()
-        out: list[tuple[str, float | None]] = []
-        for i in listing:
-            if i.get("type") == "file":
-                t = entry_time(i)
-                out.append((basename(i["name"]), None if t is None else now - t))
-        return out
-
     def remove_step(self, path: str) -> None:
         """The manifest first (the step is uncommitted from then on), then the rest."""
         try:

@@ -75,9 +75,6 @@ __all__ = ["STEP_DIGITS", "step_dir_name", "parse_step_dir", "StepDir",
 log = logging.getLogger(__name__)
 
 STEP_DIGITS = 12
-#: The payload files a save writes in a step directory (``state.pt``, a re-save's or an
-#: object store's ``state.<id>.pt``, sharded saves' ``shards-<rank>[.<id>].bin``).
-_OWN_PAYLOAD = re.compile(r"(state|shards-[0-9]{5})(\.[0-9a-f]{12})?\.(pt|bin)", re.ASCII)
 _STEP_RE = re.compile(r"step-([0-9]{12})", re.ASCII)
 _CHUNK = 8 << 20
 #: The locks of the commits in progress in this process, by step directory (see
@@ -534,31 +531,7 @@ class Layout:
                     self.backend.remove_file(join(d.path, old_name))
                 except Exception as e:
                     log.debug("could not remove the replaced %s: %r", old_name, e)
-        self.drop_unnamed(d, manifest)
         return d.path, manifest
-
-    def drop_unnamed(self, d: StepDir, manifest: Manifest) -> None:
-        """Remove the payload files in ``d`` that ``manifest`` (just committed) does
-        not name and that nothing changed for ``stale_after_s``: a save of this step
-        that died between its payload and its manifest, or whose manifest write
-        failed, left them (written beside the committed ones under fresh names), and
-        no later save would name them: a checkpoint's size leaked per such crash,
-        which ``ls`` does not show. Only names this library writes; best effort."""
-        try:
-            files = self.backend.list_files(d.path)
-        except Exception as e:
-            log.debug("could not list %s for unnamed payloads: %r", d.path, e)
-            return
-        for name, age in files:
-            if (name in manifest.files or not _OWN_PAYLOAD.fullmatch(name) or age is None
-                    or age < self.stale_after_s):
-                continue
-            log.info("removing %s in %s: no manifest names it (the payload of an "
-                     "interrupted save, unchanged for %.0f s)", name, d.path, age)
-            try:
-                self.backend.remove_file(join(d.path, name))
-            except Exception as e:
-                log.debug("could not remove %s: %r", name, e)
 
     # ------------------------------------------------------------------ delete
     def delete(self, d: StepDir) -> None:

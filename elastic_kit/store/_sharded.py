@@ -461,7 +461,6 @@ def _commit(layout: Layout, d: StepDir, prep: _Prepared, everyone: list[dict[str
             log.warning("sharded checkpoint step %d: committing it failed (%r); its files "
                         "in %s are left for the cleanup of stale saves", step, e, staging)
         return None, {"ok": False, "error": _describe(e)}, error or e
-    layout.drop_unnamed(d, manifest)
     return manifest, {"ok": True}, error
 
 
