@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["torchrun_agent_pid", "is_agent", "python_module"]
+__all__ = ["torchrun_agent_pid", "is_agent", "python_module", "command_line"]
 
 _AGENT_MODULES = (b"torch.distributed.run", b"torch.distributed.launch", b"elastic_kit.run")
 
@@ -43,6 +43,16 @@ def is_agent(argv: list[bytes]) -> bool:
     return python_module(argv) in _AGENT_MODULES
 
 
+def command_line(pid: int, *, proc: str = "/proc") -> list[bytes] | None:
+    """Process ``pid``'s arguments, or None when it cannot be read (gone, another
+    user's under ``hidepid``, no ``/proc``)."""
+    try:
+        with open(f"{proc}/{pid}/cmdline", "rb") as f:
+            return f.read().split(b"\0")
+    except OSError:
+        return None
+
+
 def torchrun_agent_pid(pid: int | None = None, *, proc: str = "/proc",
                        levels: int = 3) -> int | None:
     """The pid of the torchrun agent above process ``pid`` (default: this one), or None.
@@ -59,11 +69,10 @@ def torchrun_agent_pid(pid: int | None = None, *, proc: str = "/proc",
             with open(f"{proc}/{pid}/stat", "rb") as f:
                 stat = f.read()
             pid = int(stat[stat.rfind(b")") + 2:].split()[1])  # the parent's pid
-            with open(f"{proc}/{pid}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
         except (OSError, ValueError, IndexError):
             return None
-        if pid <= 1:
+        argv = command_line(pid, proc=proc)
+        if argv is None or pid <= 1:
             return None
         if is_agent(argv):
             return pid

@@ -36,7 +36,7 @@ import threading
 import time
 from typing import Callable, NoReturn
 
-from elastic_kit._agent import python_module, torchrun_agent_pid
+from elastic_kit._agent import command_line, python_module, torchrun_agent_pid
 from elastic_kit._console import say
 from elastic_kit.distributed import DistInfo, all_gather_object, is_dist_ready
 from elastic_kit.health import LEAVE_ENV, LEAVE_SIGNAL, PreemptionWatcher
@@ -172,9 +172,7 @@ def _leave_signal(agent: int) -> int | None:
     name = os.environ.get(LEAVE_ENV)
     if name != LEAVE_SIGNAL.name:
         return None
-    try:
-        with open(f"/proc/{agent}/cmdline", "rb") as f:
-            argv = f.read().split(b"\0")
-    except OSError:
+    argv = command_line(agent)
+    if argv is None:
         return None
     return LEAVE_SIGNAL if python_module(argv) == b"elastic_kit.run" else None

@@ -20,7 +20,7 @@ import socket
 import time
 from dataclasses import dataclass, field
 
-from elastic_kit._agent import is_agent, torchrun_agent_pid
+from elastic_kit._agent import command_line, is_agent, torchrun_agent_pid
 from elastic_kit.snapshot._private import check_root, is_private_entry, private_dir, user_dir_name
 from elastic_kit.snapshot._slots import owner_alive, process_start, slot_owner_alive, slot_pid
 
@@ -103,13 +103,10 @@ def _user_dir(root: str) -> str | None:
 def _runs_an_agent(pid: int) -> bool:
     """Whether process ``pid`` is a torchrun agent, or the fork server of one (a node
     directory is named after its workers' parent)."""
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            if is_agent(f.read().split(b"\0")):
-                return True
-    except OSError:
+    argv = command_line(pid)
+    if argv is None:
         return False
-    return torchrun_agent_pid(pid, levels=1) is not None
+    return is_agent(argv) or torchrun_agent_pid(pid, levels=1) is not None
 
 
 def _survey(path: str) -> SnapshotRun:
