@@ -29,6 +29,30 @@ def _ranks(n: int, fn, kv) -> list:
     return out
 
 
+def _answered_while_beating(prefix: str, *, hurry_first: bool,
+                            presumed_silent: frozenset[int] | set[int] = frozenset()) -> list:
+    """Rank 1 waits, hurried (0.6 s), for rank 0's broadcast; rank 0 beats (every
+    0.2 s at this timeout) and answers after 1.5 s: what rank 1 received.
+    ``hurry_first``: hurried before its wait begins, else while it waits."""
+    kv = dist.HashStore()
+    sender, receiver = (KvExchange(kv, prefix, r, 2, timeout=1.0,
+                                   presumed_silent=presumed_silent) for r in (0, 1))
+    sender.start_beating()
+    got: list = []
+    t = threading.Thread(target=lambda: got.append(receiver.broadcast(None)))
+    if hurry_first:
+        receiver.hurry(0.6)
+    t.start()
+    if not hurry_first:
+        receiver.hurry(0.6)
+    threading.Event().wait(1.5)
+    sender.broadcast({"ok": True})
+    t.join(30)
+    sender.close()
+    receiver.close()
+    return got
+
+
 def test_rank_0_gathers_every_entry_and_broadcasts_its_verdict() -> None:
     kv = dist.HashStore()
 
@@ -80,19 +104,7 @@ def test_a_hurried_wait_gives_up_a_silent_peer_and_keeps_waiting_for_a_beating_o
 
     # rank 0 alive and in the save: it beats (every 0.2 s at this timeout) and
     # answers after 1.5 s, five times the hurried wait
-    kv = dist.HashStore()
-    sender, receiver = (KvExchange(kv, "save/4", r, 2, timeout=1.0) for r in (0, 1))
-    sender.start_beating()
-    got: list = []
-    t = threading.Thread(target=lambda: got.append(receiver.broadcast(None)))
-    t.start()
-    receiver.hurry(0.6)
-    threading.Event().wait(1.5)
-    sender.broadcast({"ok": True})
-    t.join(30)
-    sender.close()
-    receiver.close()
-    assert got == [{"ok": True}]
+    assert _answered_while_beating("save/4", hurry_first=False) == [{"ok": True}]
 
 
 def test_a_rank_given_up_once_gets_one_beat_in_a_later_hurried_wait() -> None:
@@ -120,20 +132,8 @@ def test_a_rank_given_up_once_gets_one_beat_in_a_later_hurried_wait() -> None:
     first.close()
 
     # presumed silent, but alive in this save: it beats, and its answer is awaited
-    kv = dist.HashStore()
-    sender, receiver = (KvExchange(kv, "save/7", r, 2, timeout=1.0, presumed_silent={0})
-                        for r in (0, 1))
-    sender.start_beating()
-    got: list = []
-    t = threading.Thread(target=lambda: got.append(receiver.broadcast(None)))
-    receiver.hurry(0.6)
-    t.start()
-    threading.Event().wait(1.5)
-    sender.broadcast({"ok": True})
-    t.join(30)
-    sender.close()
-    receiver.close()
-    assert got == [{"ok": True}]
+    assert _answered_while_beating("save/7", hurry_first=True, presumed_silent={0}) == [
+        {"ok": True}]
 
 
 def test_a_store_told_to_give_up_hurries_later_saves_until_it_is_closed(tmp_path) -> None:
