@@ -16,11 +16,14 @@ restart, the ranks deal out the rest of that same permutation, so every sample o
 the epoch is trained on exactly once.
 
 The remaining order ``rem = perm[consumed:]`` (length ``R``) is padded to a multiple
-of the world size ``W`` by cycling ``rem`` from its start (or cut down to one when
-``drop_last=True``), and rank ``r`` takes ``padded[r::W]``. Hence local position
-``j`` of rank ``r`` is padding exactly when ``r + j * W >= R``, and a global batch of
-``G`` samples (``G / W`` consecutive local indices per rank) is always the contiguous
-chunk ``rem[k * G:(k + 1) * G]``, whatever ``W`` is.
+of the world size ``W`` by cycling the epoch's permutation from its start (or cut down
+to one when ``drop_last=True``), and rank ``r`` takes ``padded[r::W]``. Hence local
+position ``j`` of rank ``r`` is padding exactly when ``r + j * W >= R``, and a global
+batch of ``G`` samples (``G / W`` consecutive local indices per rank) is always the
+contiguous chunk ``rem[k * G:(k + 1) * G]``, whatever ``W`` is. The padding is the
+same whichever position a pass started at: a run resumed mid-epoch at the same world
+size puts the same samples through its last step as the uninterrupted run (the padding
+has zero weight, but a model that mixes a batch's samples, as BatchNorm does, sees it).
 
 A *pass* is what one ``__iter__`` deals: this rank's share from the position current
 when it starts (``pass_start``); ``len()`` stays that pass's length while the loop
@@ -157,9 +160,10 @@ class ElasticDistributedSampler(DistributedSampler[int]):
     like ``DistributedSampler``: every pass deals the whole epoch.
 
     With ``drop_last=False`` the last ranks' shares are padded (by cycling the
-    remaining order) so all ranks take the same number of steps; the padded
-    positions are reported by :meth:`local_padding_mask` so the loop can give them
-    zero weight and every sample counts exactly once per epoch.
+    epoch's permutation from its start, wherever the pass began) so all ranks take
+    the same number of steps; the padded positions are reported by
+    :meth:`local_padding_mask` so the loop can give them zero weight and every sample
+    counts exactly once per epoch.
 
     ``len(sampler)``, :attr:`num_samples` and :attr:`total_size` describe the pass
     dealt by the latest ``__iter__`` (starting at :attr:`pass_start`) and stay
@@ -630,15 +634,18 @@ class ElasticDistributedSampler(DistributedSampler[int]):
         length = self._local_length(start)
         if length == 0:
             return torch.empty(0, dtype=torch.int64)
-        rem = self.permutation()[start:]
+        perm = self.permutation()
+        rem = perm[start:]
         n_real = self._local_real(start)
         real = rem[rank::w][:n_real]
         if n_real == length:
             # With one replica this is a view of the permutation itself: no copy.
             return real.contiguous()
-        # Padding cycles `rem` from its start: padded[p] = rem[p % R].
+        # Padding cycles the permutation from its start: padded[p] = perm[(p - R) % N],
+        # the epoch's global position start + p less N, whatever ``start`` is (cycling
+        # ``rem`` instead made a resumed pass pad with other samples).
         pad_pos = torch.arange(n_real, length, dtype=torch.int64).mul_(w).add_(rank)
-        return torch.cat([real, rem[pad_pos.remainder_(rem_len)]])
+        return torch.cat([real, perm[pad_pos.sub_(rem_len).remainder_(self.dataset_length)]])
 
     def __iter__(self) -> Iterator[int]:
         """Deal a pass: this rank's share from the current position.

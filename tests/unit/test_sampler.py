@@ -133,9 +133,10 @@ def test_rank_shares_have_equal_length_and_match_len(
         assert sorted(real) == sorted(rest[: expected * world])
     else:
         assert sorted(real) == sorted(rest)
-        # padding repeats the rest of the epoch from its start
+        # padding repeats the epoch's permutation from its start, wherever the pass began
         pads = torch.cat([x[m] for x, m in zip(shares, masks)]).tolist()
-        assert sorted(pads) == sorted((rest * world)[: expected * world - rem])
+        perm = samplers[0].permutation().tolist()
+        assert sorted(pads) == sorted((perm * world)[: expected * world - rem])
     assert all(x.dtype == torch.int64 for x in shares)
     assert all(m.dtype == torch.bool for m in masks)
 
@@ -195,9 +196,10 @@ def test_fewer_remaining_samples_than_ranks_pads_every_rank_to_one() -> None:
     samplers = _ranks(5, 5, start_index=3)
     assert [len(s) for s in samplers] == [1] * 5
     assert [s.num_local_real for s in samplers] == [1, 1, 0, 0, 0]
-    rest = samplers[0].permutation()[3:].tolist()
-    assert [s.local_indices().tolist() for s in samplers] == [[rest[0]], [rest[1]], [rest[0]],
-                                                              [rest[1]], [rest[0]]]
+    perm = samplers[0].permutation().tolist()
+    # the 2 remaining samples, then the epoch's permutation from its start as padding
+    assert [s.local_indices().tolist() for s in samplers] == [[perm[3]], [perm[4]], [perm[0]],
+                                                              [perm[1]], [perm[2]]]
 
 
 @pytest.mark.parametrize("drop_last", [False, True])
@@ -330,3 +332,20 @@ def test_advance_past_the_end_or_negative_is_rejected() -> None:
     with pytest.raises(ValueError, match=r"advance\(n=-1\)"):
         s.advance(-1)
     assert s.consumed == 8
+
+
+@pytest.mark.parametrize("n,w", [(101, 2), (100, 3), (37, 4), (7, 5)])
+def test_a_pass_resumed_at_the_same_world_size_pads_as_the_uninterrupted_one(
+        n: int, w: int) -> None:
+    # The padding has zero weight, but a model that mixes a batch's samples (BatchNorm)
+    # sees it: a resume at the same world size must put the same samples through every
+    # step, padding included, for the run to stay bitwise the uninterrupted one.
+    for rank in range(w):
+        whole = ElasticDistributedSampler(range(n), num_replicas=w, rank=rank, seed=3)
+        full = whole.local_indices().tolist()
+        for start in range(0, n, w):  # a resume lands at a whole step, a multiple of w
+            resumed = ElasticDistributedSampler(range(n), num_replicas=w, rank=rank, seed=3)
+            resumed.load_state_dict({**resumed.state_dict(), "consumed": start})
+            assert resumed.local_indices().tolist() == full[start // w:], (rank, start)
+            assert (resumed.local_padding_mask().tolist()
+                    == whole.local_padding_mask().tolist()[start // w:])
