@@ -19,7 +19,7 @@ from typing import IO, Any, TypeVar
 
 import fsspec
 
-from elastic_kit.errors import CheckpointCorruptError
+from elastic_kit.errors import CheckpointCorruptError, CheckpointError
 from elastic_kit.store._backend import Fill, PayloadWrite, Reader, Seal, basename, check_size
 from elastic_kit.store._fs import join
 from elastic_kit.store._manifest import MANIFEST_NAME, Manifest
@@ -81,6 +81,15 @@ class ObjectBackend:
 
     def __init__(self, fs: fsspec.AbstractFileSystem, root: str, *, url: str,
                  read: Reader) -> None:
+        if "" in root.strip("/").split("/"):
+            # s3fs lists ``b//run`` as ``b/run`` (it strips the key's leading slash)
+            # but reads and writes the key ``/run/...``: such a store never found its
+            # own checkpoints, and took another store's steps for its leftovers
+            collapsed = "/".join(part for part in root.split("/") if part)
+            raise ValueError(
+                f"checkpoint url={url!r} has an empty path component ('//'), which object "
+                f"stores list and write under different keys; expected the path without "
+                f"it ({collapsed!r})")
         self.fs = fs
         self.root = root
         self.url = url
@@ -130,6 +139,16 @@ class ObjectBackend:
         if len(listing) == 1 and listing[0].get("type") == "file" and \
                 listing[0]["name"].rstrip("/") == self.root.rstrip("/"):
             self.check_root()
+        own = self.root.rstrip("/")
+        names = [self.fs._strip_protocol(i["name"]).rstrip("/") for i in listing]
+        foreign = [n for n in names if n != own and not n.startswith(own + "/")]
+        if foreign:
+            # an entry named after its own path elsewhere: taken by its base name, it
+            # would be read, and deleted, as this store's
+            raise CheckpointError(
+                f"checkpoint url={self.url!r}: listing {self.root!r} returned "
+                f"{foreign[0]!r}, outside it (the filesystem normalizes this path to "
+                f"another one); nothing was read or deleted")
         return [(basename(i["name"]), i.get("type") == "directory") for i in listing]
 
     def open_regular(self, path: str, max_bytes: int | None) -> tuple[IO[bytes], int]:
