@@ -68,7 +68,12 @@ def resolve_url(url: str | os.PathLike[str], storage_options: dict[str, Any] | N
         url = os.fspath(url)
     if not isinstance(url, str) or not url.strip():
         raise ValueError(f"checkpoint url={url!r} must be a non-empty path or fsspec URL")
-    protocol = url.split("://", 1)[0].lower() if "://" in url else "file"
+    if "://" in url:
+        # schemes are case-insensitive (RFC 3986), fsspec's are lower case: "FILE:///x"
+        # was the relative directory "FILE:/x"
+        scheme, rest = url.split("://", 1)
+        url = f"{scheme.lower()}://{rest}"
+    protocol = url.split("://", 1)[0] if "://" in url else "file"
     options = dict(storage_options or {})
     if io_timeout is not None and protocol in ("s3", "s3a"):
         options = s3_timeout_options(options, io_timeout)

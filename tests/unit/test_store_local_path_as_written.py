@@ -32,3 +32,19 @@ def test_home_and_relative_paths_still_resolve(tmp_path: Path, monkeypatch: pyte
     assert CheckpointStore("~/ck").root == f"{tmp_path}/home/ck"
     assert CheckpointStore("rel/ck").root == f"{tmp_path}/rel/ck"
     assert CheckpointStore("file://rel/ck").root == f"{tmp_path}/rel/ck"
+
+
+@pytest.mark.parametrize("scheme", ["FILE://", "File://"])
+def test_a_scheme_in_capitals_names_the_same_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    scheme: str) -> None:
+    # URL schemes are case-insensitive: "FILE:///x" wrote into ./FILE:/x, relative to
+    # whatever the working directory was
+    monkeypatch.chdir(tmp_path)
+    store = CheckpointStore(f"{scheme}{tmp_path}/ck")
+    assert store.root == f"{tmp_path}/ck"
+    store.save({"w": torch.ones(2)}, step=3)
+    store.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+    assert CheckpointStore(f"{tmp_path}/ck").load().step == 3
+    assert CheckpointStore(f"MEMORY://ek-caps-{tmp_path.name}").root == (
+        CheckpointStore(f"memory://ek-caps-{tmp_path.name}").root)
