@@ -387,14 +387,17 @@ def _register_exit_teardown() -> None:
     """
     global _exit_hook_registered
     if not _exit_hook_registered:
-        atexit.register(_teardown_at_exit)
+        atexit.register(_teardown_at_exit, os.getpid())
         _exit_hook_registered = True
 
 
-def _teardown_at_exit() -> None:
+def _teardown_at_exit(owner: int) -> None:
     """Let the library's collectives finish, destroy the process group (if the script
     has not), let threads settle, then spare the shutdown's collections the objects
-    that exist (see :func:`_register_exit_teardown`)."""
+    that exist (see :func:`_register_exit_teardown`). Nothing in a child the script
+    forked (``os.fork``, then ``sys.exit``): the group is the parent's."""
+    if os.getpid() != owner:
+        return
     settle_collectives(EXIT_SETTLE_S)
     try:
         destroy_distributed()

@@ -15,6 +15,7 @@ abandoned (no collective): what was taken is written.
 from __future__ import annotations
 
 import atexit
+import os
 import signal
 import threading
 import weakref
@@ -80,7 +81,17 @@ class Hooks:
             self._step_hook = optimizer.register_step_pre_hook(wait_staged)
             self._optimizer, self._wait_staged = optimizer, wait_staged
         if at_exit is not None and self._at_exit is None:
-            self._at_exit = _weakly(at_exit)
+            weak, owner = _weakly(at_exit), os.getpid()
+
+            def at_exit_here() -> None:
+                # a child forked by the script (os.fork, then sys.exit) inherits the
+                # handler: the checkpointer, its threads and its snapshot files are the
+                # parent's (its save's threads do not exist there: the wait hung; its
+                # snapshot files went, and the parent's snapshots with them)
+                if os.getpid() == owner:
+                    weak()
+
+            self._at_exit = at_exit_here
             atexit.register(self._at_exit)
 
     def follow(self, optimizer: torch.optim.Optimizer | None) -> None:
