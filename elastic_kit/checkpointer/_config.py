@@ -54,7 +54,14 @@ class CheckpointerConfig:
             SIGINT and SIGHUP, which its agent forwards on Ctrl-C or a lost terminal):
             a step soon after (every rank at the same one, within about 0.4 s of
             training; at the latest the epoch's end) saves synchronously and exits
-            with ``exit_code``.
+            with ``exit_code``. Python runs signal handlers on the main thread only:
+            a checkpointer made on another thread (a framework that runs the
+            training function in a thread) installs none (it warns) and a SIGTERM
+            then ends the process unsaved, unless the main thread's own handler
+            calls :meth:`~elastic_kit.Checkpointer.request_stop` (``restart=True``)
+            and the training thread's ``SystemExit`` is passed on as the process's
+            exit status. A handler the script sets before the checkpointer's is
+            called after its save; one set after replaces it (no save; it warns).
         exit_code: the exit status after a SIGTERM save (non-zero, so torchrun
             restarts the group instead of reporting success).
         snapshot_every: in-memory snapshots (see :mod:`elastic_kit.snapshot`): the full

@@ -143,7 +143,10 @@ class TerminationFlag:
 
     def install(self) -> TerminationFlag:
         if threading.current_thread() is not threading.main_thread():
-            log.warning("not in the main thread: SIGTERM handler not installed")
+            log.warning("not in the main thread: no SIGTERM handler installed (Python "
+                        "runs them on the main thread only), so a SIGTERM ends the process "
+                        "without a checkpoint; have the main thread's own handler call "
+                        "ckpt.request_stop(restart=True)")
             return self
         for sig in self.signals:
             self._previous[sig] = signal.signal(sig, self._handle)
@@ -207,6 +210,16 @@ class TerminationFlag:
                 acted = True
                 came = time.monotonic()
                 if not self._heard.wait(self.unheard_after_s):
+                    if signal.getsignal(got[0]) != self._handle:
+                        # the script set a handler of its own since: the signal went to
+                        # it, and the main thread runs it (or what it started); not ours
+                        # to act on (acting ended the process under the script's cleanup)
+                        log.warning("signal %d went to a handler set after the "
+                                    "checkpointer's: no checkpoint is saved for it (set "
+                                    "that handler before the Checkpointer is made, which "
+                                    "calls it after its save, or call "
+                                    "ckpt.request_stop(restart=True) from it)", got[0])
+                        continue
                     if self.on_unheard is not None and not self._quiet.is_set():
                         log.warning("signal %d was not heard by the main thread in %.0f s "
                                     "(it sits in a call that does not return)", got[0],

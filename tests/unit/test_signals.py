@@ -145,3 +145,23 @@ def test_on_received_runs_in_the_handler_while_the_main_thread_waits_on_a_future
     finally:
         flag.uninstall()
     assert calls == [signal.SIGTERM] and flag.received == signal.SIGTERM
+
+
+def test_a_signal_that_went_to_a_handler_set_since_is_not_handed_over(caplog) -> None:  # type: ignore[no-untyped-def]
+    """A script that sets its own SIGTERM handler after the checkpointer's (to clean up
+    in its own way) gets the signal; the watcher, which never sees the flag's handler
+    run, must not take the main thread for stuck and end the process."""
+    called: list[int] = []
+    got: list[int] = []
+    flag = TerminationFlag(on_unheard=called.append, unheard_after_s=0.3)
+    flag.install()
+    previous = signal.signal(signal.SIGTERM, lambda s, f: got.append(s))
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        _wait(0.8)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        flag.uninstall()
+    assert got == [signal.SIGTERM] and not flag.heard and called == []
+    assert any("went to a handler set after the checkpointer's" in r.getMessage()
+               for r in caplog.records)
