@@ -334,7 +334,8 @@ class PreemptionWatcher:
         if threading.current_thread() is threading.main_thread():
             # one at a time: a signal arriving meanwhile restores its own (_pass_on)
             for sig, prev in list(self._previous.items()):
-                signal.signal(sig, prev if prev is not None else signal.SIG_DFL)
+                if signal.getsignal(sig) == self._on_signal:  # else set since: kept
+                    signal.signal(sig, prev if prev is not None else signal.SIG_DFL)
                 self._previous.pop(sig, None)
         elif self._previous:
             log.warning("the preemption watcher was closed off the main thread: the "

@@ -159,7 +159,8 @@ class TerminationFlag:
         self._acted.set()  # nothing is left to act on it
         _INSTALLED.discard(self)
         for sig, prev in self._previous.items():
-            signal.signal(sig, prev if prev is not None else signal.SIG_DFL)
+            if signal.getsignal(sig) == self._handle:  # else the script's, set since: kept
+                signal.signal(sig, prev if prev is not None else signal.SIG_DFL)
         self._previous.clear()
         if self._pipe is not None and threading.current_thread() is threading.main_thread():
             r, w = self._pipe

@@ -164,3 +164,18 @@ def test_a_signal_after_a_close_off_the_main_thread_is_no_notice_and_gets_the_pr
         assert seen == ([signal.SIGUSR1] * 2 if previous_is_a_handler else [])
     finally:
         signal.signal(signal.SIGUSR1, before)
+
+
+def test_a_close_keeps_a_handler_the_script_set_since() -> None:
+    def mine(signum: int, frame: object) -> None:
+        pass
+
+    before = signal.getsignal(signal.SIGUSR1)
+    try:
+        watcher = PreemptionWatcher(lambda what: None, cloud=None,
+                                    signals=(signal.SIGUSR1,)).start()
+        signal.signal(signal.SIGUSR1, mine)
+        watcher.close()
+        assert signal.getsignal(signal.SIGUSR1) is mine  # not put back to what was before
+    finally:
+        signal.signal(signal.SIGUSR1, before)

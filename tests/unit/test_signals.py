@@ -165,3 +165,20 @@ def test_a_signal_that_went_to_a_handler_set_since_is_not_handed_over(caplog) ->
     assert got == [signal.SIGTERM] and not flag.heard and called == []
     assert any("went to a handler set after the checkpointer's" in r.getMessage()
                for r in caplog.records)
+
+
+def test_uninstall_keeps_a_handler_the_script_set_since() -> None:
+    flag = TerminationFlag(unheard_after_s=0.3)
+    before = signal.getsignal(signal.SIGTERM)
+    flag.install()
+    def mine(s: int, f: object) -> None:
+        pass
+    signal.signal(signal.SIGTERM, mine)
+    try:
+        flag.uninstall()
+        assert signal.getsignal(signal.SIGTERM) is mine  # not put back to what was before
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    flag.install()
+    flag.uninstall()
+    assert signal.getsignal(signal.SIGTERM) == before
