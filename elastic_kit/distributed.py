@@ -12,6 +12,7 @@ small, and degrade to identities when no process group is initialized.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import gc
 import io
 import ipaddress
@@ -494,7 +495,9 @@ def wrap_ddp(
 
     ``device_ids`` is set on CUDA and left out on CPU, as DDP requires. Without a
     process group the model is only moved, so ``model(x)`` and ``model.parameters()``
-    behave the same; use :func:`unwrap_model` to reach the plain module either way.
+    behave the same, and given a ``no_sync()`` that does nothing (where it has none),
+    so a gradient-accumulation loop written for DDP runs as ``python train.py`` too;
+    use :func:`unwrap_model` to reach the plain module either way.
 
     Args:
         model: the module to train.
@@ -515,6 +518,8 @@ def wrap_ddp(
     info = info or get_dist_info()
     model = model.to(info.device)
     if not is_dist_ready():
+        if not hasattr(model, "no_sync"):
+            model.no_sync = contextlib.nullcontext  # type: ignore[assignment]
         return model
     if sync_batchnorm:
         if info.device.type == "cpu" and any(
