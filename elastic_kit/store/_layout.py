@@ -182,6 +182,7 @@ class Layout:
             if is_local(fs) else ObjectBackend(fs, root, url=url, read=self._read))
         self._warned_older = False  # a save older than the newest committed was logged
         self._warned_late = False  # a late commit of an earlier worker group was logged
+        self._warned_entries: set[str] = set()  # step-<n> names that are no directory
         # steps a load of this layout skipped as corrupt: retention does not count them
         self.found_corrupt: set[int] = set()
 
@@ -219,6 +220,12 @@ class Layout:
             step = parse_step_dir(name)
             if step is not None and is_dir:
                 out.append(StepDir(step, join(self.root, name)))
+            elif step is not None and name not in self._warned_entries:
+                # never followed (a link planted in a shared directory would make the
+                # store read, and retention delete, whatever it names), but not in silence
+                self._warned_entries.add(name)
+                log.warning("%s in %s is not a directory (a symbolic link, or a file): not "
+                            "read as checkpoint step %d", name, self.url, step)
         return sorted(out, key=lambda d: d.step)
 
     # ------------------------------------------------------------------ read

@@ -112,3 +112,31 @@ def test_no_directory_the_store_makes_is_writable_by_every_user(tmp_path: Path) 
     assert len(dirs) >= 3
     assert all(not p.stat().st_mode & stat.S_IWOTH for p in dirs), [
         (str(p), oct(p.stat().st_mode)) for p in dirs]
+
+
+def test_a_step_directory_that_is_a_link_is_skipped_with_a_warning(
+        tmp_path, caplog) -> None:  # type: ignore[no-untyped-def]
+    import logging
+    import os
+
+    import torch
+
+    from elastic_kit.store import CheckpointStore
+
+    root = tmp_path / "ckpt"
+    store = CheckpointStore(str(root), keep_last=None)
+    for step in (1, 2):
+        store.save({"w": torch.full((2,), float(step))}, step=step)
+    store.close()
+    moved = tmp_path / "elsewhere"
+    os.rename(root / "step-000000000002", moved)
+    os.symlink(moved, root / "step-000000000002")
+    caplog.set_level(logging.WARNING)
+    again = CheckpointStore(str(root))
+    loaded = again.load()
+    assert loaded is not None and loaded.step == 1
+    warned = [r.getMessage() for r in caplog.records if "not a directory" in r.getMessage()]
+    assert len(warned) == 1 and "step-000000000002" in warned[0], warned
+    assert [i.step for i in again.list()] == [1]
+    assert len([r for r in caplog.records if "not a directory" in r.getMessage()]) == 1
+    again.close()
