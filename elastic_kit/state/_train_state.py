@@ -323,12 +323,12 @@ def _as_load_hooks_leave_it(model: nn.Module, saved: dict[str, Any]) -> dict[str
     its prefix, its children then get theirs. ``saved`` itself when no module has a
     hook, or when a hook fails on a meta tensor (it reads values: the keys as saved
     are then all that can be checked before loading)."""
-    if not any(m._load_state_dict_pre_hooks for m in model.modules()):
+    if not any(getattr(m, "_load_state_dict_pre_hooks", None) for m in model.modules()):
         return saved
     out: dict[str, Any] = {}
 
     def walk(module: nn.Module, local: dict[str, Any], prefix: str) -> None:
-        for hook in module._load_state_dict_pre_hooks.values():
+        for hook in getattr(module, "_load_state_dict_pre_hooks", {}).values():
             hook(local, prefix, {}, True, [], [], [])
         children = {name + "." for name, child in module._modules.items() if child is not None}
         for k, v in local.items():
