@@ -60,8 +60,12 @@ class CheckpointerConfig:
             then ends the process unsaved, unless the main thread's own handler
             calls :meth:`~elastic_kit.Checkpointer.request_stop` (``restart=True``)
             and the training thread's ``SystemExit`` is passed on as the process's
-            exit status. A handler the script sets before the checkpointer's is
-            called after its save; one set after replaces it (no save; it warns).
+            exit status. A handler the script set before gets only a signal that
+            comes while :meth:`~elastic_kit.Checkpointer.close` writes the last
+            checkpoint (once it is written); one set after replaces the
+            checkpointer's (no save; it warns), and if it calls the handler it
+            replaced, the signal goes on, after ``close()``, to what the
+            checkpointer replaced.
         exit_code: the exit status after a SIGTERM save (non-zero, so torchrun
             restarts the group instead of reporting success).
         snapshot_every: in-memory snapshots (see :mod:`elastic_kit.snapshot`): the full

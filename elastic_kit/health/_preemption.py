@@ -37,6 +37,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, Callable
 
+from elastic_kit._signal import deliver
 from elastic_kit.health._agent_leave import LEAVE_SIGNAL
 
 __all__ = [
@@ -289,6 +290,10 @@ class PreemptionWatcher:
         the signal what the previous handler would have done."""
         if signum not in self._previous:
             return  # restored already
+        if signal.getsignal(signum) != self._on_signal:
+            # the script's handler, set since and kept at close, chained to this one
+            deliver(signum, frame, self._previous[signum])
+            return
         previous = self._previous.pop(signum)
         previous = signal.SIG_DFL if previous is None else previous
         signal.signal(signum, previous)
@@ -334,9 +339,11 @@ class PreemptionWatcher:
         if threading.current_thread() is threading.main_thread():
             # one at a time: a signal arriving meanwhile restores its own (_pass_on)
             for sig, prev in list(self._previous.items()):
-                if signal.getsignal(sig) == self._on_signal:  # else set since: kept
+                if signal.getsignal(sig) == self._on_signal:
                     signal.signal(sig, prev if prev is not None else signal.SIG_DFL)
-                self._previous.pop(sig, None)
+                    self._previous.pop(sig, None)
+                # else the script's, set since: kept, and if it chains here the signal
+                # is passed on to what this watcher replaced (see _pass_on)
         elif self._previous:
             log.warning("the preemption watcher was closed off the main thread: the "
                         "handlers of %s stay installed until a signal arrives or it is "

@@ -25,6 +25,8 @@ import weakref
 from types import FrameType
 from typing import Any, Callable
 
+from elastic_kit._signal import deliver
+
 __all__ = ["TerminationFlag", "UNACTED_AFTER_S", "UNHEARD_AFTER_S", "UNHEARD_MAX_S"]
 
 log = logging.getLogger(__name__)
@@ -90,11 +92,18 @@ class TerminationFlag:
         self._quiet = threading.Event()  # acknowledge(unheard=True)
         self.unacted_after_s: float | None = None
         self._previous: dict[int, Any] = {}
+        #: after uninstall, the handlers this flag replaced, for signals whose handler
+        #: the script set since (and kept): one that chains to this flag's gets them
+        self._passed_on: dict[int, Any] = {}
         self._pipe: tuple[int, int] | None = None
         self.received: int | None = None
         self.received_at: float | None = None
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        passed = self._passed_on.get(signum)
+        if passed is not None:  # uninstalled: called by the script's handler, set since
+            deliver(signum, frame, passed)
+            return
         # Nothing but bookkeeping here: the loop does the work at a safe point.
         first = self.received is None
         if first:
@@ -148,6 +157,7 @@ class TerminationFlag:
                         "without a checkpoint; have the main thread's own handler call "
                         "ckpt.request_stop(restart=True)")
             return self
+        self._passed_on.clear()
         for sig in self.signals:
             self._previous[sig] = signal.signal(sig, self._handle)
         _INSTALLED.add(self)
@@ -159,8 +169,11 @@ class TerminationFlag:
         self._acted.set()  # nothing is left to act on it
         _INSTALLED.discard(self)
         for sig, prev in self._previous.items():
-            if signal.getsignal(sig) == self._handle:  # else the script's, set since: kept
-                signal.signal(sig, prev if prev is not None else signal.SIG_DFL)
+            prev = prev if prev is not None else signal.SIG_DFL
+            if signal.getsignal(sig) == self._handle:
+                signal.signal(sig, prev)
+            else:  # the script's, set since: kept, and if it chains here, passed on
+                self._passed_on[sig] = prev
         self._previous.clear()
         if self._pipe is not None and threading.current_thread() is threading.main_thread():
             r, w = self._pipe
@@ -216,10 +229,9 @@ class TerminationFlag:
                         # it, and the main thread runs it (or what it started); not ours
                         # to act on (acting ended the process under the script's cleanup)
                         log.warning("signal %d went to a handler set after the "
-                                    "checkpointer's: no checkpoint is saved for it (set "
-                                    "that handler before the Checkpointer is made, which "
-                                    "calls it after its save, or call "
-                                    "ckpt.request_stop(restart=True) from it)", got[0])
+                                    "checkpointer's: no checkpoint is saved for it (call "
+                                    "ckpt.request_stop(restart=True) from that handler "
+                                    "to save and exit as on a stop)", got[0])
                         continue
                     if self.on_unheard is not None and not self._quiet.is_set():
                         log.warning("signal %d was not heard by the main thread in %.0f s "

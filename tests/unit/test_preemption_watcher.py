@@ -166,16 +166,27 @@ def test_a_signal_after_a_close_off_the_main_thread_is_no_notice_and_gets_the_pr
         signal.signal(signal.SIGUSR1, before)
 
 
-def test_a_close_keeps_a_handler_the_script_set_since() -> None:
-    def mine(signum: int, frame: object) -> None:
-        pass
-
-    before = signal.getsignal(signal.SIGUSR1)
+def test_a_close_keeps_a_handler_the_script_set_since_and_one_that_chains_gets_through(
+        ) -> None:
+    got: list[str] = []
+    notices: list[str] = []
+    before = signal.signal(signal.SIGUSR1, lambda s, f: got.append("before"))
     try:
-        watcher = PreemptionWatcher(lambda what: None, cloud=None,
+        watcher = PreemptionWatcher(notices.append, cloud=None,
                                     signals=(signal.SIGUSR1,)).start()
+        chained = signal.getsignal(signal.SIGUSR1)
+
+        def mine(signum: int, frame: object) -> None:
+            got.append("mine")
+            chained(signum, frame)  # type: ignore[operator]
+
         signal.signal(signal.SIGUSR1, mine)
         watcher.close()
         assert signal.getsignal(signal.SIGUSR1) is mine  # not put back to what was before
+        for _ in range(2):
+            os.kill(os.getpid(), signal.SIGUSR1)
+            time.sleep(0.05)
+        assert got == ["mine", "before"] * 2 and notices == []
+        assert signal.getsignal(signal.SIGUSR1) is mine
     finally:
         signal.signal(signal.SIGUSR1, before)

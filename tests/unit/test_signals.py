@@ -167,18 +167,31 @@ def test_a_signal_that_went_to_a_handler_set_since_is_not_handed_over(caplog) ->
                for r in caplog.records)
 
 
-def test_uninstall_keeps_a_handler_the_script_set_since() -> None:
-    flag = TerminationFlag(unheard_after_s=0.3)
-    before = signal.getsignal(signal.SIGTERM)
-    flag.install()
-    def mine(s: int, f: object) -> None:
-        pass
-    signal.signal(signal.SIGTERM, mine)
+def test_uninstall_keeps_a_handler_the_script_set_since_and_one_that_chains_gets_through(
+        ) -> None:
+    """The script's handler set after the flag's stays at uninstall; when it chains to
+    the one it replaced (the flag's), the signal goes on to what the flag replaced
+    (here a handler of the script's; SIG_DFL would end the process, as without the
+    flag), never into a flag nobody reads."""
+    got: list[str] = []
+    before = signal.signal(signal.SIGTERM, lambda s, f: got.append("before"))
     try:
+        flag = TerminationFlag(unheard_after_s=0.3)
+        flag.install()
+        chained = flag._handle
+
+        def mine(s: int, f: object) -> None:
+            got.append("mine")
+            chained(s, f)  # type: ignore[arg-type]
+
+        signal.signal(signal.SIGTERM, mine)
         flag.uninstall()
         assert signal.getsignal(signal.SIGTERM) is mine  # not put back to what was before
+        os.kill(os.getpid(), signal.SIGTERM)
+        _wait(0.1)
+        assert got == ["mine", "before"] and flag.received is None
+        flag.install()  # installed again: its own handler once more
+        flag.uninstall()
+        assert signal.getsignal(signal.SIGTERM) is mine
     finally:
         signal.signal(signal.SIGTERM, before)
-    flag.install()
-    flag.uninstall()
-    assert signal.getsignal(signal.SIGTERM) == before
