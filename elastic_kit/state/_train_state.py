@@ -23,6 +23,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 from torch.optim import Optimizer
 
 from elastic_kit.distributed import unwrap_model
@@ -316,39 +317,6 @@ def _expected_model_state(model: nn.Module) -> dict[str, Any]:
     return model.state_dict()
 
 
-def _as_load_hooks_leave_it(model: nn.Module, saved: dict[str, Any]) -> dict[str, Any]:
-    """``saved`` as the load pre-hooks of ``model``'s modules leave it (on meta
-    copies of its tensors: a hook may change values in place), walked as
-    ``nn.Module.load_state_dict`` walks it: each module's hooks see the entries under
-    its prefix, its children then get theirs. ``saved`` itself when no module has a
-    hook, or when a hook fails on a meta tensor (it reads values: the keys as saved
-    are then all that can be checked before loading)."""
-    if not any(getattr(m, "_load_state_dict_pre_hooks", None) for m in model.modules()):
-        return saved
-    out: dict[str, Any] = {}
-
-    def walk(module: nn.Module, local: dict[str, Any], prefix: str) -> None:
-        for hook in getattr(module, "_load_state_dict_pre_hooks", {}).values():
-            hook(local, prefix, {}, True, [], [], [])
-        children = {name + "." for name, child in module._modules.items() if child is not None}
-        for k, v in local.items():
-            if not any(k.startswith(prefix + c) for c in children):
-                out[k] = v
-        for c in children:
-            walk(module._modules[c[:-1]],  # type: ignore[arg-type]
-                 {k: v for k, v in local.items() if k.startswith(prefix + c)}, prefix + c)
-
-    meta = {k: torch.empty_like(v, device="meta") if isinstance(v, torch.Tensor) else v
-            for k, v in saved.items()}
-    try:
-        walk(model, meta, "")
-    except Exception as e:
-        log.debug("the model's load hooks could not run on meta tensors (%r): checking "
-                  "the checkpoint's keys as saved", e)
-        return saved
-    return out
-
-
 def _check_model_fits(model: nn.Module, saved: Any) -> None:
     """Raise before anything is loaded when ``saved`` is not a state dict of ``model``."""
     if not isinstance(saved, dict):
@@ -357,18 +325,11 @@ def _check_model_fits(model: nn.Module, saved: Any) -> None:
     current = _expected_model_state(model)
     missing = [k for k in current if k not in saved]
     unexpected = [k for k in saved if k not in current]
-    hooked = ""
-    if (missing or unexpected) and not is_sharded(model):
-        # the model's load hooks may rename keys (an old checkpoint migrated, as torch's
-        # load_state_dict lets them): the keys as they leave the hooks are what counts
-        migrated = _as_load_hooks_leave_it(model, saved)
-        if migrated is not saved:
-            saved, hooked = migrated, " (keys as the model's load hooks leave them)"
-            missing = [k for k in current if k not in saved]
-            unexpected = [k for k in saved if k not in current]
+    # a lazy module's parameter has no shape until loaded (its load takes the saved one)
     shapes = [f"{k}: checkpoint {tuple(saved[k].shape)} vs model {tuple(v.shape)}"
               for k, v in current.items() if k in saved and isinstance(v, torch.Tensor)
-              and isinstance(saved[k], torch.Tensor) and saved[k].shape != v.shape]
+              and not is_lazy(v) and isinstance(saved[k], torch.Tensor)
+              and saved[k].shape != v.shape]
     if missing or unexpected or shapes:
         parts = []
         if missing:
@@ -379,25 +340,29 @@ def _check_model_fits(model: nn.Module, saved: Any) -> None:
         if shapes:
             parts.append(f"other shapes ({'; '.join(shapes[:5])})")
         raise CheckpointMismatchError(
-            "checkpoint does not fit the model: " + ", ".join(parts) + hooked
+            "checkpoint does not fit the model: " + ", ".join(parts)
             + "; nothing was loaded")
 
 
 def _check_extra_fits(name: str, live: Any, saved: Any) -> None:
     """Raise before anything is loaded when ``saved`` cannot load into the live extra
-    ``name``: what can be checked without loading (a sampler's own check, a module's
-    keys and shapes, an optimizer's groups); anything else is left to its
-    ``load_state_dict``."""
+    ``name``: what can be checked without loading (a sampler's own check; a module's
+    keys and shapes, an optimizer's groups, where they load with torch's own
+    ``load_state_dict``); anything else is left to its ``load_state_dict`` (a class
+    that overrides it may migrate an older state, or load it non-strictly)."""
     if not _is_stateful(live):
         return
     live = _ddp_inner(live)
     check = getattr(live, "check_state_dict", None)
+    loads = type(live).load_state_dict
     try:
-        if callable(check):
+        if callable(check) and all(hasattr(live, a) for a in _SAMPLER_API):
             check(saved)
-        elif isinstance(live, nn.Module) and not is_sharded(live):
+        elif (isinstance(live, nn.Module) and loads is nn.Module.load_state_dict
+              and not is_sharded(live)):
             _check_model_fits(live, saved)
-        elif isinstance(live, Optimizer) and isinstance(saved, dict):
+        elif (isinstance(live, Optimizer) and loads is Optimizer.load_state_dict
+              and isinstance(saved, dict)):
             _check_optimizer_fits(live, saved)
     except (TypeError, ValueError) as e:  # CheckpointMismatchError is a ValueError
         message = str(e)

@@ -57,3 +57,62 @@ def test_extras_that_fit_load() -> None:
     assert state.extras["note"] == "kept"
     for k, v in saved["model"].items():
         assert torch.equal(state.model.state_dict()[k], v)
+
+
+class _LenientEma(nn.Module):
+    """An EMA whose own load takes a state from before it had its ``updates`` buffer."""
+
+    def __init__(self, with_updates: bool = True) -> None:
+        super().__init__()
+        self.shadow = nn.Linear(2, 2)
+        if with_updates:
+            self.register_buffer("updates", torch.zeros((), dtype=torch.long))
+
+    def load_state_dict(self, sd: Any, strict: bool = True, assign: bool = False) -> Any:
+        return super().load_state_dict(sd, strict=False)
+
+
+class _Tracker:
+    """A stateful object whose ``check_state_dict`` means something of its own."""
+
+    def __init__(self) -> None:
+        self.best = 0.0
+
+    def state_dict(self) -> dict[str, float]:
+        return {"best": self.best}
+
+    def load_state_dict(self, sd: dict[str, float]) -> None:
+        self.best = sd["best"]
+
+    def check_state_dict(self, sd: Any, strict: bool) -> bool:
+        return True
+
+
+def test_extras_with_a_load_of_their_own_are_left_to_it() -> None:
+    # the pre-check is torch's own load's: an extra that overrides load_state_dict
+    # (a lenient or migrating one) or is no sampler is loaded as before, by itself
+    old = _LenientEma(with_updates=False)
+    with torch.no_grad():
+        old.shadow.weight.fill_(3.0)
+    live = {"ema": _LenientEma(), "tracker": _Tracker()}
+    state = ek.TrainState(nn.Linear(2, 2), None, extras=live)
+    saved = ek.TrainState(nn.Linear(2, 2), None).state_dict()
+    saved["extras"] = {"ema": old.state_dict(), "tracker": {"best": 1.5}}
+    state.load_state_dict(saved)
+    assert torch.equal(live["ema"].shadow.weight, torch.full((2, 2), 3.0))
+    assert live["tracker"].best == 1.5
+
+
+def test_a_lazy_model_loads_a_checkpoint_that_fits() -> None:
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = nn.LazyLinear(4)
+            self.head = nn.Linear(4, 2)
+
+    src = Net()
+    src.body(torch.zeros(1, 7))
+    saved = ek.TrainState(src, None).state_dict()
+    lazy = Net()
+    ek.TrainState(lazy, None).load_state_dict(saved)
+    assert torch.equal(lazy.body.weight, src.body.weight) and lazy.body.weight.shape == (4, 7)
