@@ -42,6 +42,7 @@ __all__ = [
     "destroy_distributed",
     "wrap_ddp",
     "unwrap_model",
+    "averages_gradients",
     "is_dist_ready",
     "barrier",
     "all_reduce_max",
@@ -534,6 +535,15 @@ def wrap_ddp(
         ddp_options.setdefault("device_ids", [info.device.index])
         ddp_options.setdefault("output_device", info.device.index)
     return nn.parallel.DistributedDataParallel(model, **ddp_options)
+
+
+def averages_gradients(model: nn.Module) -> bool:
+    """Whether ``model`` averages its gradients over the ranks in ``backward()``: DDP
+    (and FSDP's) ``no_sync``, FSDP2's ``set_requires_gradient_sync``; not the
+    ``no_sync`` that :func:`wrap_ddp` gives a module when there is no process group."""
+    no_sync = getattr(model, "no_sync", None)
+    return ((no_sync is not None and no_sync is not contextlib.nullcontext)
+            or hasattr(model, "set_requires_gradient_sync"))
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:

@@ -28,7 +28,9 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 import elastic_kit.checkpointer as _checkpointer
-from elastic_kit.distributed import DistInfo, all_reduce_sum, init_distributed
+from elastic_kit.distributed import (
+    DistInfo, all_reduce_sum, averages_gradients, init_distributed,
+)
 from elastic_kit.loop._config import EpochSummary, LoopConfig, StepInfo
 from elastic_kit.loop._data import ScheduleBatchSampler, loader_dataset, to_device
 from elastic_kit.loop._policy import BatchPlan
@@ -187,8 +189,7 @@ class ElasticLoop:
                 "the tail of an epoch and gives the padding zero weight, so every sample "
                 "counts once)")
         # DDP (no_sync) and FSDP2 (set_requires_gradient_sync) average the gradients
-        if info.world_size > 1 and not any(hasattr(state.model, name) for name in (
-                "no_sync", "set_requires_gradient_sync")):
+        if info.world_size > 1 and not averages_gradients(state.model):
             log.warning("world size %d but the model is neither DistributedDataParallel "
                         "nor FSDP2: gradients are not averaged over ranks (use wrap_ddp)",
                         info.world_size)

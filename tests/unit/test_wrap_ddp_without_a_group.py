@@ -35,3 +35,22 @@ def test_a_module_with_its_own_no_sync_keeps_it() -> None:
     model = ek.wrap_ddp(Own(2, 2))
     with model.no_sync() as got:
         assert got == "own"
+
+
+def test_the_stand_in_no_sync_does_not_count_as_averaging_gradients() -> None:
+    # ElasticLoop warns at world size > 1 when the model does not average its gradients
+    # (wrap_ddp called before init_distributed): the stand-in must not silence it
+    from elastic_kit.distributed import averages_gradients
+
+    class Fsdp2Like(nn.Linear):
+        def set_requires_gradient_sync(self, on: bool) -> None:
+            pass
+
+    class DdpLike(nn.Linear):
+        def no_sync(self) -> contextlib.AbstractContextManager[None]:
+            return contextlib.nullcontext()
+
+    assert averages_gradients(ek.wrap_ddp(nn.Linear(2, 2))) is False
+    assert averages_gradients(nn.Linear(2, 2)) is False
+    assert averages_gradients(Fsdp2Like(2, 2)) is True
+    assert averages_gradients(DdpLike(2, 2)) is True
