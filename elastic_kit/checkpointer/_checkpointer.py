@@ -15,6 +15,7 @@ import operator
 import os
 import threading
 import time
+import weakref
 from typing import Any, Iterator
 
 import torch
@@ -213,12 +214,18 @@ class Checkpointer(Lifecycle):
             if staging:
                 _saving.wait_staged(self.store, self.snapshots)
 
+        held = weakref.ref(state)  # torch's process-wide hook must not keep it alive
+
+        def current_optimizer() -> Any:
+            state = held()
+            return None if state is None else state.optimizer
+
         self._hooks.install(signals=self.handle_signals,
                             optimizer=state.optimizer if staging or self._step_end.enabled
                             else None,
                             wait_staged=before_optimizer_step, at_exit=self._abandon_at_exit,
                             on_unheard=self._leave_unheard,
-                            on_received=self._stop_received)
+                            on_received=self._stop_received, current=current_optimizer)
         # a signal heard while the script is away from step() and end_epoch() (a
         # validation outlasting torchrun's grace) is acted on all the same: armed from
         # the first step on, for twice a step's wall time (see record_step), so that

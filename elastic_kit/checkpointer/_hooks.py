@@ -22,6 +22,7 @@ import weakref
 from typing import Any, Callable
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from elastic_kit.distributed import get_dist_info
 from elastic_kit.state import TerminationFlag
@@ -56,6 +57,8 @@ class Hooks:
         self._optimizer: Any = None
         self._wait_staged: Callable[..., None] | None = None
         self._at_exit: Callable[[], None] | None = None
+        #: torch's hook before every optimizer's step (see install)
+        self._any_step_hook: Any = None
         self.closed = False
         # the training thread and the heartbeat's (a silent peer) may close at once
         self._lock = threading.Lock()
@@ -64,15 +67,19 @@ class Hooks:
                 wait_staged: Callable[..., None],
                 at_exit: Callable[[], None] | None = None,
                 on_unheard: Callable[[int], None] | None = None,
-                on_received: Callable[[int], None] | None = None) -> None:
+                on_received: Callable[[int], None] | None = None,
+                current: Callable[[], Any] | None = None) -> None:
         """Catch SIGTERM when ``signals`` (``on_unheard``, a bound method held
         weakly: called on a watcher thread when the main thread does not hear it;
         ``on_received``, likewise: called in the handler as the signal comes; see
         :class:`~elastic_kit.state.TerminationFlag`);
         run ``wait_staged`` before every step of ``optimizer`` (the only place the
-        parameters a background save reads change); call the bound method ``at_exit``
-        when the interpreter exits before :meth:`close` (held weakly: it does not keep
-        its object alive)."""
+        parameters a background save reads change), and before a step of the
+        optimizer ``current()`` returns when that is another one (the train state
+        was given a new optimizer: its first step comes before :meth:`follow` can
+        move the hook, while a save taken before it may still read the parameters);
+        call the bound method ``at_exit`` when the interpreter exits before
+        :meth:`close` (held weakly: it does not keep its object alive)."""
         if signals:
             self.stop.on_unheard = None if on_unheard is None else _weakly(on_unheard)
             self.stop.on_received = None if on_received is None else _weakly(on_received)
@@ -80,6 +87,9 @@ class Hooks:
         if optimizer is not None and self._step_hook is None:
             self._step_hook = optimizer.register_step_pre_hook(wait_staged)
             self._optimizer, self._wait_staged = optimizer, wait_staged
+            if current is not None:
+                self._any_step_hook = register_optimizer_step_pre_hook(
+                    _before_a_new_optimizers_step(weakref.ref(self), current))
         if at_exit is not None and self._at_exit is None:
             weak, owner = _weakly(at_exit), os.getpid()
 
@@ -131,9 +141,29 @@ class Hooks:
             self._step_hook.remove()
             self._step_hook = None
             self._optimizer = None
+            if self._any_step_hook is not None:
+                self._any_step_hook.remove()
+                self._any_step_hook = None
         if not keep_signals:
             self.stop.uninstall()
         return True
+
+
+def _before_a_new_optimizers_step(hooks: weakref.ref[Hooks],
+                                  current: Callable[[], Any]) -> Callable[..., None]:
+    """torch's hook before every optimizer's step (held weakly: the process-wide hook
+    does not keep a checkpointer alive): the hooked ``wait_staged`` for the optimizer
+    ``current()`` names when it is not the one the pre-hook is on. A cheap identity
+    check for any other optimizer's step (a second model's)."""
+
+    def hook(optimizer: Any, args: Any, kwargs: Any) -> None:
+        h = hooks()
+        if h is None or optimizer is h._optimizer or h._wait_staged is None:
+            return
+        if optimizer is current():
+            h._wait_staged(optimizer, args, kwargs)
+
+    return hook
 
 
 def _weakly(bound: Callable[..., None]) -> Callable[..., None]:
