@@ -81,7 +81,8 @@ class ObjectBackend:
 
     def __init__(self, fs: fsspec.AbstractFileSystem, root: str, *, url: str,
                  read: Reader) -> None:
-        if "" in root.strip("/").split("/"):
+        inside = root.strip("/")
+        if inside and "" in inside.split("/"):
             # s3fs lists ``b//run`` as ``b/run`` (it strips the key's leading slash)
             # but reads and writes the key ``/run/...``: such a store never found its
             # own checkpoints, and took another store's steps for its leftovers

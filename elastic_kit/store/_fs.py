@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import re
 import time
 from typing import Any, Callable, TypeVar
 
@@ -68,10 +69,11 @@ def resolve_url(url: str | os.PathLike[str], storage_options: dict[str, Any] | N
         url = os.fspath(url)
     if not isinstance(url, str) or not url.strip():
         raise ValueError(f"checkpoint url={url!r} must be a non-empty path or fsspec URL")
-    if "://" in url:
+    given = url  # as the caller wrote it, for messages
+    scheme, _, rest = url.partition("://")
+    if rest and re.fullmatch(r"[A-Za-z][A-Za-z0-9+.:-]*", scheme):
         # schemes are case-insensitive (RFC 3986), fsspec's are lower case: "FILE:///x"
-        # was the relative directory "FILE:/x"
-        scheme, rest = url.split("://", 1)
+        # was the relative directory "FILE:/x" (chains too: "simplecache::S3://")
         url = f"{scheme.lower()}://{rest}"
     protocol = url.split("://", 1)[0] if "://" in url else "file"
     options = dict(storage_options or {})
@@ -91,19 +93,19 @@ def resolve_url(url: str | os.PathLike[str], storage_options: dict[str, Any] | N
         hint = (f"pip install 'elastic_kit[{extra}]'" if extra
                 else f"install the fsspec implementation of {protocol!r}")
         raise ImportError(
-            f"checkpoint url={url!r} needs the {protocol!r} filesystem, which is not "
+            f"checkpoint url={given!r} needs the {protocol!r} filesystem, which is not "
             f"installed: {hint} ({e})"
         ) from e
     except ValueError as e:
         if "Protocol not known" in str(e):
             raise ValueError(
-                f"checkpoint url={url!r}: unknown protocol {protocol!r}; expected a local "
+                f"checkpoint url={given!r}: unknown protocol {protocol!r}; expected a local "
                 f"path or one of file://, memory://, s3://, gs://, az://, abfs:// "
                 f"(or another fsspec protocol)"
             ) from e
-        raise ValueError(f"checkpoint url={url!r}: {e}") from e
+        raise ValueError(f"checkpoint url={given!r}: {e}") from e
     except TypeError as e:  # an option the filesystem does not take
-        raise TypeError(f"checkpoint url={url!r}: storage_options={storage_options!r} are "
+        raise TypeError(f"checkpoint url={given!r}: storage_options={storage_options!r} are "
                         f"not accepted by the {protocol!r} filesystem: {e}") from e
     if io_timeout is not None and protocol in ("s3", "s3a") and getattr(fs, "retries", 0) > 2:
         fs.retries = 2  # s3fs retries every timed-out request itself (5 times by default)

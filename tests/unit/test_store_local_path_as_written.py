@@ -48,3 +48,15 @@ def test_a_scheme_in_capitals_names_the_same_store(tmp_path: Path, monkeypatch: 
     assert CheckpointStore(f"{tmp_path}/ck").load().step == 3
     assert CheckpointStore(f"MEMORY://ek-caps-{tmp_path.name}").root == (
         CheckpointStore(f"memory://ek-caps-{tmp_path.name}").root)
+
+
+def test_the_root_of_a_memory_filesystem_is_a_store_and_messages_quote_the_url_as_given(
+        tmp_path: Path) -> None:
+    store = CheckpointStore("memory://")
+    store.save({"w": torch.ones(2)}, step=5)
+    assert CheckpointStore("memory:///").load().step == 5
+    store.close()
+    for gone in store.list():
+        store.fs.rm(gone.path, recursive=True)
+    with pytest.raises(ValueError, match=r"url='" + str(tmp_path) + r"/My://Dir'"):
+        CheckpointStore(f"{tmp_path}/My://Dir")
