@@ -92,8 +92,9 @@ class TerminationFlag:
         self._quiet = threading.Event()  # acknowledge(unheard=True)
         self.unacted_after_s: float | None = None
         self._previous: dict[int, Any] = {}
-        #: after uninstall, the handlers this flag replaced, for signals whose handler
-        #: the script set since (and kept): one that chains to this flag's gets them
+        #: while uninstalled, the handlers this flag replaced, for signals whose
+        #: handler the script set since (and kept): one that chains to this flag's
+        #: gets them (kept across a reinstall: the script's handler still chains here)
         self._passed_on: dict[int, Any] = {}
         self._pipe: tuple[int, int] | None = None
         self.received: int | None = None
@@ -101,7 +102,8 @@ class TerminationFlag:
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         passed = self._passed_on.get(signum)
-        if passed is not None:  # uninstalled: called by the script's handler, set since
+        if passed is not None and self not in _INSTALLED:
+            # uninstalled: called by the script's handler, set since
             deliver(signum, frame, passed)
             return
         # Nothing but bookkeeping here: the loop does the work at a safe point.
@@ -157,7 +159,6 @@ class TerminationFlag:
                         "without a checkpoint; have the main thread's own handler call "
                         "ckpt.request_stop(restart=True)")
             return self
-        self._passed_on.clear()
         for sig in self.signals:
             self._previous[sig] = signal.signal(sig, self._handle)
         _INSTALLED.add(self)

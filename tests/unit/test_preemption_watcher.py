@@ -190,3 +190,27 @@ def test_a_close_keeps_a_handler_the_script_set_since_and_one_that_chains_gets_t
         assert signal.getsignal(signal.SIGUSR1) is mine
     finally:
         signal.signal(signal.SIGUSR1, before)
+
+
+def test_a_chained_signal_ignored_by_default_leaves_the_scripts_handler_in_place() -> None:
+    # SIGWINCH's default is to do nothing: passing it on must not put SIG_DFL back in
+    # place of the script's handler
+    sig = signal.SIGWINCH
+    before = signal.signal(sig, signal.SIG_DFL)
+    calls: list[int] = []
+    try:
+        watcher = PreemptionWatcher(lambda what: None, cloud=None, signals=(sig,)).start()
+        chained = signal.getsignal(sig)
+
+        def mine(signum: int, frame: object) -> None:
+            calls.append(signum)
+            chained(signum, frame)  # type: ignore[operator]
+
+        signal.signal(sig, mine)
+        watcher.close()
+        for _ in range(3):
+            os.kill(os.getpid(), sig)
+            time.sleep(0.05)
+        assert len(calls) == 3 and signal.getsignal(sig) is mine
+    finally:
+        signal.signal(sig, before)

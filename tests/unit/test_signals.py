@@ -193,5 +193,8 @@ def test_uninstall_keeps_a_handler_the_script_set_since_and_one_that_chains_gets
         flag.install()  # installed again: its own handler once more
         flag.uninstall()
         assert signal.getsignal(signal.SIGTERM) is mine
+        os.kill(os.getpid(), signal.SIGTERM)  # mine still chains here: passed on again
+        _wait(0.1)
+        assert got == ["mine", "before"] * 2 and flag.received is None
     finally:
         signal.signal(signal.SIGTERM, before)
