@@ -64,8 +64,8 @@ class CheckpointerConfig:
             comes while :meth:`~elastic_kit.Checkpointer.close` writes the last
             checkpoint (once it is written); one set after replaces the
             checkpointer's (no save; it warns), and if it calls the handler it
-            replaced, the signal goes on, after ``close()``, to what the
-            checkpointer replaced.
+            replaced, after ``close()`` that call goes on to the handler the
+            checkpointer replaced, if that was a function.
         exit_code: the exit status after a SIGTERM save (non-zero, so torchrun
             restarts the group instead of reporting success).
         snapshot_every: in-memory snapshots (see :mod:`elastic_kit.snapshot`): the full

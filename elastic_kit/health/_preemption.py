@@ -37,7 +37,6 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, Callable
 
-from elastic_kit._signal import deliver
 from elastic_kit.health._agent_leave import LEAVE_SIGNAL
 
 __all__ = [
@@ -291,8 +290,11 @@ class PreemptionWatcher:
         if signum not in self._previous:
             return  # restored already
         if signal.getsignal(signum) != self._on_signal:
-            # the script's handler, set since and kept at close, chained to this one
-            deliver(signum, frame, self._previous[signum])
+            # the script's handler, set since and kept at close, chained to this one:
+            # what a chain to the handler this one replaced does
+            previous = self._previous[signum]
+            if callable(previous):
+                previous(signum, frame)
             return
         previous = self._previous.pop(signum)
         previous = signal.SIG_DFL if previous is None else previous

@@ -25,7 +25,6 @@ import weakref
 from types import FrameType
 from typing import Any, Callable
 
-from elastic_kit._signal import deliver
 
 __all__ = ["TerminationFlag", "UNACTED_AFTER_S", "UNHEARD_AFTER_S", "UNHEARD_MAX_S"]
 
@@ -94,17 +93,20 @@ class TerminationFlag:
         self._previous: dict[int, Any] = {}
         #: while uninstalled, the handlers this flag replaced, for signals whose
         #: handler the script set since (and kept): one that chains to this flag's
-        #: gets them (kept across a reinstall: the script's handler still chains here)
+        #: calls them (kept across a reinstall: the script's handler still chains here)
         self._passed_on: dict[int, Any] = {}
         self._pipe: tuple[int, int] | None = None
         self.received: int | None = None
         self.received_at: float | None = None
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        passed = self._passed_on.get(signum)
-        if passed is not None and self not in _INSTALLED:
-            # uninstalled: called by the script's handler, set since
-            deliver(signum, frame, passed)
+        if signum in self._passed_on and self not in _INSTALLED:
+            # uninstalled, and called by the script's handler, set since, which chains
+            # to the one it replaced: what a chain to the handler this flag replaced
+            # does (a callable is called; SIG_DFL and SIG_IGN are no function to call)
+            passed = self._passed_on[signum]
+            if callable(passed):
+                passed(signum, frame)
             return
         # Nothing but bookkeeping here: the loop does the work at a safe point.
         first = self.received is None

@@ -192,9 +192,9 @@ def test_a_close_keeps_a_handler_the_script_set_since_and_one_that_chains_gets_t
         signal.signal(signal.SIGUSR1, before)
 
 
-def test_a_chained_signal_ignored_by_default_leaves_the_scripts_handler_in_place() -> None:
-    # SIGWINCH's default is to do nothing: passing it on must not put SIG_DFL back in
-    # place of the script's handler
+def test_a_chain_to_a_replaced_default_does_nothing_and_leaves_the_scripts_handler() -> None:
+    # the watcher replaced SIG_DFL, no function: a chain to it does what a chain to
+    # SIG_DFL does without the watcher (nothing), and the script's handler stays
     sig = signal.SIGWINCH
     before = signal.signal(sig, signal.SIG_DFL)
     calls: list[int] = []

@@ -171,8 +171,8 @@ def test_uninstall_keeps_a_handler_the_script_set_since_and_one_that_chains_gets
         ) -> None:
     """The script's handler set after the flag's stays at uninstall; when it chains to
     the one it replaced (the flag's), the signal goes on to what the flag replaced
-    (here a handler of the script's; SIG_DFL would end the process, as without the
-    flag), never into a flag nobody reads."""
+    when that is a handler (here one of the script's), as the chain would have without
+    the flag, never into a flag nobody reads."""
     got: list[str] = []
     before = signal.signal(signal.SIGTERM, lambda s, f: got.append("before"))
     try:
