@@ -220,9 +220,8 @@ class Checkpointer(Lifecycle):
             state = held()
             return None if state is None else state.optimizer
 
-        self._hooks.install(signals=self.handle_signals,
-                            optimizer=state.optimizer if staging or self._step_end.enabled
-                            else None,
+        self._hooks.install(signals=self.handle_signals, optimizer=state.optimizer,
+                            hook_steps=staging or self._step_end.enabled,
                             wait_staged=before_optimizer_step, at_exit=self._abandon_at_exit,
                             on_unheard=self._leave_unheard,
                             on_received=self._stop_received, current=current_optimizer)

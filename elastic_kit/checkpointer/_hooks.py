@@ -68,25 +68,28 @@ class Hooks:
                 at_exit: Callable[[], None] | None = None,
                 on_unheard: Callable[[int], None] | None = None,
                 on_received: Callable[[int], None] | None = None,
-                current: Callable[[], Any] | None = None) -> None:
+                current: Callable[[], Any] | None = None, hook_steps: bool = True) -> None:
         """Catch SIGTERM when ``signals`` (``on_unheard``, a bound method held
         weakly: called on a watcher thread when the main thread does not hear it;
         ``on_received``, likewise: called in the handler as the signal comes; see
         :class:`~elastic_kit.state.TerminationFlag`);
-        run ``wait_staged`` before every step of ``optimizer`` (the only place the
-        parameters a background save reads change), and before a step of the
-        optimizer ``current()`` returns when that is another one (the train state
-        was given a new optimizer: its first step comes before :meth:`follow` can
-        move the hook, while a save taken before it may still read the parameters);
+        with ``hook_steps``, run ``wait_staged`` before every step of ``optimizer``
+        (the only place the parameters a background save reads change), and before
+        a step of the optimizer ``current()`` returns when that is another one (the
+        train state was given a new optimizer, or its first after the restore: that
+        step comes before :meth:`follow` can move the hook, while a save taken before
+        it may still read the parameters);
         call the bound method ``at_exit`` when the interpreter exits before
         :meth:`close` (held weakly: it does not keep its object alive)."""
         if signals:
             self.stop.on_unheard = None if on_unheard is None else _weakly(on_unheard)
             self.stop.on_received = None if on_received is None else _weakly(on_received)
             self.stop.install()
-        if optimizer is not None and self._step_hook is None:
-            self._step_hook = optimizer.register_step_pre_hook(wait_staged)
-            self._optimizer, self._wait_staged = optimizer, wait_staged
+        if hook_steps and self._wait_staged is None:
+            self._wait_staged = wait_staged
+            if optimizer is not None:
+                self._step_hook = optimizer.register_step_pre_hook(wait_staged)
+                self._optimizer = optimizer
             if current is not None:
                 self._any_step_hook = register_optimizer_step_pre_hook(
                     _before_a_new_optimizers_step(weakref.ref(self), current))
@@ -109,13 +112,13 @@ class Hooks:
         state was given another optimizer after the restore: a new phase of training),
         so that a background copy is still waited for before its steps. A cheap
         identity check otherwise (called at every step)."""
-        if (optimizer is self._optimizer or optimizer is None or self._step_hook is None
-                or self._wait_staged is None):
+        if optimizer is self._optimizer or optimizer is None or self._wait_staged is None:
             return
         with self._lock:
-            if self.closed or self._step_hook is None:
+            if self.closed:
                 return
-            self._step_hook.remove()
+            if self._step_hook is not None:
+                self._step_hook.remove()
             self._step_hook = optimizer.register_step_pre_hook(self._wait_staged)
             self._optimizer = optimizer
 
@@ -137,13 +140,12 @@ class Hooks:
         if self._at_exit is not None:
             atexit.unregister(self._at_exit)
             self._at_exit = None
-        if self._step_hook is not None and not keep_step_hook:
-            self._step_hook.remove()
-            self._step_hook = None
+        if not keep_step_hook:
+            for hook in (self._step_hook, self._any_step_hook):
+                if hook is not None:
+                    hook.remove()
+            self._step_hook = self._any_step_hook = None
             self._optimizer = None
-            if self._any_step_hook is not None:
-                self._any_step_hook.remove()
-                self._any_step_hook = None
         if not keep_signals:
             self.stop.uninstall()
         return True

@@ -414,14 +414,16 @@ def _misplaced_state(params: list[Any], ids: list[Any], state: dict[Any, Any]
         for key, value in entry.items():
             if isinstance(value, torch.Tensor) and value.numel() > 1:
                 shapes.setdefault(str(key), {})[pos] = tuple(value.shape)
-    ours = [tuple(p.shape) for p in params]
+    # a lazy module's parameter has no shape until loaded: nothing to compare with
+    ours = [None if is_lazy(p) else tuple(p.shape) for p in params]
     available = Counter(ours)
     for key, by_pos in shapes.items():
         if Counter(by_pos.values()) - available:
             continue  # not shaped like the parameters: not per-parameter state
         for pos, shape in by_pos.items():
-            if shape != ours[pos]:
-                yield pos, key, ours[pos], shape
+            mine = ours[pos]
+            if mine is not None and shape != mine:
+                yield pos, key, mine, shape
 
 
 #: What the state and the checkpointer use of a sampler (ElasticDistributedSampler's).

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 
@@ -19,8 +20,9 @@ import elastic_kit as ek
 import elastic_kit.store._store as store_module
 
 
+@pytest.mark.parametrize("first", ["at_construction", "after_restore"])
 def test_the_new_optimizers_first_step_waits_for_the_save_before_it(
-        tmp_path: Path, monkeypatch: Any) -> None:
+        tmp_path: Path, monkeypatch: Any, first: str) -> None:
     copying = threading.Event()
     copy_deferred = store_module.copy_deferred
 
@@ -33,11 +35,13 @@ def test_the_new_optimizers_first_step_waits_for_the_save_before_it(
     torch.manual_seed(0)
     model = nn.Linear(64, 64)
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    state = ek.TrainState(model, opt)
+    # an optimizer given only after restore() (a state built without one) is hooked too
+    state = ek.TrainState(model, opt if first == "at_construction" else None)
     url = str(tmp_path / "ck")
     ckpt = ek.Checkpointer(state, url, every_steps=3, blocking=False, snapshot_every=0,
                            handle_signals=False)
     ckpt.restore()
+    state.optimizer = opt
     x = torch.randn(8, 64)
 
     def train(o: torch.optim.Optimizer) -> None:

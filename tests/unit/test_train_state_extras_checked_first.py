@@ -110,9 +110,18 @@ def test_a_lazy_model_loads_a_checkpoint_that_fits() -> None:
             self.body = nn.LazyLinear(4)
             self.head = nn.Linear(4, 2)
 
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.body(x))
+
     src = Net()
     src.body(torch.zeros(1, 7))
-    saved = ek.TrainState(src, None).state_dict()
+    src_opt = torch.optim.SGD(src.parameters(), lr=0.1, momentum=0.9)
+    src(torch.ones(2, 7)).sum().backward()
+    src_opt.step()
+    saved = ek.TrainState(src, src_opt).state_dict()
     lazy = Net()
-    ek.TrainState(lazy, None).load_state_dict(saved)
+    opt = torch.optim.SGD(lazy.parameters(), lr=0.1, momentum=0.9)  # before its dry run
+    ek.TrainState(lazy, opt).load_state_dict(saved)
     assert torch.equal(lazy.body.weight, src.body.weight) and lazy.body.weight.shape == (4, 7)
+    assert torch.equal(opt.state[lazy.body.weight]["momentum_buffer"],
+                       src_opt.state[src.body.weight]["momentum_buffer"])
