@@ -60,9 +60,10 @@ class CheckpointerConfig:
             then ends the process unsaved, unless the main thread's own handler
             calls :meth:`~elastic_kit.Checkpointer.request_stop` (``restart=True``)
             and the training thread's ``SystemExit`` is passed on as the process's
-            exit status. A handler the script set before gets only a signal that
-            comes while :meth:`~elastic_kit.Checkpointer.close` writes the last
-            checkpoint (once it is written); one set after replaces the
+            exit status. A handler the script set before is put back by
+            :meth:`~elastic_kit.Checkpointer.close`; while the checkpointer lives it
+            gets only a signal that comes as ``close()`` writes the last checkpoint
+            (once that is written). One set after replaces the
             checkpointer's (no save; it warns), and if it calls the handler it
             replaced, after ``close()`` that call goes on to the handler the
             checkpointer replaced, if that was a function.
