@@ -91,9 +91,9 @@ class TerminationFlag:
         self._quiet = threading.Event()  # acknowledge(unheard=True)
         self.unacted_after_s: float | None = None
         self._previous: dict[int, Any] = {}
-        #: while uninstalled, the handlers this flag replaced, for signals whose
-        #: handler the script set since (and kept): one that chains to this flag's
-        #: calls them (kept across a reinstall: the script's handler still chains here)
+        #: while uninstalled, the handlers this flag replaced: a signal that still
+        #: comes to this flag goes on to them (see _pass_on; kept across a reinstall:
+        #: the script's handler may still chain here)
         self._passed_on: dict[int, Any] = {}
         self._pipe: tuple[int, int] | None = None
         self.received: int | None = None
@@ -101,12 +101,7 @@ class TerminationFlag:
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if signum in self._passed_on and self not in _INSTALLED:
-            # uninstalled, and called by the script's handler, set since, which chains
-            # to the one it replaced: what a chain to the handler this flag replaced
-            # does (a callable is called; SIG_DFL and SIG_IGN are no function to call)
-            passed = self._passed_on[signum]
-            if callable(passed):
-                passed(signum, frame)
+            self._pass_on(signum, frame)
             return
         # Nothing but bookkeeping here: the loop does the work at a safe point.
         first = self.received is None
@@ -148,6 +143,27 @@ class TerminationFlag:
         if unheard:
             self._quiet.set()
 
+    def _pass_on(self, signum: int, frame: FrameType | None) -> None:
+        """The signal, come to this flag after :meth:`uninstall`, goes where it would
+        have gone without the flag. Put back as the process's handler (by the script's
+        handler, which restores the one it replaced and raises the signal again; by a
+        second flag installed over this one and removed after it): what this flag
+        replaced is restored and given the signal (called, ignored, or the default
+        action: the signal is raised again). Called by the script's handler, set since,
+        which chains to the one it replaced: what that chain does without the flag (a
+        handler is called; SIG_DFL and SIG_IGN are no function to call)."""
+        previous = self._passed_on[signum]
+        current = signal.getsignal(signum)
+        if current == self._handle:
+            signal.signal(signum, previous)
+            if previous is signal.SIG_DFL:
+                os.kill(os.getpid(), signum)
+                return
+        elif previous == current:
+            return  # the handler that chained here: calling it would come back here
+        if callable(previous):
+            previous(signum, frame)
+
     def set(self) -> None:
         """Request a stop by hand (tests, or a user's own condition)."""
         if self.received_at is None:
@@ -160,6 +176,8 @@ class TerminationFlag:
                         "runs them on the main thread only), so a SIGTERM ends the process "
                         "without a checkpoint; have the main thread's own handler call "
                         "ckpt.request_stop(restart=True)")
+            return self
+        if self in _INSTALLED:  # installed already: its handler would be its "previous"
             return self
         for sig in self.signals:
             self._previous[sig] = signal.signal(sig, self._handle)
@@ -175,8 +193,11 @@ class TerminationFlag:
             prev = prev if prev is not None else signal.SIG_DFL
             if signal.getsignal(sig) == self._handle:
                 signal.signal(sig, prev)
-            else:  # the script's, set since: kept, and if it chains here, passed on
-                self._passed_on[sig] = prev
+            # else the script's (or another flag's), set since: kept. Either way a
+            # signal that comes to this flag later is passed on (see _pass_on), to what
+            # it replaced first (installed again over the script's handler that chains
+            # here, that handler is what it replaced the second time)
+            self._passed_on.setdefault(sig, prev)
         self._previous.clear()
         if self._pipe is not None and threading.current_thread() is threading.main_thread():
             r, w = self._pipe

@@ -198,3 +198,49 @@ def test_uninstall_keeps_a_handler_the_script_set_since_and_one_that_chains_gets
         assert got == ["mine", "before"] * 2 and flag.received is None
     finally:
         signal.signal(signal.SIGTERM, before)
+
+
+def test_a_flag_put_back_after_uninstall_hands_the_signal_to_what_it_replaced() -> None:
+    """Three ways the process's handler is an uninstalled flag's again: the script's
+    handler puts back the one it replaced and raises the signal again; a second flag,
+    installed over the first and removed after it, puts the first one back; a flag
+    installed twice (restore() called twice) took itself for what it replaced. The
+    signal must go where it would without the flags (here a handler of the script's;
+    the default would end the process), and that handler be the process's again."""
+    got: list[str] = []
+    before = signal.signal(signal.SIGTERM, lambda s, f: got.append("before"))
+    try:
+        # the script's handler restores the one it replaced and raises again
+        flag = TerminationFlag(unheard_after_s=0.3).install()
+        old = signal.getsignal(signal.SIGTERM)
+
+        def reraise(s: int, f: object) -> None:
+            got.append("reraise")
+            signal.signal(s, old)
+            os.kill(os.getpid(), s)
+
+        signal.signal(signal.SIGTERM, reraise)
+        flag.uninstall()
+        os.kill(os.getpid(), signal.SIGTERM)
+        _wait(0.1)
+        assert got == ["reraise", "before"] and flag.received is None
+        assert signal.getsignal(signal.SIGTERM) != flag._handle  # bound: == compares
+        # two flags, removed first-installed first
+        got.clear()
+        signal.signal(signal.SIGTERM, lambda s, f: got.append("before"))
+        first, second = TerminationFlag().install(), TerminationFlag().install()
+        first.uninstall()
+        second.uninstall()
+        os.kill(os.getpid(), signal.SIGTERM)
+        _wait(0.1)
+        assert got == ["before"] and first.received is None and second.received is None
+        assert all(signal.getsignal(signal.SIGTERM) != f._handle for f in (first, second))
+        # installed twice, then removed
+        mine = signal.getsignal(signal.SIGTERM)
+        twice = TerminationFlag()
+        twice.install()
+        twice.install()
+        twice.uninstall()
+        assert signal.getsignal(signal.SIGTERM) is mine
+    finally:
+        signal.signal(signal.SIGTERM, before)
