@@ -182,14 +182,6 @@ def _context(cuda: bool) -> Any:
     return _CTX
 
 
-def _take_reports(queue: Any, results: dict[int, Any], failures: dict[int, str]) -> None:
-    """Read the reports waiting in ``queue`` (the first of each rank counts)."""
-    while not queue.empty():
-        rank, ok, value = queue.get()
-        if rank not in results and rank not in failures:
-            (results if ok else failures)[rank] = value
-
-
 def spawn_multi_process(
     world_size: int,
     fn: Callable[..., T],
@@ -266,19 +258,12 @@ def spawn_multi_process(
                 )
             time.sleep(0.02)
     finally:
-        # the ranks' exits, reading what they still report meanwhile (a survivor's
-        # error, sent once its exit work is done: on a loaded machine later than the
-        # grace above; a reader keeps a large report from blocking its writer)
-        until = time.monotonic() + (5 if not failures else 1)
-        while any(p.is_alive() for p in procs) and time.monotonic() < until:
-            _take_reports(queue, results, failures)
-            time.sleep(0.02)
-        killed = [p for p in procs if p.is_alive()]
-        for p in killed:
-            p.kill()
-            p.join()
-        if not killed:  # every report is whole (a killed writer may have left half of one)
-            _take_reports(queue, results, failures)
+        for p in procs:
+            p.join(timeout=5 if not failures else 1)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
         del store
     if failures:
         raise MultiProcessError(world_size, failures)
