@@ -95,6 +95,8 @@ class TerminationFlag:
         #: comes to this flag goes on to them (see _pass_on; kept across a reinstall:
         #: the script's handler may still chain here)
         self._passed_on: dict[int, Any] = {}
+        #: signals whose handler, set over this flag's, an uninstall kept
+        self._kept: set[int] = set()
         self._pipe: tuple[int, int] | None = None
         self.received: int | None = None
         self.received_at: float | None = None
@@ -191,13 +193,16 @@ class TerminationFlag:
         _INSTALLED.discard(self)
         for sig, prev in self._previous.items():
             prev = prev if prev is not None else signal.SIG_DFL
+            # a signal that comes to this flag later is passed on (see _pass_on) to what
+            # it replaced; but once a handler set over this flag's was kept (it may
+            # chain here), to what it replaced then: installed again over that handler,
+            # the flag replaced the handler that chains to it the second time
+            if sig not in self._kept:
+                self._passed_on[sig] = prev
             if signal.getsignal(sig) == self._handle:
                 signal.signal(sig, prev)
-            # else the script's (or another flag's), set since: kept. Either way a
-            # signal that comes to this flag later is passed on (see _pass_on), to what
-            # it replaced first (installed again over the script's handler that chains
-            # here, that handler is what it replaced the second time)
-            self._passed_on.setdefault(sig, prev)
+            else:  # the script's (or another flag's), set since: kept
+                self._kept.add(sig)
         self._previous.clear()
         if self._pipe is not None and threading.current_thread() is threading.main_thread():
             r, w = self._pipe

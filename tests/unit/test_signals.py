@@ -244,3 +244,25 @@ def test_a_flag_put_back_after_uninstall_hands_the_signal_to_what_it_replaced() 
         assert signal.getsignal(signal.SIGTERM) is mine
     finally:
         signal.signal(signal.SIGTERM, before)
+
+
+def test_a_flag_used_again_passes_the_signal_to_what_it_replaced_the_second_time() -> None:
+    """A flag installed and removed cleanly, then installed again over the script's
+    handler: a signal that comes to it after the second removal goes to that handler,
+    not to what the flag replaced the first time."""
+    got: list[str] = []
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        flag = TerminationFlag()
+        with flag:
+            pass
+        signal.signal(signal.SIGTERM, lambda s, f: got.append("mine"))
+        flag.install()
+        other = TerminationFlag().install()  # over it, removed after it
+        flag.uninstall()
+        other.uninstall()
+        os.kill(os.getpid(), signal.SIGTERM)
+        _wait(0.1)
+        assert got == ["mine"] and flag.received is None
+    finally:
+        signal.signal(signal.SIGTERM, before)
