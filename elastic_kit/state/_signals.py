@@ -25,7 +25,6 @@ import weakref
 from types import FrameType
 from typing import Any, Callable
 
-
 __all__ = ["TerminationFlag", "UNACTED_AFTER_S", "UNHEARD_AFTER_S", "UNHEARD_MAX_S"]
 
 log = logging.getLogger(__name__)

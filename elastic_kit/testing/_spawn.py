@@ -20,7 +20,9 @@ Example::
 from __future__ import annotations
 
 import os
+import queue as queue_module
 import socket
+import threading
 import time
 import traceback
 from multiprocessing import forkserver
@@ -116,6 +118,20 @@ def _wait_for_every_rank(world_size: int, timeout_s: float = 30.0) -> None:
         kv.wait(["elastic_kit/spawn/all"], timedelta(seconds=timeout_s))
     except Exception:  # a peer failed or the store's host exited: nothing to wait for
         pass
+
+
+def _read_reports(source: Any, sink: queue_module.Queue[tuple[int, bool, Any]],
+                  world_size: int) -> None:
+    """Move the ranks' reports from the processes' queue to a thread-safe one, until
+    every rank reported or the parent puts ``None`` (it stopped waiting)."""
+    for _ in range(world_size):
+        try:
+            report = source.get()
+        except Exception:  # noqa: BLE001 - the rest of a killed rank's half report
+            return
+        if report is None:
+            return
+        sink.put(report)
 
 
 class MultiProcessError(RuntimeError):
@@ -230,16 +246,29 @@ def spawn_multi_process(
     ]
     for p in procs:
         p.start()
+    # The ranks' reports are read on a daemon thread: a rank killed half way through
+    # sending its report leaves half a message in the pipe, on which a read blocks for
+    # good; the thread may then hang, this function does not.
+    reports: queue_module.Queue[tuple[int, bool, Any]] = queue_module.Queue()
+    threading.Thread(target=_read_reports, args=(queue, reports, world_size), daemon=True,
+                     name="elastic_kit-spawn-reports").start()
     results: dict[int, Any] = {}
     failures: dict[int, str] = {}
+
+    def take(wait_s: float) -> bool:
+        try:
+            rank, ok, value = reports.get(timeout=wait_s)
+        except queue_module.Empty:
+            return False
+        (results if ok else failures)[rank] = value
+        return True
+
     deadline = time.monotonic() + timeout
     failed_at: float | None = None
     try:
         while len(results) + len(failures) < world_size:
-            if not queue.empty():
-                rank, ok, value = queue.get()
-                (results if ok else failures)[rank] = value
-                if not ok and failed_at is None:
+            if take(0.02):
+                if failures and failed_at is None:
                     failed_at = time.monotonic()
                 continue
             now = time.monotonic()
@@ -256,7 +285,6 @@ def spawn_multi_process(
                     f"spawn_multi_process: only ranks {sorted(results)} of {world_size} "
                     f"finished within {timeout}s"
                 )
-            time.sleep(0.02)
     finally:
         for p in procs:
             p.join(timeout=5 if not failures else 1)
@@ -265,6 +293,13 @@ def spawn_multi_process(
                 p.kill()
                 p.join()
         del store
+        # A rank that reported while the others were being joined (a survivor slower
+        # than the grace above, on a loaded machine): every rank has exited, so what it
+        # sent is in the pipe whole and the reader hands it over at once.
+        while len(results) + len(failures) < world_size and take(0.5):
+            pass
+        if len(results) + len(failures) < world_size:
+            queue.put(None)  # ends the reader, unless a killed rank left half a report
     if failures:
         raise MultiProcessError(world_size, failures)
     if len(results) < world_size:
