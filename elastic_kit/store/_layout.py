@@ -48,6 +48,7 @@ import errno
 import logging
 import re
 import threading
+import time
 import uuid
 from dataclasses import dataclass
 from typing import IO, Any, Callable, Iterator
@@ -198,6 +199,32 @@ class Layout:
         """Run the read ``fn`` with the store's retry policy (``what`` names it)."""
         return self._read(fn, what)
 
+    def reading_listed(self, fn: Callable[[], Any], what: str, d: StepDir,
+                       m: Manifest) -> Any:
+        """Run the read ``fn`` of a file the manifest ``m`` of ``d`` lists, with the
+        store's retry policy, retrying a not-found too while the manifest is
+        unchanged: one 404 (a lagging gateway or cache) proves nothing, while a file
+        still missing after the retries under the same manifest is damage, which the
+        caller then reports. Raises the last :class:`FileNotFoundError` at once when
+        the manifest changed or vanished (the step was saved again or deleted)."""
+        delay = self.backoff_s
+        for attempt in range(1, self.read_attempts + 1):
+            try:
+                return self._read(fn, what)
+            except FileNotFoundError as e:
+                try:
+                    changed = self.read_manifest(d) != m
+                except CheckpointCorruptError:
+                    changed = True
+                if changed or attempt == self.read_attempts:
+                    raise
+                log.warning("%s, which the manifest of %s lists, was not found (attempt %d "
+                            "of %d, looking again in %.1f s): %s", what, d.path, attempt,
+                            self.read_attempts, delay, e)
+                time.sleep(delay)
+                delay = min(delay * 2, 5.0)
+        raise AssertionError("unreachable")  # pragma: no cover
+
     def dir_of(self, step: int) -> StepDir:
         return StepDir(step, join(self.root, step_dir_name(step)))
 
@@ -318,7 +345,7 @@ class Layout:
                     f.close()
 
         try:
-            got = self._read(read, path)
+            got = self.reading_listed(read, path, d, m)
             for i, share in found.items():
                 assert shares is not None
                 shares[i] = shares.get(i, 0) + share
@@ -694,8 +721,22 @@ class Layout:
                 age = self.backend.age(d.path)
             except FileNotFoundError:
                 continue
-            if age is not None and age >= self.stale_after_s:
+            if age is not None and age >= self.stale_after_s and self._manifest_gone(d):
                 log.info("removing the leftover of an interrupted save: %s", d.path)
                 self.delete(d)
                 removed += 1
         return removed
+
+    def _manifest_gone(self, d: StepDir) -> bool:
+        """Whether ``d``'s manifest, missing at a first look, is still missing at each
+        of the retry policy's further looks: a committed step is deleted for a missing
+        manifest, so one 404 (a lagging gateway or listing cache) must not decide it."""
+        delay = self.backoff_s
+        for _ in range(max(self.read_attempts - 1, 1)):
+            time.sleep(delay)
+            delay = min(delay * 2, 5.0)
+            if not self._manifest_missing(d):
+                log.warning("the manifest of %s was not found at a first look but is there: "
+                            "the step is kept", d.path)
+                return False
+        return True

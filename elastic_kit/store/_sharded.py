@@ -53,7 +53,7 @@ import hashlib
 import uuid
 import zlib
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 import torch
 
@@ -77,6 +77,7 @@ from elastic_kit.store._tree import (
 __all__ = ["has_sharded", "split", "local_box", "StagedShard", "stage", "save_sharded",
            "read_sharded", "SaveRefused", "ShardsVanished", "Gather"]
 
+T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 #: ``gather(obj)``: every rank's ``obj``, in rank order (an ``all_gather_object``).
@@ -515,18 +516,23 @@ def _manifest(layout: Layout, staging: str, prep: _Prepared, everyone: list[dict
 
 # ---------------------------------------------------------------------- loading
 class _Readers:
-    """One range reader per file of a checkpoint, opened when first needed."""
+    """One range reader per file of a checkpoint, opened when first needed. A file the
+    manifest lists that is not found is looked for again while the manifest is
+    unchanged (:meth:`Layout.reading_listed`): one 404 is no proof of damage."""
 
-    def __init__(self, layout: Layout, d: StepDir) -> None:
-        self.layout, self.d = layout, d
+    def __init__(self, layout: Layout, d: StepDir, manifest: Manifest) -> None:
+        self.layout, self.d, self.manifest = layout, d, manifest
         self._open: dict[str, RangeReader] = {}
+
+    def _reading(self, fn: Callable[[], T], path: str) -> T:
+        return self.layout.reading_listed(fn, path, self.d, self.manifest)
 
     def _reader(self, name: str) -> tuple[RangeReader, str]:
         path = join(self.d.path, check_file_name(name))
         r = self._open.get(name)
         if r is None:
             if is_local(self.layout.fs):
-                r = self.layout.reading(lambda: RangeReader.local(path), path)
+                r = self._reading(lambda: RangeReader.local(path), path)
             else:
                 r = RangeReader(path, fs=self.layout.fs)
             self._open[name] = r
@@ -534,7 +540,7 @@ class _Readers:
 
     def read(self, name: str, start: int, end: int) -> bytearray:
         reader, path = self._reader(name)
-        return self.layout.reading(lambda: reader.read(start, end), path)
+        return self._reading(lambda: reader.read(start, end), path)
 
     def read_into(self, name: str, start: int, out: torch.Tensor) -> None:
         """Read ``out.nbytes`` bytes from ``start`` straight into the contiguous ``out``."""
@@ -542,7 +548,7 @@ class _Readers:
         mv = (memoryview(out.reshape(-1).view(torch.uint8).numpy()).cast("B")
               if out.numel() else None)
         if mv is not None:
-            self.layout.reading(lambda: reader.read_into(start, mv), path)
+            self._reading(lambda: reader.read_into(start, mv), path)
 
     def close(self) -> None:
         for r in self._open.values():
@@ -638,7 +644,7 @@ def read_sharded(layout: Layout, d: StepDir, manifest: Manifest, replicated: Any
     """
     index: ShardIndex = manifest.sharded
     targets = {p: v for p, v in leaves(into) if is_dtensor(v)} if into is not None else {}
-    readers = _Readers(layout, d)
+    readers = _Readers(layout, d, manifest)
     filled: dict[int, torch.Tensor] = {}
     mine: list[int] = []
     problem: tuple[str, str] | None = None

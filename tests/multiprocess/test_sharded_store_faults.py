@@ -61,6 +61,21 @@ def test_a_load_whose_shards_are_deleted_mid_read_reads_the_store_again(tmp_path
     assert loaded.state["w"][:, 0].tolist() == [6.0] * 4
 
 
+def test_one_not_found_for_a_shard_file_still_loads_the_newest_step(tmp_path: Path) -> None:
+    # one 404 (a lagging gateway or cache) proves nothing: the file is looked for again
+    import elastic_kit as ek
+
+    root = tmp_path / "ck"
+    spawn_multi_process(2, _save_steps, str(root), [5, 6])
+    ffs = FaultFileSystem(fsspec.filesystem("file"))
+    ffs.add("cat", match="step-000000000006/shards-00001",
+            error=FileNotFoundError(2, "404 Not Found"))
+    loaded = ek.CheckpointStore(str(root), filesystem=ffs).load()
+    assert ffs.fired("cat") == 1
+    assert loaded is not None and loaded.step == 6
+    assert loaded.state["w"][:, 0].tolist() == [6.0] * 4
+
+
 def test_a_shard_file_gone_under_an_unchanged_manifest_is_damage_and_skipped(
         tmp_path: Path) -> None:
     # nothing saved or deleted the checkpoint: its missing file is damage (the step
