@@ -470,7 +470,11 @@ class Checkpointer(Lifecycle):
 
         Every rank calls the store, the writer writes, and the ranks agree on the
         outcome: if the write failed on the writer (or an earlier non-blocking write
-        did), every rank raises :class:`~elastic_kit.CheckpointError`.
+        did), every rank raises: the writer the write's own error (an ``OSError``
+        naming the file for a full disk or a failed upload, a
+        :class:`~elastic_kit.CheckpointError` for an object store client's own
+        error), every other rank a :class:`~elastic_kit.CheckpointError` that names
+        the writer's rank and quotes its error.
         """
         self._require_open("save")
         with self._not_training() if blocking else contextlib.nullcontext():

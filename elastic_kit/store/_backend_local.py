@@ -336,10 +336,7 @@ class LocalBackend:
             with _open_payload(payload, "xb") as f:
                 entry = write(f, payload, True)
             manifest = seal(name, entry)
-            with open(tmp_manifest, "w", encoding="utf-8") as f:
-                f.write(manifest.to_json())
-                f.flush()
-                os.fsync(f.fileno())
+            _write_manifest(tmp_manifest, manifest)
             self._restrict(payload, tmp_manifest)
             fsync_dir(directory)
             os.replace(tmp_manifest, join(directory, MANIFEST_NAME))

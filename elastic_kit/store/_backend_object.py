@@ -21,7 +21,7 @@ import fsspec
 
 from elastic_kit.errors import CheckpointCorruptError, CheckpointError
 from elastic_kit.store._backend import Fill, PayloadWrite, Reader, Seal, basename, check_size
-from elastic_kit.store._fs import join
+from elastic_kit.store._fs import join, raise_named
 from elastic_kit.store._manifest import MANIFEST_NAME, Manifest
 
 __all__ = ["ObjectBackend"]
@@ -62,6 +62,15 @@ def discard_upload(f: Any) -> None:
         f.closed = True  # an fsspec buffered file would upload on close()/__del__
     except Exception:  # pragma: no cover - best effort
         pass
+
+
+def _completing(f: Any, path: str) -> None:
+    """Close ``f``, the upload of ``path``, which completes there (s3fs and gcsfs send
+    a small file's only PUT at close); its failure names the file."""
+    try:
+        f.close()
+    except Exception as e:
+        raise_named(e, path)
 
 
 class ObjectBackend:
@@ -186,7 +195,7 @@ class ObjectBackend:
             f = self.fs.open(payload, "wb")
         try:
             entry = write(f, payload, False)
-            f.close()  # the upload completes here
+            _completing(f, payload)
         except BaseException:
             discard_upload(f)
             try:
@@ -195,8 +204,16 @@ class ObjectBackend:
                 pass
             raise
         manifest = seal(name, entry)
-        self.fs.pipe_file(join(directory, MANIFEST_NAME), manifest.to_json().encode("utf-8"))
+        self._put_manifest(directory, manifest)
         return manifest
+
+    def _put_manifest(self, directory: str, manifest: Manifest) -> None:
+        """The manifest PUT; its failure names the manifest's path."""
+        path = join(directory, MANIFEST_NAME)
+        try:
+            self.fs.pipe_file(path, manifest.to_json().encode("utf-8"))
+        except Exception as e:
+            raise_named(e, path)
 
     # ------------------------------------------------------------------ many writers
     def begin_parts(self, directory: str, *, replacing: bool) -> str:
@@ -213,8 +230,11 @@ class ObjectBackend:
             self.fs.makedirs(staging, exist_ok=True)
             f = self.fs.open(path, "wb")
         try:
-            out = fill(f)
-            f.close()  # the upload completes here
+            try:
+                out = fill(f)
+            except Exception as e:
+                raise_named(e, path)
+            _completing(f, path)
         except BaseException:
             discard_upload(f)
             try:
@@ -227,7 +247,7 @@ class ObjectBackend:
     def finish_parts(self, staging: str, directory: str, manifest: Manifest, *,
                      replacing: bool) -> None:
         """The manifest PUT, after every part's upload completed."""
-        self.fs.pipe_file(join(directory, MANIFEST_NAME), manifest.to_json().encode("utf-8"))
+        self._put_manifest(directory, manifest)
 
     def abort_parts(self, staging: str, names: list[str], *, replacing: bool) -> None:
         for n in names:

@@ -15,15 +15,17 @@ import logging
 import os
 import re
 import time
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, NoReturn, TypeVar
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from elastic_kit.errors import CheckpointError
+from elastic_kit.errors import CheckpointError, ElasticKitError
 
 __all__ = [
     "EXTRAS",
+    "named_write_error",
+    "raise_named",
     "write_error",
     "resolve_url",
     "s3_timeout_options",
@@ -209,11 +211,37 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> bool:
 
 
 
+def named_write_error(e: BaseException, path: str) -> BaseException:
+    """The failure ``e`` of a write of ``path`` as an error that names the file: an
+    OSError keeps its type and errno (see :func:`write_error`); another library's own
+    error (an object store client's HTTP error) becomes a :class:`CheckpointError`
+    caused by it. ``e`` itself when it names the file already, is this library's, or
+    is a builtin error other than OSError (a bug or a bad value, kept as it is)."""
+    if path in str(e) or isinstance(e, ElasticKitError):
+        return e
+    if isinstance(e, OSError):
+        return write_error(e, path)
+    if type(e).__module__ == "builtins":
+        return e
+    return CheckpointError(f"cannot write checkpoint file {path}: {type(e).__name__}: {e}")
+
+
+def raise_named(e: BaseException, path: str) -> NoReturn:
+    """Raise :func:`named_write_error` of ``e`` (from ``e`` when it is another)."""
+    named = named_write_error(e, path)
+    if named is e:
+        raise e
+    raise named from e
+
+
 def write_error(e: OSError, path: str) -> OSError:
     """An OSError that names the file and says plainly what happened."""
     what = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
             errno.EFBIG: "file too large"}.get(e.errno or 0, e.strerror or str(e))
-    err = type(e)(e.errno, f"cannot write checkpoint file {path}: {what}") if e.errno else \
-        OSError(f"cannot write checkpoint file {path}: {e}")
-    return err
+    if e.errno:
+        return type(e)(e.errno, f"cannot write checkpoint file {path}: {what}")
+    try:  # no errno (a client's TimeoutError): its type, when it is made like OSError
+        return type(e)(f"cannot write checkpoint file {path}: {e}")
+    except Exception:
+        return OSError(f"cannot write checkpoint file {path}: {e}")
 

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from elastic_kit.store._direct import DirectFile
-from elastic_kit.store._fs import start_writeback, write_error
+from elastic_kit.store._fs import raise_named, start_writeback
 from elastic_kit.store._tree import (
     PRIMITIVES, TENSOR_TYPES, iter_tensors, map_tree, refuse, validate_state,
 )
@@ -312,8 +312,9 @@ class HashingWriter(io.RawIOBase):
         self.size = 0
         self._writeback_every = writeback_every
         self._written_back = 0
-        #: the OSError a write of the underlying file raised (ENOSPC, EFBIG, EIO...)
-        self.write_error: OSError | None = None
+        #: the error a write of the underlying file raised (ENOSPC, EFBIG, EIO, an
+        #: object store client's HTTP error)
+        self.write_error: Exception | None = None
 
     def writable(self) -> bool:
         return True
@@ -364,7 +365,7 @@ class HashingWriter(io.RawIOBase):
             # Raw (unbuffered) files may write less than asked; buffered ones never do.
             while written is not None and written < n:
                 written += self._raw.write(mv[written:])
-        except OSError as e:
+        except Exception as e:
             # torch.save's zip writer swallows the exception and reports only
             # "unexpected pos ..."; the caller re-raises this one instead.
             self.write_error = e
@@ -518,12 +519,8 @@ def save_into(f: IO[bytes], path: str, state: Any, checksum: str, *, fsync: bool
                 f.flush()
                 if fsync:
                     os.fsync(f.fileno())
-        except OSError as e:
-            raise write_error(w.write_error or e, path) from e
         except Exception as e:
-            if w.write_error is not None:
-                raise write_error(w.write_error, path) from e
-            raise
+            raise_named(w.write_error or e, path)
         size, digest = w.finish()
         done = True
     finally:

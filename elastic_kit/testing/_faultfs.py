@@ -19,7 +19,8 @@ Example::
 Operations a rule can name: ``"ls"``, ``"info"``, ``"cat"`` (``cat_file``),
 ``"pipe"`` (``pipe_file``), ``"open"`` (any mode; narrow with ``mode="rb"``),
 ``"read"`` and ``"write"`` (on the file objects ``open`` returns, with
-``after_bytes``), ``"rm"`` (``rm_file`` and ``rm``).
+``after_bytes``), ``"close"`` (of those file objects: an object store completes an
+upload there, and a failed one leaves nothing), ``"rm"`` (``rm_file`` and ``rm``).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from fsspec import AbstractFileSystem
 
 __all__ = ["FaultFileSystem", "Fault"]
 
-_OPS = ("ls", "info", "cat", "pipe", "open", "read", "write", "rm")
+_OPS = ("ls", "info", "cat", "pipe", "open", "read", "write", "close", "rm")
 
 
 @dataclass
@@ -103,6 +104,12 @@ class _FaultFile:
             self._bytes["write"] += part.nbytes
             done += part.nbytes
         return mv.nbytes
+
+    def close(self) -> None:
+        if not self.closed:
+            # before the target's close: an upload that fails there lands nothing
+            self._ffs._check("close", self._path)
+        self._inner.close()
 
     def discard(self) -> None:
         discard = getattr(self._inner, "discard", None)

@@ -168,3 +168,40 @@ def test_a_failed_exchange_leaves_no_rank_s_shard_file_behind(tmp_path: Path) ->
     named = set(json.loads((step / "manifest.json").read_text())["files"])
     assert sorted(p.name for p in step.iterdir()) == sorted(named | {"manifest.json"})
     assert named == {"shards-00000.bin", "shards-00001.bin", "state.pt"}
+
+
+# ---------------------------------------------------------------------- named failures
+def _save_with_a_failing_shard_upload(root: str) -> str:
+    import errno
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import elastic_kit as ek
+
+    info = ek.init_distributed()
+    mesh = init_device_mesh("cpu", (2,))
+    ffs = FaultFileSystem(fsspec.filesystem("file"))  # an object store's way of writing
+    if info.rank == 1:
+        ffs.add("close", match="step-000000000002/shards-00001",
+                error=OSError(errno.EIO, "503 Slow Down"))
+    store = ek.CheckpointStore(root, filesystem=ffs, keep_last=None)
+    store.save(_state(mesh, 1), step=1)
+    try:
+        store.save(_state(mesh, 2), step=2)
+        raised = ""
+    except Exception as e:
+        raised = f"{type(e).__name__}: {e}"
+    steps = [i.step for i in store.list()]
+    store.close()
+    return f"{steps} {raised}"
+
+
+def test_a_failed_shard_upload_is_reported_on_every_rank_naming_the_file(
+        tmp_path: Path) -> None:
+    got = spawn_multi_process(2, _save_with_a_failing_shard_upload, str(tmp_path / "ck"))
+    named = "OSError: [Errno 5] cannot write checkpoint file "
+    assert got[0].startswith("[1] CheckpointError: sharded checkpoint step 2: rank 1 could "
+                             "not write its shards: " + named), got[0]
+    assert got[1].startswith("[1] " + named), got[1]  # the failed rank: its own error
+    for out in got:
+        assert "/step-000000000002/shards-00001" in out and out.endswith(": 503 Slow Down"), out
