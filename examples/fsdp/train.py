@@ -33,11 +33,13 @@ Elastic, 1 to 3 nodes (run on every node; nodes may join or leave)::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
+import tempfile
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -165,6 +167,23 @@ def full_state(model: nn.Module) -> dict[str, torch.Tensor]:
                                                                 cpu_offload=True))
 
 
+def write_json_atomically(path: str, payload: dict[str, Any]) -> None:
+    """Write then rename: a reader never sees half a file. The temporary file is
+    created afresh under a random name (``O_EXCL``): in a directory other users can
+    write (``/tmp``) nobody can plant a link there for this write to follow."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(payload, f, indent=2, sort_keys=True)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     info = ek.init_distributed()  # torchrun's environment; world size 1 without it
@@ -214,10 +233,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             Path(args.final_state).parent.mkdir(parents=True, exist_ok=True)
             torch.save(final, args.final_state)
         if args.summary_json:
-            tmp = f"{args.summary_json}.tmp-{os.getpid()}"
-            with open(tmp, "w") as f:
-                json.dump(state.run_report(), f, indent=2, sort_keys=True)
-            os.replace(tmp, args.summary_json)
+            write_json_atomically(args.summary_json, state.run_report())
     dist.destroy_process_group()
 
 

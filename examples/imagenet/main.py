@@ -59,11 +59,13 @@ the gradients in another order: equal to float rounding).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import logging
 import math
 import os
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -280,15 +282,23 @@ def checkpoint_url(args: argparse.Namespace, run_id: str) -> str:
 
 
 def write_json_atomically(path: str, payload: dict[str, Any]) -> None:
-    """Write then rename, so a reader (a test, the demo) never sees half a file."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    with open(tmp, "w") as f:
-        json.dump(payload, f, indent=2, sort_keys=True)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """Write then rename: a reader never sees half a file. The temporary file is
+    created afresh under a random name (``O_EXCL``): in a directory other users can
+    write (``/tmp``) nobody can plant a link there for this write to follow."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(payload, f, indent=2, sort_keys=True)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -25,9 +25,11 @@ An ImageNet-style folder (``DIR/train/<class>/*.jpg`` and ``DIR/val/<class>/*.jp
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -151,12 +153,20 @@ def param_sha256(model: nn.Module) -> str:
 
 
 def write_json_atomically(path: str, payload: dict[str, Any]) -> None:
-    """Write then rename: a reader never sees half a file."""
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(payload, f, indent=2, sort_keys=True)
-    os.replace(tmp, path)
+    """Write then rename: a reader never sees half a file. The temporary file is
+    created afresh under a random name (``O_EXCL``): in a directory other users can
+    write (``/tmp``) nobody can plant a link there for this write to follow."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(payload, f, indent=2, sort_keys=True)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def main(argv: Sequence[str] | None = None) -> None:

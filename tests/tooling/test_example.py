@@ -241,3 +241,23 @@ def test_the_best_model_survives_a_validation_after_the_last_checkpoint(tmp_path
     assert first_kept == first_best == first_final  # the stop's own validation was kept
     assert kept_now == best_now == max(first_kept, best_now, final_now)
     assert kept_now >= first_kept
+
+
+def test_the_summary_never_follows_a_link_planted_at_a_temporary_name(tmp_path: Path) -> None:
+    """``--summary-json /tmp/...``: another user of a shared directory cannot have the
+    write land in a file of their choosing (a link at the temporary name it used to
+    take from the pid); the temporary file is made afresh, and the summary replaces
+    whatever is at its own path."""
+    import json
+    import os
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("mine")
+    planted = tmp_path / f"summary.json.tmp-{os.getpid()}"
+    planted.symlink_to(victim)
+    out = tmp_path / "summary.json"
+    load_main().write_json_atomically(str(out), {"a": 1})
+    assert victim.read_text() == "mine"
+    assert json.loads(out.read_text()) == {"a": 1} and not out.is_symlink()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["victim.txt", planted.name, "summary.json"])
