@@ -43,10 +43,13 @@ workers inherit that until their checkpointer's watcher catches them
 A forked worker starts as a copy of the agent, so it is made to start as a new process
 would (:func:`_worker_start`): torchrun's ``OMP_NUM_THREADS`` (set after the agent's
 torch had sized its thread pool) is applied, the agent's signal handlers (torch's
-SIGTERM handler, the planned leave's SIGUSR2) give way to a new process's, numpy's
-global generator is reseeded (Python's ``random`` reseeds itself), and the agent's exit
-handlers are dropped while the worker's own run when it ends (``multiprocessing`` ends
-a forked child with ``os._exit``, which skips them: the process group's teardown and
+SIGTERM handler, the planned leave's SIGUSR2) give way to a new process's, torch's and
+numpy's global generators are reseeded (Python's ``random`` reseeds itself), and the
+agent's exit handlers are dropped. The script then runs as a new process runs it
+(:func:`run_script_path`): its directory first on ``sys.path``, no ``multiprocessing``
+start method set yet, and the worker's own exit handlers run when the script ends
+(``multiprocessing`` ends a forked child with ``os._exit``, which skips them, and a
+finished worker waits there for the node's others: the process group's teardown and
 the checkpointer's last snapshot of a failing script among them). Only the agent's own
 children are touched: a worker's DataLoader workers, forked from it, are left alone.
 
@@ -85,7 +88,7 @@ from elastic_kit.health import (
     rendezvous_poll_seconds as poll_seconds,
 )
 
-__all__ = ["LauncherOptions", "main", "parse_options"]
+__all__ = ["LauncherOptions", "main", "parse_options", "run_script_path"]
 
 #: Imported into the agent whatever ``--preload`` says.
 DEFAULT_PRELOAD = ("torch._dynamo",)
@@ -190,6 +193,10 @@ def _worker_start() -> None:
         torch = sys.modules.get("torch")
         if threads.isdigit() and int(threads) > 0 and torch is not None:
             torch.set_num_threads(int(threads))
+        if torch is not None:
+            # a new process seeds torch's generator from the OS: every rank, and every
+            # restart, draws its own unseeded numbers (not the agent's one stream)
+            torch.default_generator.seed()
         numpy = sys.modules.get("numpy")
         if numpy is not None:
             numpy.random.seed()
@@ -203,6 +210,36 @@ def _worker_start() -> None:
 
     os.register_at_fork(after_in_child=at_fork)
     multiprocessing.util.register_after_fork(_WORKER_START, at_start)
+
+
+def run_script_path(training_script: str, *training_script_args: str) -> None:
+    """torchrun's ``run_script_path`` (the worker's entry point with ``--run-path``), run
+    as a new process runs a script: the script's directory first on ``sys.path`` (a
+    module next to it imports), no start method set in ``multiprocessing`` yet (the
+    script may set one; a forked child has its parent's forced on it), and the
+    worker's exit handlers run when the script ends, returns or raises, not when every
+    worker of the node has ended (a forked worker that finished waits for the agent to
+    collect the others' results, and a peer's failure ends it there with SIGTERM,
+    which would skip them); an uncaught exception is noted as the interpreter notes it
+    (``sys.last_value``) before they run. Module level: the spawn start method pickles
+    the entry point."""
+    import multiprocessing.context
+    import runpy
+
+    sys.argv = [training_script, *training_script_args]
+    if sys.path:
+        sys.path[0] = os.path.dirname(os.path.realpath(training_script))
+    multiprocessing.context._default_context._actual_context = None  # type: ignore[attr-defined]
+    try:
+        runpy.run_path(training_script, run_name="__main__")
+    except SystemExit:
+        raise
+    except BaseException as e:
+        sys.last_type, sys.last_value, sys.last_traceback = type(e), e, e.__traceback__
+        raise
+    finally:
+        atexit._run_exitfuncs()
+        atexit._clear()
 
 
 def _ignore_notice_signals() -> dict[int, Any]:
@@ -273,7 +310,10 @@ def main(argv: Sequence[str] | None = None) -> None:
             print(f"python -m elastic_kit.run: --preload: cannot import {name!r}: {e}",
                   file=sys.stderr)
             raise SystemExit(2) from None
+    import torch.distributed.run as torchrun_module
     from torch.distributed.run import main as torchrun_main
+
+    torchrun_module.run_script_path = run_script_path  # --run-path workers' entry point
 
     try:
         _ignore_notice_signals()  # the notice is the workers' to act on; inherited by them

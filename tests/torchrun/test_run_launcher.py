@@ -208,17 +208,27 @@ def test_a_round_that_lost_a_node_closes_once_its_keep_alives_lapse(tmp_path: Pa
 def test_forked_workers_start_as_new_processes_would(tmp_path) -> None:
     """Workers forked from the agent: torchrun's thread count applies (the agent's torch
     sized its pool before torchrun set OMP_NUM_THREADS), the agent's signal handlers are
-    gone, numpy's generator differs per worker, and the worker's exit handlers run at
-    its end (multiprocessing ends a forked child with os._exit)."""
-    script = tmp_path / "probe.py"
+    gone, numpy's and torch's generators differ per worker, the script's directory comes
+    first on sys.path (a module beside it imports), the script may choose
+    multiprocessing's start method, and the worker's exit handlers run at its end
+    (multiprocessing ends a forked child with os._exit)."""
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    (proj / "beside.py").write_text("WHERE = 'beside the script'\n")
+    script = proj / "probe.py"
     script.write_text(
-        "import atexit, json, os, signal, numpy, torch\n"
+        "import atexit, json, multiprocessing, os, signal, sys, numpy, torch\n"
+        "import beside\n"
+        "multiprocessing.set_start_method('spawn')\n"
         "rank = os.environ['RANK']\n"
         f"out = {str(tmp_path)!r}\n"
         "facts = {'threads': torch.get_num_threads(), 'omp': os.environ.get('OMP_NUM_THREADS'),\n"
         "         'sigterm': signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,\n"
         "         'sigusr2': signal.getsignal(signal.SIGUSR2) == signal.SIG_DFL,\n"
-        "         'draw': float(numpy.random.random_sample())}\n"
+        "         'draw': float(numpy.random.random_sample()),\n"
+        "         'torch_draw': torch.randperm(20).tolist(),\n"
+        "         'path0': sys.path[0], 'beside': beside.WHERE,\n"
+        "         'start': multiprocessing.get_start_method()}\n"
         "open(os.path.join(out, f'facts{rank}.json'), 'w').write(json.dumps(facts))\n"
         "atexit.register(lambda: open(os.path.join(out, f'exited{rank}'), 'w').close())\n")
     out = _launch("--standalone", "--nproc-per-node=2", "--start-method=fork",
@@ -228,5 +238,30 @@ def test_forked_workers_start_as_new_processes_would(tmp_path) -> None:
     for f in facts:
         assert f["omp"] == "1" and f["threads"] == 1, f
         assert f["sigterm"] and f["sigusr2"], f
+        assert f["path0"] == str(proj.resolve()) and f["beside"] == "beside the script", f
+        assert f["start"] == "spawn", f
     assert facts[0]["draw"] != facts[1]["draw"]
+    assert facts[0]["torch_draw"] != facts[1]["torch_draw"]
+    assert (tmp_path / "exited0").exists() and (tmp_path / "exited1").exists()
+
+
+def test_a_forked_worker_that_finished_runs_its_exit_handlers_before_a_peer_fails(
+        tmp_path) -> None:
+    """Rank 0's script returns, rank 1's fails a moment later: rank 0's exit handlers
+    have run, as a new process's do when its script ends (a forked worker waits for the
+    agent to collect every worker's result, and the peer's failure ends it with
+    SIGTERM there)."""
+    script = tmp_path / "probe.py"
+    script.write_text(
+        "import atexit, os, sys, time\n"
+        "rank = os.environ['RANK']\n"
+        f"out = {str(tmp_path)!r}\n"
+        "atexit.register(lambda: open(os.path.join(out, f'exited{rank}'), 'w').close())\n"
+        "if rank == '1':\n"
+        "    time.sleep(2)\n"
+        "    sys.exit(3)\n")
+    out = _launch("--standalone", "--nproc-per-node=2", "--start-method=fork",
+                  "--run-path", str(script))
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert "exitcode  : 3" in out.stderr, out.stderr[-3000:]
     assert (tmp_path / "exited0").exists() and (tmp_path / "exited1").exists()
