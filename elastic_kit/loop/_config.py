@@ -53,7 +53,9 @@ class LoopConfig:
             ``CheckpointerConfig(every_steps=200)``. The loop's audit defaults to
             ``"error"`` (log and raise :class:`~elastic_kit.SampleAuditError` when an
             epoch missed or repeated a sample).
-        checkpoint_at_exit: checkpoint when ``max_steps`` ends the run.
+        checkpoint_at_exit: checkpoint when the run ends (its last epoch, or
+            ``max_steps``) at a step not saved yet, so that a restart after the end
+            trains nothing again.
         scheduler_interval: ``"epoch"`` (``scheduler.step()`` once an epoch, after the
             optimizer step of its last step, before ``on_epoch_end``: a save of that
             step holds it) or ``"step"`` (after every optimizer step).

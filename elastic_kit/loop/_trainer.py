@@ -183,6 +183,14 @@ class ElasticLoop:
             state.sampler = ElasticDistributedSampler(
                 self.dataset, num_replicas=info.world_size, rank=info.rank,
                 shuffle=cfg.shuffle, seed=cfg.seed)
+        covered = getattr(state.sampler, "dataset_length", None)
+        if covered is not None and covered != len(self.dataset):
+            # a shorter one trains on a prefix of the data (its audit passes); a longer
+            # one fails in the loader mid-epoch with an IndexError naming neither
+            raise ValueError(
+                f"state.sampler covers a dataset of {covered} samples, but the loop's "
+                f"dataset has {len(self.dataset)}: build the sampler on the loop's dataset "
+                f"(or leave state.sampler None: the loop makes one)")
         if getattr(state.sampler, "drop_last", False):
             raise ValueError(
                 "the sampler has drop_last=True; the loop needs drop_last=False (it pads "
@@ -264,9 +272,12 @@ class ElasticLoop:
                 if self._max_steps_reached() and state.sampler.remaining > 0:
                     break  # stopped inside the epoch
                 self._end_epoch(summary)
+            if (cfg.checkpoint_at_exit and ckpt.store is not None
+                    and ckpt.last_saved_step != state.step):
+                # the run's end is saved (an epoch end may not be: save_at_epoch_end
+                # off), so a restart after it trains nothing again
+                ckpt.save(blocking=True)
             if self._max_steps_reached():
-                if cfg.checkpoint_at_exit and ckpt.last_saved_step != state.step:
-                    ckpt.save(blocking=True)
                 if info.is_main:
                     say(log, "max_steps=%d reached at step %d, epoch %d", cfg.max_steps,
                         state.step, state.epoch)

@@ -269,3 +269,46 @@ def test_loop_keeps_its_hooks_out_of_the_step_time(monkeypatch: pytest.MonkeyPat
     loop.run()
     assert hooks == ["step", "step", "epoch"] * 2
     assert len(excluded) == len(hooks) + 2 and all(s >= 0 for s in excluded)
+
+
+@pytest.mark.parametrize("sampled", [4, 12])
+def test_a_sampler_over_another_datasets_length_is_refused_naming_both(sampled: int) -> None:
+    """A shorter sampler would train on a prefix of the data with an audit that
+    passes; a longer one would fail in the loader mid-epoch with an IndexError."""
+    from elastic_kit import ElasticDistributedSampler
+
+    model = nn.Linear(2, 1)
+    sampler = ElasticDistributedSampler(range(sampled), num_replicas=1, rank=0)
+    state = TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1), sampler=sampler)
+    ds = TensorDataset(torch.randn(8, 2))
+    loop = ElasticLoop(state, ds, loss_fn=lambda m, b: m(b[0]).sum(1),
+                       config=LoopConfig(global_batch_size=4, progress_bar=False))
+    with pytest.raises(ValueError, match=rf"state.sampler covers a dataset of {sampled} "
+                                         rf"samples, but the loop's dataset has 8"):
+        loop.run()
+    assert state.step == 0 and sampler.consumed == 0
+
+
+def test_the_runs_end_is_saved_without_epoch_end_saves_and_a_restart_trains_nothing(
+        tmp_path) -> None:
+    from elastic_kit import CheckpointStore
+
+    def run() -> tuple[TrainState, ElasticLoop]:
+        torch.manual_seed(0)
+        model = nn.Linear(2, 1)
+        state = TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        ds = TensorDataset(torch.randn(10, 2))
+        loop = ElasticLoop(state, ds, loss_fn=lambda m, b: m(b[0]).sum(1),
+                           store=CheckpointStore(str(tmp_path / "ck")),
+                           config=LoopConfig(epochs=2, global_batch_size=4, progress_bar=False,
+                                             log_every=0,
+                                             checkpoint=CheckpointerConfig(
+                                                 every_steps=4, save_at_epoch_end=False)))
+        loop.run()
+        return state, loop
+
+    state, _ = run()
+    assert state.step == 6  # 3 steps an epoch (4 + 4 + 2 samples)
+    assert [i.step for i in CheckpointStore(str(tmp_path / "ck")).list()] == [4, 6]
+    again, loop = run()
+    assert loop.restored_step == 6 and again.step == 6 and loop.summaries == []
