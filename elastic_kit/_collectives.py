@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import logging
+import os
 import pickle
 import threading
 import time
@@ -35,6 +36,7 @@ __all__ = [
     "broadcast_object",
     "broadcast_tensors",
     "group_id",
+    "collective_device",
     "known_group_id",
     "hold_collective_tensor",
     "settle_collectives",
@@ -53,10 +55,33 @@ def is_dist_ready() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def _collective_device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if (
-        is_dist_ready() and dist.get_backend() == "nccl"
-    ) else torch.device("cpu")
+def collective_device() -> torch.device:
+    """The device of the library's own collectives: the CPU unless the default group is
+    NCCL; under NCCL this rank's GPU (see :func:`nccl_device_index`)."""
+    if not (is_dist_ready() and dist.get_backend() == "nccl"):
+        return torch.device("cpu")
+    from torch.distributed.distributed_c10d import _get_default_group
+
+    bound = getattr(_get_default_group(), "bound_device_id", None)
+    local = os.environ.get("LOCAL_RANK", "")
+    return torch.device("cuda", nccl_device_index(
+        getattr(bound, "index", None), torch.cuda.current_device(),
+        int(local) if local.isdigit() else None, torch.cuda.device_count()))
+
+
+def nccl_device_index(bound: int | None, current: int, local_rank: int | None,
+                      device_count: int) -> int:
+    """The GPU of this rank's NCCL collectives: the one the group is bound to
+    (``init_process_group(device_id=...)``); else the current device when the script
+    chose one (``torch.cuda.set_device``: not device 0); else the one torchrun's
+    ``LOCAL_RANK`` maps to, as :func:`elastic_kit.init_distributed` maps it. A script
+    that put each rank on ``cuda:LOCAL_RANK`` without ``set_device`` has device 0
+    current on every rank, and NCCL refuses two ranks of one group on one GPU."""
+    if bound is not None:
+        return bound
+    if current != 0 or local_rank is None or device_count < 1:
+        return current
+    return local_rank % device_count
 
 
 def barrier() -> None:
@@ -69,7 +94,7 @@ def all_reduce_max(value: int) -> int:
     """The maximum of an integer over all ranks (``value`` itself when alone)."""
     if not is_dist_ready():
         return int(value)
-    t = torch.tensor([int(value)], dtype=torch.int64, device=_collective_device())
+    t = torch.tensor([int(value)], dtype=torch.int64, device=collective_device())
     all_reduce_(t, dist.ReduceOp.MAX)
     return int(t.item())
 
@@ -115,7 +140,7 @@ def all_reduce_sum_async(tensor: torch.Tensor) -> Callable[..., torch.Tensor]:
     if not is_dist_ready():
         done = tensor.detach().clone()
         return lambda timeout=None: done
-    device = _collective_device()
+    device = collective_device()
     if device.type == "cuda" and tensor.device.type == "cpu":
         return _all_reduce_sum_cuda(tensor.detach(), device)
     t = tensor.detach().to(device).clone()
@@ -170,7 +195,7 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     if not is_dist_ready():
         return obj
     # not dist.broadcast_object_list: its tensors are made here but not held
-    dev = _collective_device()
+    dev = collective_device()
     mine = dist.get_rank() == src
     data = pickle.dumps(obj) if mine else b""
     size = torch.tensor([len(data)], dtype=torch.int64, device=dev)
@@ -255,7 +280,7 @@ def all_gather_object(obj: Any) -> list[Any]:
     """
     if not is_dist_ready():
         return [obj]
-    dev = _collective_device()
+    dev = collective_device()
     data = pickle.dumps(obj)
     world = dist.get_world_size()
     size = torch.tensor([len(data)], dtype=torch.int64, device=dev)
@@ -287,7 +312,7 @@ def broadcast_tensors(tensors: Sequence[torch.Tensor], src: int = 0) -> None:
     """
     if not is_dist_ready():
         return
-    dev = _collective_device()
+    dev = collective_device()
     for t in tensors:
         if t.device == dev and t.is_contiguous() and not (t.is_conj() or t.is_neg()):
             _broadcast_(_carried(t), src)
@@ -328,7 +353,7 @@ def exchange_tensors(sends: Sequence[tuple[int, torch.Tensor]],
     """
     if not (sends or recvs):
         return
-    dev = _collective_device()
+    dev = collective_device()
     ops: list[Any] = []
     staged_recvs: list[tuple[torch.Tensor, torch.Tensor]] = []
     sent: dict[int, int] = {}

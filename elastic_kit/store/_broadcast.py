@@ -17,7 +17,9 @@ import torch
 
 import torch.distributed as dist
 
-from elastic_kit.distributed import all_reduce_, broadcast_object, broadcast_tensors
+from elastic_kit.distributed import (
+    all_reduce_, broadcast_object, broadcast_tensors, collective_device,
+)
 from elastic_kit.store._tree import leaves, map_tree
 
 __all__ = ["TensorSpec", "split_tensors", "fill_tensors", "broadcast_state", "agree_on_holder",
@@ -92,9 +94,7 @@ def target_device(map_location: Any) -> torch.device:
 
 
 def _reduce_device() -> torch.device:
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return collective_device()  # this rank's GPU under NCCL, else the CPU
 
 
 def agree_on_holder(local_step: int | None, rank: int, world_size: int, *,
