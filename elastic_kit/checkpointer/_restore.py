@@ -224,7 +224,8 @@ def own_kept_state(state: TrainState, sd: dict[str, Any]) -> None:
     snapshot's file is not held for the rest of the run (one state's size of shared
     memory, all of it held by any one tensor): the optimizer state of CPU parameters
     (``Optimizer.load_state_dict`` keeps a tensor already of the parameter's device
-    and dtype; for CUDA parameters it copies to the device anyway), and every tensor
+    and dtype; for CUDA parameters it copies to the device anyway, except the "step"
+    of a non-fused optimizer and tensors in the param groups), and every tensor
     but the model's (which ``Module.load_state_dict`` copies into the parameters):
     ``extras`` (kept as given, or by a second optimizer's ``load_state_dict``), a
     scheduler's or a sampler's.
@@ -249,6 +250,17 @@ def own_kept_state(state: TrainState, sd: dict[str, Any]) -> None:
             continue
         if key == "optimizer" and (opt is None or not any(
                 p.device.type == "cpu" for g in opt.param_groups for p in g["params"])):
+            # torch copies the state to the parameters' device, except what it keeps
+            # as given: a non-fused, non-capturable optimizer's "step" (Adam's, on
+            # the CPU whatever the parameters' device), and tensors in param_groups
+            # (a tensor lr)
+            opt_sd = sd[key]
+            if isinstance(opt_sd, dict):
+                for per_param in (opt_sd.get("state") or {}).values():
+                    if isinstance(per_param, dict) and "step" in per_param:
+                        per_param["step"] = map_tree(per_param["step"], own)
+                if "param_groups" in opt_sd:
+                    opt_sd["param_groups"] = map_tree(opt_sd["param_groups"], own)
             continue
         if key == "extras" and isinstance(sd[key], dict):
             # a module there (an EMA) copies into its own tensors, as the model does:
