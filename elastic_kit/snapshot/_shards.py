@@ -455,7 +455,9 @@ def _assemble(plan: _Plan, chosen: dict[int, tuple[int, str, str, dict[str, Any]
                 return v
             if device is not None and v.device.type != device.type:
                 return v.to(device)  # the holder's own, as every other rank's
-            return v.clone() if device is None and own else v
+            # the holder's views of the mapping (on the CPU) are copied, also for a CPU
+            # device given explicitly (as ElasticLoop gives it): else they hold the file
+            return v.clone() if own and v.device.type == "cpu" else v
         t = targets[p]
         return DTensor.from_local(fills[p].to(t.to_local().device), t.device_mesh,
                                   t.placements, run_check=False, shape=t.shape,

@@ -221,3 +221,53 @@ def test_a_lone_survivor_restores_every_shard_from_its_own_memory(
     assert _close(out["full"], plain["full"])
     assert [(a["epoch"], a["count"], a["ok"]) for a in out["report"]["audit"]] == [
         (0, _SIZE, True), (1, _SIZE, True)]
+
+
+def _held_job(url: str, shm: str, restore_to: str | None) -> dict[str, Any]:
+    """Three steps with a snapshot each, then 'die' (the snapshots kept); with
+    ``restore_to``, instead: restore with that map_location and name the snapshot
+    files this rank still has mapped."""
+    os.environ["ELASTIC_KIT_SNAPSHOT_DIR"] = shm
+    os.environ["ELASTIC_KIT_SNAPSHOT_NODE"] = f"node{os.environ.get('GROUP_RANK', '0')}"
+    torch.set_num_threads(1)
+    import gc
+
+    import elastic_kit as ek
+
+    info = ek.init_distributed()
+    model = _model(1)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    state = ek.TrainState(model, opt)
+    ckpt = ek.Checkpointer(state, url, handle_signals=False, snapshot_every=1)
+    if restore_to is None:
+        ckpt.restore()
+        for _ in range(3):
+            model(torch.randn(3, 5)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            ckpt.step(3)
+        assert ckpt.snapshots is not None
+        ckpt.snapshots.close(remove=False)
+        torch.distributed.barrier()
+        return {"rank": info.rank}
+    ckpt.restore(map_location=None if restore_to == "none" else restore_to)
+    gc.collect()
+    with open("/proc/self/maps") as f:
+        # a restored step's files (the writer's own slot for the next snapshots aside)
+        mapped = sorted({line.split(None, 5)[-1].strip() for line in f
+                         if shm in line and "/step-" in line})
+    out = {"from": ckpt.restored_from, "step": ckpt.restored_step, "mapped": mapped}
+    ckpt.close()
+    return out
+
+
+@pytest.mark.parametrize("restore_to", ["cpu", "none"])
+def test_nothing_of_the_restored_parts_stays_mapped(tmp_path: Path, shm: str,
+                                                    restore_to: str) -> None:
+    """The rank that read part 0 (its views of the mapping) keeps none of them, also
+    with ``map_location="cpu"`` (what ElasticLoop passes): a replicated tensor there
+    (AdamW's step) held the whole file for the rest of the run."""
+    url = str(tmp_path / "run")
+    spawn_multi_process(2, _held_job, url, shm, None)
+    got = spawn_multi_process(2, _held_job, url, shm, restore_to)
+    assert got == [{"from": "memory", "step": 3, "mapped": []}] * 2
