@@ -110,7 +110,24 @@ def _fmt_size(n: int) -> str:
 def _fmt_time(t: float | None) -> str:
     if t is None:
         return "-"
-    return _dt.datetime.fromtimestamp(t, tz=_dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    try:
+        return _dt.datetime.fromtimestamp(t, tz=_dt.timezone.utc).strftime(
+            "%Y-%m-%d %H:%M:%S UTC")
+    except (OverflowError, ValueError, OSError):  # a time no calendar date has
+        return f"{t:g}"
+
+
+def _say(line: str) -> None:
+    """Print ``line``; once the reader went away (``| head``), print nothing more and
+    go on: what a command does (a prune's deletions) and its exit status do not
+    depend on who reads its output."""
+    try:
+        print(line, flush=True)
+    except BrokenPipeError:
+        # further writes, and the interpreter's flush at exit, go nowhere
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
 
 
 def _is_local(store: Any) -> bool:
@@ -150,10 +167,10 @@ def _printed_as_json_or_none(rows: list[dict[str, Any]], as_json: bool, none: st
     none; whether that was all there is to print (else the caller prints a table)."""
     if as_json:
         for r in rows:
-            print(json.dumps(r))
+            _say(json.dumps(r))
         return True
     if not rows:
-        print(none)
+        _say(none)
         return True
     return False
 
@@ -176,29 +193,28 @@ def _cmd_ls(store: Any, args: argparse.Namespace) -> int:
                      "INVALID: " + problem.split(": ", 1)[-1]})
     if _printed_as_json_or_none(rows, args.json, f"no checkpoints in {store.url}"):
         return EXIT_OK
-    print(f"{'STEP':>12}  {'SIZE':>10}  {'EPOCH':>5}  {'TIME':<23}  STATUS")
+    _say(f"{'STEP':>12}  {'SIZE':>10}  {'EPOCH':>5}  {'TIME':<23}  STATUS")
     for r in rows:
         size = _fmt_size(r["size_bytes"]) if r["size_bytes"] is not None else "-"
         epoch = str(r["epoch"]) if r["epoch"] is not None else "-"
-        print(f"{r['step']:>12}  {size:>10}  {epoch:>5}  {_fmt_time(r['time']):<23}  {r['status']}")
+        _say(f"{r['step']:>12}  {size:>10}  {epoch:>5}  {_fmt_time(r['time']):<23}  {r['status']}")
     return EXIT_OK
 
 
 def _cmd_verify(store: Any, args: argparse.Namespace) -> int:
-    results = store.verify(deep=True)
+    results = store.verify(deep=True, step=args.step)  # only that step's files read
     if args.step is not None:
-        results = [r for r in results if r[0] == args.step]
         if not results:
             print(f"error: no checkpoint step {args.step} in {store.url}", file=sys.stderr)
             return EXIT_USAGE
     bad = 0
     for step, path, problem in results:
         if problem is None:
-            print(f"OK       step {step}  {_url_of(store, path)}")
+            _say(f"OK       step {step}  {_url_of(store, path)}")
         else:
             bad += 1
-            print(f"CORRUPT  step {step}  {problem}")
-    print(f"{len(results) - bad} ok, {bad} corrupt or incomplete (skipped by load)")
+            _say(f"CORRUPT  step {step}  {problem}")
+    _say(f"{len(results) - bad} ok, {bad} corrupt or incomplete (skipped by load)")
     return EXIT_CORRUPT if bad else EXIT_OK
 
 
@@ -207,14 +223,21 @@ def _cmd_prune(store: Any, args: argparse.Namespace) -> int:
         print(f"error: --keep={args.keep} must be >= 1", file=sys.stderr)
         return EXIT_USAGE
     listed = len(store.list()) if args.dry_run else 0
-    doomed = store.prune(args.keep, dry_run=args.dry_run)
-    for i in doomed:
-        print(("would delete" if args.dry_run else "deleting")
-              + f" step {i.step}  {_url_of(store, i.path)}")
+
+    def told(path: str, step: int | None, leftover: bool) -> None:
+        # said before each deletion: a prune that fails part way has said what it did
+        what = ("leftover of an interrupted save" if step is None else
+                f"leftover of an interrupted save of step {step}" if leftover else
+                f"step {step}")
+        verb = ("would remove" if leftover else "would delete") if args.dry_run else (
+            "removing" if leftover else "deleting")
+        _say(f"{verb} {what}  {_url_of(store, path)}")
+
+    doomed = store.prune(args.keep, dry_run=args.dry_run, on_delete=told)
     if args.dry_run:
-        print(f"would keep {listed - len(doomed)} checkpoint(s)")
+        _say(f"would keep {listed - len(doomed)} checkpoint(s)")
     else:
-        print(f"kept {len(store.list())} checkpoint(s)")
+        _say(f"kept {len(store.list())} checkpoint(s)")
     return EXIT_OK
 
 
@@ -238,16 +261,16 @@ def _cmd_snapshots(args: argparse.Namespace) -> int:
                      "status": status})
     if _printed_as_json_or_none(rows, args.json, f"no snapshot runs of this user under {root}"):
         return EXIT_OK
-    print(f"{'SIZE':>10}  {'LAST WRITE':<23}  {'STATUS':<24}  PATH")
+    _say(f"{'SIZE':>10}  {'LAST WRITE':<23}  {'STATUS':<24}  PATH")
     for row in rows:
-        print(f"{_fmt_size(row['size_bytes']):>10}  {_fmt_time(row['time']):<23}  "
+        _say(f"{_fmt_size(row['size_bytes']):>10}  {_fmt_time(row['time']):<23}  "
               f"{row['status']:<24}  {row['path']}")
     if not args.remove and any(row["status"] == "idle" for row in rows):
-        print("idle runs are removed with --remove")
+        _say("idle runs are removed with --remove")
     if any(row["status"] == "recent" for row in rows):
         # a run abandoned a moment ago looks like one between two writes: say why it
         # stays, and how to remove one known to be abandoned
-        print(f"recent runs (written within --idle-minutes {args.idle_minutes:g}) are kept; "
+        _say(f"recent runs (written within --idle-minutes {args.idle_minutes:g}) are kept; "
               "one abandoned for good is removed with --remove --idle-minutes 0")
     return EXIT_OK
 

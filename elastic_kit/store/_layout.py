@@ -145,6 +145,11 @@ class _Vanished(Exception):
     """A file disappeared while being read because the checkpoint changed: rescan."""
 
 
+#: ``on_delete(path, step, leftover)``: told of a deletion before it happens (``step``
+#: None for a ``.tmp-*`` leftover; ``leftover`` True for what an interrupted save left).
+OnDelete = Callable[[str, "int | None", bool], None]
+
+
 class _ManifestMissing(CheckpointCorruptError):
     """A step directory without a manifest: a save that did not finish, or (on an
     object store) one not committed yet, or one whose retention began."""
@@ -639,10 +644,12 @@ class Layout:
             deleted.append(d.step)
         return deleted
 
-    def prune(self, keep: int, *, dry_run: bool = False) -> list[StepDir]:
+    def prune(self, keep: int, *, dry_run: bool = False,
+              on_delete: OnDelete | None = None) -> list[StepDir]:
         """Delete the committed checkpoints older than the newest ``keep`` that fully
         verify, then stale leftovers; returns the deleted (or, dry, the doomed)
-        directories.
+        directories. ``on_delete(path, step, leftover)`` is called before each deletion
+        (dry: for each that would happen), leftovers of interrupted saves included.
 
         Walks back from the newest step, reading and checksumming each, until ``keep``
         pass. A manifest alone does not count: a corrupt step newer than the oldest
@@ -657,13 +664,15 @@ class Layout:
         committed, oldest_kept = self._prune_walk(keep)
         doomed = ([d for d in committed if d.step < oldest_kept]
                   if oldest_kept is not None else [])
-        if dry_run:
-            return doomed
         for d in doomed:
-            log.info("prune (keep=%d): deleting checkpoint step %d", keep, d.step)
-            self.delete(d)
+            if on_delete is not None:
+                on_delete(d.path, d.step, False)
+            if not dry_run:
+                log.info("prune (keep=%d): deleting checkpoint step %d", keep, d.step)
+                self.delete(d)
         if committed:
-            self.clean_stale(newest_committed=committed[-1].step)
+            self.clean_stale(newest_committed=committed[-1].step, dry_run=dry_run,
+                             on_delete=on_delete)
         return doomed
 
     def _prune_walk(self, keep: int) -> tuple[list[StepDir], int | None]:
@@ -695,8 +704,10 @@ class Layout:
         raise CheckpointError(f"checkpoints in {self.url} kept changing while being read "
                               f"(20 attempts): is another job writing this URL?")
 
-    def clean_stale(self, *, newest_committed: int) -> int:
-        """Remove leftovers of crashed saves; returns how many were removed.
+    def clean_stale(self, *, newest_committed: int, dry_run: bool = False,
+                    on_delete: OnDelete | None = None) -> int:
+        """Remove leftovers of crashed saves; returns how many were removed (dry: would
+        be). ``on_delete(path, step, True)`` is called before each removal.
 
         Local disks: ``.tmp-*`` directories no store of this process is writing and
         nothing in which changed for ``stale_after_s``. Any storage: ``step-<n>``
@@ -710,9 +721,12 @@ class Layout:
             except FileNotFoundError:
                 continue
             if age is not None and age >= self.stale_after_s:
-                log.info("removing the leftover of an interrupted save (unchanged for "
-                         "%.0f s): %s", age, path)
-                self.backend.remove_tree(path)
+                if on_delete is not None:
+                    on_delete(path, None, True)
+                if not dry_run:
+                    log.info("removing the leftover of an interrupted save (unchanged for "
+                             "%.0f s): %s", age, path)
+                    self.backend.remove_tree(path)
                 removed += 1
         for d in self.scan():
             if d.step >= newest_committed or not self._manifest_missing(d):
@@ -722,8 +736,11 @@ class Layout:
             except FileNotFoundError:
                 continue
             if age is not None and age >= self.stale_after_s and self._manifest_gone(d):
-                log.info("removing the leftover of an interrupted save: %s", d.path)
-                self.delete(d)
+                if on_delete is not None:
+                    on_delete(d.path, d.step, True)
+                if not dry_run:
+                    log.info("removing the leftover of an interrupted save: %s", d.path)
+                    self.delete(d)
                 removed += 1
         return removed
 

@@ -45,7 +45,7 @@ from elastic_kit.store._broadcast import agree_on_holder, broadcast_state, targe
 from elastic_kit.store._fs import resolve_url
 from elastic_kit.store._handshake import handshake
 from elastic_kit.store._identity import ensure_identity, read_identity
-from elastic_kit.store._layout import Found, Layout, StepDir
+from elastic_kit.store._layout import Found, Layout, StepDir, _ManifestMissing
 from elastic_kit.store._manifest import CHECKSUMS, Manifest
 from elastic_kit.store._records import CheckpointInfo, LoadedCheckpoint, SaveHandle, resolved
 from elastic_kit.store._serialize import (
@@ -780,19 +780,35 @@ class CheckpointStore:
         infos = self.list()
         return infos[-1].step if infos else None
 
-    def verify(self, *, deep: bool = True) -> list[tuple[int, str, str | None]]:
-        """Check every ``step-<n>`` directory: ``(step, path, problem or None)``, oldest first.
+    def verify(self, *, deep: bool = True,
+               step: int | None = None) -> list[tuple[int, str, str | None]]:
+        """Check every ``step-<n>`` directory (only ``step``'s, when given): ``(step,
+        path, problem or None)``, oldest first.
 
         ``deep`` recomputes checksums (reads everything); otherwise types and sizes
         only. A malformed or partial checkpoint is reported with its reason, never
-        raised; a read that keeps failing raises :class:`CheckpointError`.
+        raised; a read that keeps failing raises :class:`CheckpointError`. A directory
+        without a manifest is looked at again for a moment first: on an object store a
+        job's retention removes a step's manifest before its files, and its save
+        writes the files before the manifest, so what a first look finds may be a step
+        being deleted (not reported) or committed (verified then).
         """
         self._drain()
         self._layout.check_root()
         out: list[tuple[int, str, str | None]] = []
         for d in self._layout.scan():
+            if step is not None and d.step != step:
+                continue
             try:
-                self._layout.verify(d, deep=deep)
+                try:
+                    self._layout.verify(d, deep=deep)
+                except _ManifestMissing:
+                    if not self._settled_without_manifest(d):
+                        if self._gone(d):
+                            continue
+                        self._layout.verify(d, deep=deep)  # committed meanwhile
+                    else:
+                        raise
                 out.append((d.step, d.path, None))
             except CheckpointCorruptError as e:
                 if self._gone(d):
@@ -806,6 +822,18 @@ class CheckpointStore:
                 out.append((d.step, d.path, f"{type(e).__name__}: {e}"))
         return out
 
+    def _settled_without_manifest(self, d: StepDir) -> bool:
+        """Whether ``d``, found without a manifest, still has none and still exists at
+        each further look of the store's retry policy (False: it was deleted, or its
+        manifest came)."""
+        delay = self._layout.backoff_s
+        for _ in range(max(self._layout.read_attempts - 1, 1)):
+            time.sleep(delay)
+            delay = min(delay * 2, 5.0)
+            if self._gone(d) or not self._layout._manifest_missing(d):
+                return False
+        return True
+
     def _gone(self, d: StepDir) -> bool:
         """Whether ``d`` was deleted since the scan (the job's retention, running
         beside a tool that verifies the same URL): no problem to report."""
@@ -814,10 +842,15 @@ class CheckpointStore:
         except Exception:
             return False
 
-    def prune(self, keep: int, *, dry_run: bool = False) -> list[CheckpointInfo]:
+    def prune(self, keep: int, *, dry_run: bool = False,
+              on_delete: Callable[[str, int | None, bool], None] | None = None
+              ) -> list[CheckpointInfo]:
         """Delete the checkpoints older than the newest ``keep`` that verify, and stale
         leftovers of interrupted saves; returns the deleted (with ``dry_run``: doomed)
-        ones.
+        checkpoints. ``on_delete(path, step, leftover)`` is called before each deletion
+        (with ``dry_run``: for each that would happen), the leftovers' included
+        (``leftover=True``; ``step`` None for a temporary directory), so a caller can
+        say what went before a deletion that fails.
 
         Not collective; for tools (``python -m elastic_kit prune``) and scripts. A save
         in progress (of this or another process) is never removed.
@@ -845,7 +878,7 @@ class CheckpointStore:
         self._drain()
         self._layout.check_root()
         before = {i.step: i for i in self.list()}
-        doomed = self._layout.prune(keep, dry_run=dry_run)
+        doomed = self._layout.prune(keep, dry_run=dry_run, on_delete=on_delete)
         return [before[d.step] for d in doomed if d.step in before]
 
     # ------------------------------------------------------------------ reading

@@ -176,3 +176,95 @@ def test_paths_on_an_object_store_are_printed_as_urls(capsys):
         import fsspec
 
         fsspec.filesystem("memory").rm("/ek-cli-urls", recursive=True)
+
+
+def test_a_prune_that_fails_part_way_has_said_what_it_deleted(store_url) -> None:
+    """Step 20 cannot be removed (another user's files, a read-only mount, S3's
+    AccessDenied): step 10's deletion, which went before, was told before the error
+    (the command line prints each as it is told)."""
+    import fsspec
+
+    from elastic_kit.testing import FaultFileSystem
+
+    store = CheckpointStore(store_url, keep_last=None)
+    store.save({"w": torch.zeros(10)}, step=40)
+    store.close()
+    ffs = FaultFileSystem(fsspec.filesystem("file"))
+    ffs.add("rm", match="step-000000000020", error=PermissionError(13, "Access Denied"))
+    said: list[str] = []
+    store = CheckpointStore(store_url, keep_last=None, filesystem=ffs)
+    with pytest.raises(PermissionError):
+        store.prune(1, on_delete=lambda path, step, leftover: said.append(
+            f"{step} {leftover} {path.rsplit('/', 1)[-1]}"))
+    assert said == ["10 False step-000000000010", "20 False step-000000000020"]
+    assert [i.step for i in store.list()] == [20, 30, 40]
+
+
+def test_prune_dry_run_lists_the_leftovers_the_real_run_removes(store_url, capsys) -> None:
+    import os
+
+    os.remove(f"{store_url}/step-{20:012d}/manifest.json")  # an interrupted save of step 20
+    store = CheckpointStore(store_url, keep_last=None, stale_after_s=0)
+    said: list[str] = []
+    doomed = store.prune(2, dry_run=True, on_delete=lambda p, s, left: said.append(f"{s} {left}"))
+    assert doomed == [] and said == ["20 True"]
+    assert os.path.isdir(f"{store_url}/step-{20:012d}")  # a dry run changes nothing
+    said.clear()
+    assert store.prune(2, on_delete=lambda p, s, left: said.append(f"{s} {left}")) == []
+    assert said == ["20 True"] and not os.path.exists(f"{store_url}/step-{20:012d}")
+    store.close()
+
+
+def test_prune_dry_run_on_the_command_line_names_a_leftover(store_url, capsys) -> None:
+    import os
+    import time
+
+    os.remove(f"{store_url}/step-{20:012d}/manifest.json")
+    old = time.time() - 3600  # older than the stale cleanup's 10 minutes
+    for p in [f"{store_url}/step-{20:012d}", *(os.path.join(f"{store_url}/step-{20:012d}", n)
+                                              for n in os.listdir(f"{store_url}/step-{20:012d}"))]:
+        os.utime(p, (old, old))
+    assert main(["prune", store_url, "--keep", "2", "--dry-run"]) == EXIT_OK
+    out = capsys.readouterr().out.splitlines()
+    assert out == [f"would remove leftover of an interrupted save of step 20  "
+                   f"{store_url}/step-000000000020", "would keep 2 checkpoint(s)"]
+    assert os.path.isdir(f"{store_url}/step-{20:012d}")
+
+
+def test_verify_step_reads_only_that_step(store_url, capsys) -> None:
+    _corrupt(store_url, 10)  # another step's damage is not this one's verdict
+    assert main(["verify", store_url, "--step", "20"]) == EXIT_OK
+    assert capsys.readouterr().out.splitlines() == [
+        f"OK       step 20  {store_url}/step-000000000020", "1 ok, 0 corrupt or incomplete "
+                                                             "(skipped by load)"]
+
+
+def test_ls_shows_a_time_no_date_has_instead_of_failing(store_url, capsys) -> None:
+    path = f"{store_url}/step-{30:012d}/manifest.json"
+    manifest = json.loads(open(path).read())
+    manifest["time"] = 1e20
+    open(path, "w").write(json.dumps(manifest))
+    assert main(["ls", store_url]) == EXIT_OK
+    rows = capsys.readouterr().out.splitlines()[1:]
+    assert len(rows) == 3 and "1e+20" in rows[2]
+
+
+def test_a_reader_that_goes_away_changes_neither_the_work_nor_the_exit_status(
+        store_url, tmp_path) -> None:
+    """``prune ... | head -1``: every deletion still happens, and ``verify`` still
+    exits 1 on a corrupt store, with no 'cannot access' error blaming the store."""
+    store = CheckpointStore(store_url, keep_last=None)
+    for step in range(40, 240, 10):
+        store.save({"w": torch.zeros(10)}, step=step)
+    store.close()
+    _corrupt(store_url, 30)
+    for cmd, code in ((["verify", store_url], EXIT_CORRUPT),
+                      (["prune", store_url, "--keep", "1"], EXIT_OK)):
+        proc = subprocess.Popen([sys.executable, "-m", "elastic_kit", *cmd],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        assert proc.stdout is not None and proc.stdout.readline()
+        proc.stdout.close()  # the reader is gone after one line
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == code, err
+        assert b"cannot access" not in err and b"Broken pipe" not in err, err
+    assert [i.step for i in CheckpointStore(store_url).list()] == [230]
