@@ -97,15 +97,19 @@ class Departure:
         stays: a staying rank's exit makes its torchrun agent stop the node's other
         workers, a writer among them, whose upload would then be cut off).
         """
-        notices = all_gather_object((info.node_rank, self.notice)) if is_dist_ready() else [
-            (info.node_rank, self.notice)]
+        # torchrun has no restart left for this node (its default --max-restarts is 0;
+        # each agent counts its own restarts: a node that joined later has more left)
+        mine = info.under_torchrun and info.restart_count >= info.max_restarts
+        gathered = all_gather_object((info.node_rank, self.notice, mine)) if is_dist_ready() \
+            else [(info.node_rank, self.notice, mine)]
+        notices = [(node, what) for node, what, _ in gathered]
         leaving = sorted({node for node, what in notices if what is not None})
         staying = [rank for rank, (node, _) in enumerate(notices) if node not in leaving]
         what = next(w for _, w in notices if w is not None)
         everyone = set(leaving) >= {node for node, _ in notices}
-        # torchrun has no restart left for the nodes that stay (its default
-        # --max-restarts is 0): their exit ends the job, and the step must outlive it
-        last = info.under_torchrun and info.restart_count >= info.max_restarts
+        # a staying node's agent with no restart left: its exit ends the job, and the
+        # step must outlive it; every rank must take the same branch (collectives)
+        last = any(no_restart for node, _, no_restart in gathered if node not in leaving)
         durable = everyone or last or not snapshot()
         if durable:
             save()

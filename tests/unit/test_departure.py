@@ -104,7 +104,7 @@ def test_a_leave_without_an_agent_to_stop_fails_the_workers(monkeypatch) -> None
     # two nodes: this one (0) was told it will go, node 1 stays
     monkeypatch.setattr(_departure, "is_dist_ready", lambda: True)
     monkeypatch.setattr(_departure, "all_gather_object",
-                        lambda mine: [mine, (1, None)])
+                        lambda mine: [mine, (1, None, False)])
     info = DistInfo(rank=0, world_size=2, num_nodes=2, run_id="job", max_restarts=3)
     watch = _departure.Departure.__new__(_departure.Departure)
     watch.notice = "signal SIGTERM"
@@ -130,7 +130,8 @@ def test_a_leave_with_no_restart_left_saves_durably(monkeypatch, caplog) -> None
     monkeypatch.setattr(DistInfo, "under_torchrun", property(lambda self: True))
     monkeypatch.setattr(_departure, "is_dist_ready", lambda: True)
     # two nodes: this one (0) stays, node 1 was told it will go
-    monkeypatch.setattr(_departure, "all_gather_object", lambda mine: [mine, (1, "gce")])
+    monkeypatch.setattr(_departure, "all_gather_object",
+                        lambda mine: [mine, (1, "gce", mine[2])])
     for restarts, kept in ((0, ["save", "close"]), (1, ["snapshot", "close"])):
         info = DistInfo(rank=0, world_size=2, num_nodes=2, run_id="job", restart_count=0,
                         max_restarts=restarts)
@@ -144,3 +145,43 @@ def test_a_leave_with_no_restart_left_saves_durably(monkeypatch, caplog) -> None
                         exit_code=143)
         assert leaving.value.code == 143 and done == kept
     assert "torchrun has no restart left (--max-restarts=0): the job ends" in caplog.text
+
+
+def test_every_rank_takes_the_durable_branch_when_any_staying_node_has_no_restart_left(
+        monkeypatch, caplog) -> None:  # type: ignore[no-untyped-def]
+    """Each agent counts its own restarts: a node that joined later has restarts left
+    where the older ones have none. Every rank decides as the others do (their leave
+    branches make different collectives, which hung until the process group's
+    timeout): one staying node without a restart ends the job, so the step is saved
+    durably on every rank."""
+    import logging
+
+    import pytest
+
+    from elastic_kit.checkpointer import _departure
+    from elastic_kit.distributed import DistInfo
+
+    monkeypatch.setattr(DistInfo, "under_torchrun", property(lambda self: True))
+    monkeypatch.setattr(_departure, "is_dist_ready", lambda: True)
+    # this node (0, joined later: a restart left) stays; node 1 goes; node 2 (no
+    # restart left) stays
+    gathered: list[object] = []
+
+    def gather(mine: object) -> list[object]:
+        gathered.append(mine)
+        return [mine, (1, "gce", True), (2, None, True)]
+
+    monkeypatch.setattr(_departure, "all_gather_object", gather)
+    info = DistInfo(rank=0, world_size=3, num_nodes=3, run_id="job", restart_count=0,
+                    max_restarts=1)
+    watch = _departure.Departure.__new__(_departure.Departure)
+    watch.notice = None
+    done: list[str] = []
+    with caplog.at_level(logging.INFO, logger="elastic_kit"), \
+            pytest.raises(SystemExit) as leaving:
+        watch.leave(info, 7, snapshot=lambda: done.append("snapshot") or True,
+                    save=lambda: done.append("save"), close=lambda staying: done.append("close"),
+                    exit_code=143)
+    assert gathered == [(0, None, False)]  # this rank's own count goes to the others
+    assert leaving.value.code == 143 and done == ["save", "close"]
+    assert "the state is in a durable checkpoint; torchrun has no restart left" in caplog.text
