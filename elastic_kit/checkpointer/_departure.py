@@ -125,7 +125,7 @@ class Departure:
             # done, and the agent closes the rendezvous for every node: without a stopped
             # agent, fail, and the group restarts (with this node, until it is gone)
             raise SystemExit(exit_code if everyone or not stopped else 0)
-        if info.is_main:
+        if info.rank == min(staying):  # the staying nodes say it, rank 0 or not
             then = (f"torchrun has no restart left (--max-restarts={info.max_restarts}): the "
                     f"job ends; relaunch it to resume there" if last
                     else "restarting without them")

@@ -185,3 +185,30 @@ def test_every_rank_takes_the_durable_branch_when_any_staying_node_has_no_restar
     assert gathered == [(0, None, False)]  # this rank's own count goes to the others
     assert leaving.value.code == 143 and done == ["save", "close"]
     assert "the state is in a durable checkpoint; torchrun has no restart left" in caplog.text
+
+
+def test_the_first_staying_rank_says_who_leaves_when_rank_0_leaves(
+        monkeypatch, caplog) -> None:  # type: ignore[no-untyped-def]
+    import logging
+
+    import pytest
+
+    from elastic_kit.checkpointer import _departure
+    from elastic_kit.distributed import DistInfo
+
+    monkeypatch.setattr(DistInfo, "under_torchrun", property(lambda self: True))
+    monkeypatch.setattr(_departure, "is_dist_ready", lambda: True)
+    # rank 0 (node 0) leaves; this is rank 1, on node 1, which stays
+    monkeypatch.setattr(_departure, "all_gather_object",
+                        lambda mine: [(0, "gce", False), mine])
+    info = DistInfo(rank=1, world_size=2, num_nodes=2, node_rank=1, run_id="job",
+                    max_restarts=3)
+    watch = _departure.Departure.__new__(_departure.Departure)
+    watch.notice = None
+    with caplog.at_level(logging.INFO, logger="elastic_kit"), \
+            pytest.raises(SystemExit) as leaving:
+        watch.leave(info, 7, snapshot=lambda: True, save=lambda: None,
+                    close=lambda staying: None, exit_code=143)
+    assert leaving.value.code == 143
+    assert "node(s) [0] leave at step 7 (gce): the state is in memory on the nodes that " \
+           "stay; restarting without them (status 143)" in caplog.text
