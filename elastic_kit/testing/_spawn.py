@@ -121,15 +121,18 @@ def _wait_for_every_rank(world_size: int, timeout_s: float = 30.0) -> None:
 
 
 def _read_reports(source: Any, sink: queue_module.Queue[tuple[int, bool, Any]],
-                  world_size: int) -> None:
+                  world_size: int, stop: threading.Event) -> None:
     """Move the ranks' reports from the processes' queue to a thread-safe one, until
-    every rank reported or the parent puts ``None`` (it stopped waiting)."""
+    every rank reported or ``stop`` is set. It reads only when data is there (a poll
+    takes no lock), so it ends when told to; only the half report of a rank killed
+    while sending it can hold it, and nothing waits for it then."""
     for _ in range(world_size):
+        while source.empty():
+            if stop.wait(0.01):
+                return
         try:
             report = source.get()
-        except Exception:  # noqa: BLE001 - the rest of a killed rank's half report
-            return
-        if report is None:
+        except Exception:  # noqa: BLE001 - a report cut short
             return
         sink.put(report)
 
@@ -248,10 +251,12 @@ def spawn_multi_process(
         p.start()
     # The ranks' reports are read on a daemon thread: a rank killed half way through
     # sending its report leaves half a message in the pipe, on which a read blocks for
-    # good; the thread may then hang, this function does not.
+    # good (and it dies holding the queue's write lock, which every later put() waits
+    # for); the thread may then hang, this function does not.
     reports: queue_module.Queue[tuple[int, bool, Any]] = queue_module.Queue()
-    threading.Thread(target=_read_reports, args=(queue, reports, world_size), daemon=True,
-                     name="elastic_kit-spawn-reports").start()
+    stop_reading = threading.Event()
+    threading.Thread(target=_read_reports, args=(queue, reports, world_size, stop_reading),
+                     daemon=True, name="elastic_kit-spawn-reports").start()
     results: dict[int, Any] = {}
     failures: dict[int, str] = {}
 
@@ -298,8 +303,9 @@ def spawn_multi_process(
         # sent is in the pipe whole and the reader hands it over at once.
         while len(results) + len(failures) < world_size and take(0.5):
             pass
-        if len(results) + len(failures) < world_size:
-            queue.put(None)  # ends the reader, unless a killed rank left half a report
+        # (no put() to wake the reader: a rank killed while sending its report died
+        # holding the queue's write lock)
+        stop_reading.set()
     if failures:
         raise MultiProcessError(world_size, failures)
     if len(results) < world_size:

@@ -16,6 +16,8 @@ import pytest
 
 from elastic_kit.testing import MultiProcessError, spawn_multi_process
 
+pytestmark = pytest.mark.timeout(120)  # a harness that hangs fails here, not the suite
+
 
 def _one_killed_one_late(late_s: float, fail: bool) -> str:
     rank = int(os.environ["RANK"])
@@ -39,3 +41,29 @@ def test_a_survivors_late_result_still_names_only_the_killed_rank() -> None:
     with pytest.raises(RuntimeError, match=r"ranks \[1\] exited without a result "
                                            r"\(exit codes \{1: -9\}\)"):
         spawn_multi_process(2, _one_killed_one_late, 4.5, False, timeout=60)
+
+
+def _killed_half_way_through_its_report() -> str:
+    """Rank 1 dies having sent half its report (holding the queue's write lock, as a
+    rank killed inside ``put()`` does); rank 0's report then cannot be sent at all."""
+    import gc
+    import struct
+    from multiprocessing.queues import SimpleQueue
+
+    if int(os.environ["RANK"]) == 1:
+        q = next(o for o in gc.get_objects() if isinstance(o, SimpleQueue))
+        fd = q._writer.fileno()
+
+        def half(buf: bytes) -> None:  # called with the write lock held, as put() does
+            os.write(fd, struct.pack("!i", len(buf)) + bytes(buf[:10]))
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        q._writer.send_bytes = half
+    return "x" * 100
+
+
+def test_a_rank_killed_half_way_through_its_report_does_not_hang_the_caller() -> None:
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"ranks \[(0, )?1\] exited without a result"):
+        spawn_multi_process(2, _killed_half_way_through_its_report, timeout=30)
+    assert time.monotonic() - started < 30
