@@ -37,7 +37,6 @@ __all__ = [
     "broadcast_tensors",
     "group_id",
     "collective_device",
-    "known_group_id",
     "hold_collective_tensor",
     "settle_collectives",
     "wait_for_ranks",
@@ -232,18 +231,6 @@ def group_id() -> str:
         agreed = broadcast_object(uuid.uuid4().hex if dist.get_rank() == 0 else None)
         _GROUP_ID = (weakref.ref(group), str(agreed))
     return _GROUP_ID[1]
-
-
-def known_group_id() -> str:
-    """:func:`group_id` when it was agreed in the current default group already (by
-    :func:`elastic_kit.init_distributed`, or an earlier use), else ``""``: never a
-    collective. Every rank of a group agreed it at the same call, so every rank gives
-    the same answer."""
-    if not is_dist_ready() or _GROUP_ID is None:
-        return ""
-    from torch.distributed.distributed_c10d import _get_default_group
-
-    return _GROUP_ID[1] if _GROUP_ID[0]() is _get_default_group() else ""
 
 
 def wait_for_ranks(key: str, ranks: Sequence[int], *,

@@ -32,8 +32,7 @@ from torch import nn
 from elastic_kit._collectives import (
     EXIT_SETTLE_S, all_gather_object, all_reduce_, all_reduce_max, all_reduce_sum, all_reduce_sum_async, barrier,
     broadcast_object, broadcast_tensors, collective_device, exchange_tensors, group_id,
-    hold_collective_tensor,
-    is_dist_ready, known_group_id, settle_collectives, wait_for_ranks,
+    hold_collective_tensor, is_dist_ready, settle_collectives, wait_for_ranks,
 )
 
 __all__ = [
@@ -56,7 +55,6 @@ __all__ = [
     "broadcast_object",
     "group_id",
     "collective_device",
-    "known_group_id",
     "wait_for_ranks",
     "side_channel_host",
     "unreachable",

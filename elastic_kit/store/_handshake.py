@@ -9,10 +9,8 @@ mixes data until the process group's timeout. The handshake fails within
 
 Why nonces: torchrun's shared store outlives a failed worker group, and the keys
 that group left for the same call stay there. Keys cannot be named after the group
-without first agreeing on a name (a collective again; the caller names them after
-the group's id when one was agreed already, as ``init_distributed`` does, which also
-keeps them from other users who reach the store), so every answer is made provably
-this call's by a nonce its asker drew just now:
+without first agreeing on a name (a collective again), so every answer is made
+provably this call's by a nonce its asker drew just now:
 
 - rank 0 publishes a fresh nonce ``N`` under the call's key; every other rank
   publishes its own nonce under each value of that key it reads (an earlier group's

@@ -57,7 +57,7 @@ from elastic_kit.store._sharded import (
     SaveRefused, ShardsVanished, has_sharded, read_sharded, save_sharded, stage,
 )
 from elastic_kit.distributed import (
-    DistInfo, broadcast_object, get_dist_info, group_id, is_dist_ready, known_group_id,
+    DistInfo, broadcast_object, get_dist_info, group_id, is_dist_ready,
 )
 from elastic_kit.errors import (
     CheckpointConflictError, CheckpointCorruptError, CheckpointError, UnsafeCheckpointError,
@@ -975,13 +975,7 @@ class CheckpointStore:
         with _LOAD_LOCK:
             calls = _CALL_SEQ.setdefault(group, {})
             seq = calls[kind] = calls.get(kind, 0) + 1
-        # under the group's random id when it is known without a collective (a group
-        # made by init_distributed): another user who reaches the key-value store
-        # cannot find the keys (see known limits)
-        gid = known_group_id()
-        prefix = f"elastic_kit/checkpoint/{gid}/{kind}/{seq}" if gid else \
-            f"elastic_kit/checkpoint/{kind}/{seq}"
-        handshake(_get_default_store(), prefix, info.rank,
+        handshake(_get_default_store(), f"elastic_kit/checkpoint/{kind}/{seq}", info.rank,
                   info.world_size, self.load_timeout, f"{what} call #{seq} on {self.url}",
                   call)
 
