@@ -75,6 +75,7 @@ import multiprocessing.util
 import os
 import signal
 import sys
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
@@ -217,7 +218,8 @@ def run_script_path(training_script: str, *training_script_args: str) -> None:
     as a new process runs a script: the script's directory first on ``sys.path`` (a
     module next to it imports), no start method set in ``multiprocessing`` yet (the
     script may set one; a forked child has its parent's forced on it), and the
-    worker's exit handlers run when the script ends, returns or raises, not when every
+    worker's exit handlers run when the script ends, returns or raises (after its
+    other threads ended, as in a new process), not when every
     worker of the node has ended (a forked worker that finished waits for the agent to
     collect the others' results, and a peer's failure ends it there with SIGTERM,
     which would skip them); an uncaught exception is noted as the interpreter notes it
@@ -238,6 +240,9 @@ def run_script_path(training_script: str, *training_script_args: str) -> None:
         sys.last_type, sys.last_value, sys.last_traceback = type(e), e, e.__traceback__
         raise
     finally:
+        # as a new process ends: threading's exit hooks (executors' shutdown), then its
+        # other threads joined, then the exit handlers
+        threading._shutdown()  # type: ignore[attr-defined]
         atexit._run_exitfuncs()
         atexit._clear()
 

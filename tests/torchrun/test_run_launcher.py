@@ -265,3 +265,22 @@ def test_a_forked_worker_that_finished_runs_its_exit_handlers_before_a_peer_fail
     assert out.returncode == 1, out.stderr[-3000:]
     assert "exitcode  : 3" in out.stderr, out.stderr[-3000:]
     assert (tmp_path / "exited0").exists() and (tmp_path / "exited1").exists()
+
+
+def test_a_forked_workers_exit_handlers_run_after_its_threads_ended(tmp_path) -> None:
+    """As in a new process: the script's non-daemon threads end (and executors shut
+    down) before its exit handlers run, the process group's teardown among them."""
+    script = tmp_path / "probe.py"
+    out = tmp_path / "order.txt"
+    script.write_text(
+        "import atexit, threading, time\n"
+        f"out = {str(out)!r}\n"
+        "def work():\n"
+        "    time.sleep(1)\n"
+        "    open(out, 'a').write('thread done\\n')\n"
+        "threading.Thread(target=work).start()\n"
+        "atexit.register(lambda: open(out, 'a').write('atexit\\n'))\n")
+    got = _launch("--standalone", "--nproc-per-node=1", "--start-method=fork",
+                  "--run-path", str(script))
+    assert got.returncode == 0, got.stderr[-3000:]
+    assert out.read_text().splitlines() == ["thread done", "atexit"]
