@@ -747,7 +747,11 @@ class Layout:
     def _manifest_gone(self, d: StepDir) -> bool:
         """Whether ``d``'s manifest, missing at a first look, is still missing at each
         of the retry policy's further looks: a committed step is deleted for a missing
-        manifest, so one 404 (a lagging gateway or listing cache) must not decide it."""
+        manifest, so one 404 (a lagging gateway or listing cache) must not decide it.
+        On a local disk the first look decides: a step's directory gets its manifest
+        before it is renamed into place, and a deletion renames it away first."""
+        if is_local(self.fs):
+            return True
         delay = self.backoff_s
         for _ in range(max(self.read_attempts - 1, 1)):
             time.sleep(delay)

@@ -42,7 +42,7 @@ import fsspec
 import torch
 
 from elastic_kit.store._broadcast import agree_on_holder, broadcast_state, target_device
-from elastic_kit.store._fs import resolve_url
+from elastic_kit.store._fs import is_local, resolve_url
 from elastic_kit.store._handshake import handshake
 from elastic_kit.store._identity import ensure_identity, read_identity
 from elastic_kit.store._layout import Found, Layout, StepDir, _ManifestMissing
@@ -787,11 +787,12 @@ class CheckpointStore:
 
         ``deep`` recomputes checksums (reads everything); otherwise types and sizes
         only. A malformed or partial checkpoint is reported with its reason, never
-        raised; a read that keeps failing raises :class:`CheckpointError`. A directory
-        without a manifest is looked at again for a moment first: on an object store a
-        job's retention removes a step's manifest before its files, and its save
-        writes the files before the manifest, so what a first look finds may be a step
-        being deleted (not reported) or committed (verified then).
+        raised; a read that keeps failing raises :class:`CheckpointError`. On an object
+        store a directory without a manifest is looked at again for a moment first
+        (the retry policy's backoff): a job's retention removes a step's manifest
+        before its files, and its save writes the files before the manifest, so what a
+        first look finds may be a step being deleted (not reported) or committed
+        (verified then).
         """
         self._drain()
         self._layout.check_root()
@@ -825,7 +826,10 @@ class CheckpointStore:
     def _settled_without_manifest(self, d: StepDir) -> bool:
         """Whether ``d``, found without a manifest, still has none and still exists at
         each further look of the store's retry policy (False: it was deleted, or its
-        manifest came)."""
+        manifest came). On a local disk the first look decides (a step's directory is
+        renamed into place with its manifest, and renamed away to be deleted)."""
+        if is_local(self._layout.fs):
+            return True
         delay = self._layout.backoff_s
         for _ in range(max(self._layout.read_attempts - 1, 1)):
             time.sleep(delay)

@@ -13,6 +13,7 @@ import errno
 from pathlib import Path
 
 import fsspec
+import pytest
 import torch
 
 import elastic_kit as ek
@@ -79,3 +80,27 @@ def test_a_payload_missing_at_every_look_is_damage_and_the_step_before_loads(
     assert ffs.fired("info") == 3  # looked for at each of the store's attempts
     assert loaded is not None and loaded.step == 2
     assert loaded.state["w"].tolist() == [2.0] * 64
+
+
+def test_on_a_local_disk_a_missing_manifest_is_decided_at_the_first_look(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A local step directory gets its manifest before it is renamed into place, so
+    nothing waits to look again: the snapshot tier cleans its leftovers during a
+    restore and after every snapshot, on a local tmpfs."""
+    from elastic_kit.store import _layout, _store
+
+    root = tmp_path / "ck"
+    _saved(tmp_path, [1, 2, 3])
+    store = ek.CheckpointStore(str(root), keep_last=None, stale_after_s=0)
+    for s in (1, 2):
+        (root / f"step-00000000000{s}" / "manifest.json").unlink()  # interrupted saves
+    slept: list[float] = []
+    monkeypatch.setattr(_layout.time, "sleep", slept.append)
+    monkeypatch.setattr(_store.time, "sleep", slept.append)
+    found = store.verify()
+    assert [(step, p is None) for step, _, p in found] == [(1, False), (2, False), (3, True)]
+    store.save(_state(4), step=4)  # its cleanup removes both leftovers
+    store.close()
+    assert slept == []
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("step-")) == [
+        "step-000000000003", "step-000000000004"]
