@@ -216,13 +216,14 @@ def named_write_error(e: BaseException, path: str) -> BaseException:
     OSError keeps its type and errno (see :func:`write_error`); another library's own
     error (an object store client's HTTP error) becomes a :class:`CheckpointError`
     caused by it. ``e`` itself when it names the file already, is this library's, or
-    is a builtin error other than OSError (a bug or a bad value, kept as it is)."""
+    is a builtin error other than OSError or torch's (a bug, a bad value, out of
+    memory: kept as it is)."""
     if path in str(e) or isinstance(e, ElasticKitError):
         return e
     if isinstance(e, OSError):
         return write_error(e, path)
-    if type(e).__module__ == "builtins":
-        return e
+    if type(e).__module__.split(".")[0] in ("builtins", "torch"):
+        return e  # a bug, a bad value, torch's own (out of memory): as it is
     return CheckpointError(f"cannot write checkpoint file {path}: {type(e).__name__}: {e}")
 
 

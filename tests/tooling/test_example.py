@@ -259,5 +259,8 @@ def test_the_summary_never_follows_a_link_planted_at_a_temporary_name(tmp_path: 
     load_main().write_json_atomically(str(out), {"a": 1})
     assert victim.read_text() == "mine"
     assert json.loads(out.read_text()) == {"a": 1} and not out.is_symlink()
+    umask = os.umask(0)
+    os.umask(umask)
+    assert out.stat().st_mode & 0o777 == 0o666 & ~umask  # as open() makes a file
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         ["victim.txt", planted.name, "summary.json"])

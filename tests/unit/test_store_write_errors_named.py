@@ -116,3 +116,14 @@ def test_a_local_resaves_manifest_on_a_full_disk_names_it(tmp_path: Path) -> Non
     loaded = store.load()
     assert loaded is not None and loaded.state["w"].tolist() == [3.0] * 4
     store.close()
+
+
+def test_torchs_own_and_builtin_errors_keep_their_type() -> None:
+    from elastic_kit.store._fs import named_write_error
+
+    for e in (torch.OutOfMemoryError("CUDA out of memory"), TypeError("bad value")):
+        assert named_write_error(e, "/ck/step-000000000002/state.pt") is e
+    named = named_write_error(HttpError("503"), "/ck/step-000000000002/state.pt")
+    assert isinstance(named, ek.CheckpointError)
+    assert str(named) == ("cannot write checkpoint file /ck/step-000000000002/state.pt: "
+                          "HttpError: 503")
