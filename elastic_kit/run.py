@@ -216,7 +216,7 @@ def _worker_start() -> None:
 def run_script_path(training_script: str, *training_script_args: str) -> None:
     """torchrun's ``run_script_path`` (the worker's entry point with ``--run-path``), run
     as a new process runs a script: the script's directory first on ``sys.path`` (a
-    module next to it imports), no start method set in ``multiprocessing`` yet (the
+    module next to it imports; the launch directory stays after it), no start method set in ``multiprocessing`` yet (the
     script may set one; a forked child has its parent's forced on it), and the
     worker's exit handlers run when the script ends, returns or raises (after its
     other threads ended, as in a new process), not when every
@@ -229,8 +229,11 @@ def run_script_path(training_script: str, *training_script_args: str) -> None:
     import runpy
 
     sys.argv = [training_script, *training_script_args]
-    if sys.path:
-        sys.path[0] = os.path.dirname(os.path.realpath(training_script))
+    here = os.path.dirname(os.path.realpath(training_script))
+    if here not in sys.path[:1]:
+        # first, as a new process has it; the launch directory (``python -m``'s
+        # sys.path[0]) stays after it, as under torchrun's own --run-path
+        sys.path.insert(0, here)
     multiprocessing.context._default_context._actual_context = None  # type: ignore[attr-defined]
     try:
         runpy.run_path(training_script, run_name="__main__")

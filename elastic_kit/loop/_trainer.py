@@ -184,12 +184,16 @@ class ElasticLoop:
                 self.dataset, num_replicas=info.world_size, rank=info.rank,
                 shuffle=cfg.shuffle, seed=cfg.seed)
         covered = getattr(state.sampler, "dataset_length", None)
-        if covered is not None and covered != len(self.dataset):
+        try:
+            length: int | None = len(self.dataset)
+        except TypeError:  # a map-style dataset without __len__: nothing to compare
+            length = None
+        if covered is not None and length is not None and covered != length:
             # a shorter one trains on a prefix of the data (its audit passes); a longer
             # one fails in the loader mid-epoch with an IndexError naming neither
             raise ValueError(
                 f"state.sampler covers a dataset of {covered} samples, but the loop's "
-                f"dataset has {len(self.dataset)}: build the sampler on the loop's dataset "
+                f"dataset has {length}: build the sampler on the loop's dataset "
                 f"(or leave state.sampler None: the loop makes one)")
         if getattr(state.sampler, "drop_last", False):
             raise ValueError(

@@ -215,10 +215,12 @@ def test_forked_workers_start_as_new_processes_would(tmp_path) -> None:
     proj = tmp_path / "proj"
     proj.mkdir()
     (proj / "beside.py").write_text("WHERE = 'beside the script'\n")
+    # a module of the launch directory (python -m's sys.path[0]) still imports
+    (tmp_path / "at_launch.py").write_text("WHERE = 'where it was launched'\n")
     script = proj / "probe.py"
     script.write_text(
         "import atexit, json, multiprocessing, os, signal, sys, numpy, torch\n"
-        "import beside\n"
+        "import beside, at_launch\n"
         "multiprocessing.set_start_method('spawn')\n"
         "rank = os.environ['RANK']\n"
         f"out = {str(tmp_path)!r}\n"
@@ -231,8 +233,10 @@ def test_forked_workers_start_as_new_processes_would(tmp_path) -> None:
         "         'start': multiprocessing.get_start_method()}\n"
         "open(os.path.join(out, f'facts{rank}.json'), 'w').write(json.dumps(facts))\n"
         "atexit.register(lambda: open(os.path.join(out, f'exited{rank}'), 'w').close())\n")
-    out = _launch("--standalone", "--nproc-per-node=2", "--start-method=fork",
-                  "--run-path", str(script))
+    out = subprocess.run([sys.executable, "-m", "elastic_kit.run", "--standalone",
+                          "--nproc-per-node=2", "--start-method=fork", "--run-path",
+                          str(script)], capture_output=True, text=True, timeout=120,
+                         cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     facts = [json.loads((tmp_path / f"facts{r}.json").read_text()) for r in (0, 1)]
     for f in facts:

@@ -312,3 +312,22 @@ def test_the_runs_end_is_saved_without_epoch_end_saves_and_a_restart_trains_noth
     assert [i.step for i in CheckpointStore(str(tmp_path / "ck")).list()] == [4, 6]
     again, loop = run()
     assert loop.restored_step == 6 and again.step == 6 and loop.summaries == []
+
+
+def test_a_user_sampler_over_a_dataset_without_len_still_trains() -> None:
+    """A map-style dataset need not define __len__ (torch does not ask for it): with a
+    sampler of the script's, there is nothing to compare, and the loop trains."""
+    from elastic_kit import ElasticDistributedSampler
+
+    class NoLen(torch.utils.data.Dataset):
+        def __getitem__(self, i: int) -> tuple[torch.Tensor]:
+            return (torch.full((2,), float(i)),)
+
+    model = nn.Linear(2, 1)
+    sampler = ElasticDistributedSampler(list(range(8)), num_replicas=1, rank=0)
+    state = TrainState(model, torch.optim.SGD(model.parameters(), lr=0.01), sampler=sampler)
+    loop = ElasticLoop(state, NoLen(), loss_fn=lambda m, b: m(b[0]).sum(1),
+                       config=LoopConfig(epochs=1, global_batch_size=4, progress_bar=False,
+                                         log_every=0))
+    loop.run()
+    assert state.step == 2 and sampler.epoch == 1  # the epoch of 8 samples ended
