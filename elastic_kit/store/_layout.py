@@ -230,6 +230,16 @@ class Layout:
                 delay = min(delay * 2, 5.0)
         raise AssertionError("unreachable")  # pragma: no cover
 
+    def looks_again(self) -> Iterator[None]:
+        """Yield once before each further look of the retry policy (``read_attempts``
+        - 1 of them, at least one), after sleeping its backoff: for a caller that
+        must not decide on one answer of an object store."""
+        delay = self.backoff_s
+        for _ in range(max(self.read_attempts - 1, 1)):
+            time.sleep(delay)
+            delay = min(delay * 2, 5.0)
+            yield
+
     def dir_of(self, step: int) -> StepDir:
         return StepDir(step, join(self.root, step_dir_name(step)))
 
@@ -752,10 +762,7 @@ class Layout:
         before it is renamed into place, and a deletion renames it away first."""
         if is_local(self.fs):
             return True
-        delay = self.backoff_s
-        for _ in range(max(self.read_attempts - 1, 1)):
-            time.sleep(delay)
-            delay = min(delay * 2, 5.0)
+        for _ in self.looks_again():
             if not self._manifest_missing(d):
                 log.warning("the manifest of %s was not found at a first look but is there: "
                             "the step is kept", d.path)

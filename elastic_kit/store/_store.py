@@ -830,10 +830,7 @@ class CheckpointStore:
         renamed into place with its manifest, and renamed away to be deleted)."""
         if is_local(self._layout.fs):
             return True
-        delay = self._layout.backoff_s
-        for _ in range(max(self._layout.read_attempts - 1, 1)):
-            time.sleep(delay)
-            delay = min(delay * 2, 5.0)
+        for _ in self._layout.looks_again():
             if self._gone(d) or not self._layout._manifest_missing(d):
                 return False
         return True

@@ -90,6 +90,28 @@ def test_an_agent_started_with_interpreter_options_is_found(tmp_path: Path) -> N
         assert torchrun_agent_pid(pid + 100, proc=str(tmp_path)) is None, argv
 
 
+def _leave(monkeypatch, info, gather, notice=None):  # type: ignore[no-untyped-def]
+    """Run ``Departure.leave`` at step 7 on a rank described by ``info``, under a
+    (faked) torchrun, with ``gather`` standing for the ranks' all-gather of
+    ``(node, notice, no restart left)``; returns (exit status, what it did)."""
+    import pytest
+
+    from elastic_kit.checkpointer import _departure
+    from elastic_kit.distributed import DistInfo
+
+    monkeypatch.setattr(DistInfo, "under_torchrun", property(lambda self: True))
+    monkeypatch.setattr(_departure, "is_dist_ready", lambda: True)
+    monkeypatch.setattr(_departure, "all_gather_object", gather)
+    watch = _departure.Departure.__new__(_departure.Departure)
+    watch.notice = notice
+    done: list[str] = []
+    with pytest.raises(SystemExit) as leaving:
+        watch.leave(info, 7, snapshot=lambda: done.append("snapshot") or True,
+                    save=lambda: done.append("save"), close=lambda staying: done.append("close"),
+                    exit_code=143)
+    return leaving.value.code, done
+
+
 def test_a_leave_without_an_agent_to_stop_fails_the_workers(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """A worker that ends with 0 under an agent that goes on tells it the job is done
     (the agent then closes the rendezvous for every node): a leaving worker whose agent
@@ -97,23 +119,12 @@ def test_a_leave_without_an_agent_to_stop_fails_the_workers(monkeypatch) -> None
     from elastic_kit.checkpointer import _departure
     from elastic_kit.distributed import DistInfo
 
-    import pytest
-
     monkeypatch.setattr(_departure, "torchrun_agent_pid", lambda: None)
-    monkeypatch.setattr(DistInfo, "under_torchrun", property(lambda self: True))
-    # two nodes: this one (0) was told it will go, node 1 stays
-    monkeypatch.setattr(_departure, "is_dist_ready", lambda: True)
-    monkeypatch.setattr(_departure, "all_gather_object",
-                        lambda mine: [mine, (1, None, False)])
     info = DistInfo(rank=0, world_size=2, num_nodes=2, run_id="job", max_restarts=3)
-    watch = _departure.Departure.__new__(_departure.Departure)
-    watch.notice = "signal SIGTERM"
-    done: list[str] = []
-    with pytest.raises(SystemExit) as leaving:
-        watch.leave(info, 7, snapshot=lambda: done.append("snapshot") or True,
-                    save=lambda: done.append("save"), close=lambda staying: done.append("close"),
-                    exit_code=143)
-    assert leaving.value.code == 143 and done == ["snapshot", "close"]
+    # two nodes: this one (0) was told it will go, node 1 stays
+    code, done = _leave(monkeypatch, info, lambda mine: [mine, (1, None, False)],
+                        notice="signal SIGTERM")
+    assert code == 143 and done == ["snapshot", "close"]
 
 
 def test_a_leave_with_no_restart_left_saves_durably(monkeypatch, caplog) -> None:  # type: ignore[no-untyped-def]
@@ -122,28 +133,15 @@ def test_a_leave_with_no_restart_left_saves_durably(monkeypatch, caplog) -> None
     memory, and the relaunch went back to the last durable checkpoint."""
     import logging
 
-    import pytest
-
-    from elastic_kit.checkpointer import _departure
     from elastic_kit.distributed import DistInfo
 
-    monkeypatch.setattr(DistInfo, "under_torchrun", property(lambda self: True))
-    monkeypatch.setattr(_departure, "is_dist_ready", lambda: True)
-    # two nodes: this one (0) stays, node 1 was told it will go
-    monkeypatch.setattr(_departure, "all_gather_object",
-                        lambda mine: [mine, (1, "gce", mine[2])])
     for restarts, kept in ((0, ["save", "close"]), (1, ["snapshot", "close"])):
         info = DistInfo(rank=0, world_size=2, num_nodes=2, run_id="job", restart_count=0,
                         max_restarts=restarts)
-        watch = _departure.Departure.__new__(_departure.Departure)
-        watch.notice = None
-        done: list[str] = []
-        with caplog.at_level(logging.INFO, logger="elastic_kit"), \
-                pytest.raises(SystemExit) as leaving:
-            watch.leave(info, 7, snapshot=lambda: done.append("snapshot") or True,
-                        save=lambda: done.append("save"), close=lambda staying: done.append("close"),
-                        exit_code=143)
-        assert leaving.value.code == 143 and done == kept
+        with caplog.at_level(logging.INFO, logger="elastic_kit"):
+            # two nodes: this one (0) stays, node 1 was told it will go
+            code, done = _leave(monkeypatch, info, lambda mine: [mine, (1, "gce", mine[2])])
+        assert code == 143 and done == kept
     assert "torchrun has no restart left (--max-restarts=0): the job ends" in caplog.text
 
 
@@ -156,13 +154,8 @@ def test_every_rank_takes_the_durable_branch_when_any_staying_node_has_no_restar
     durably on every rank."""
     import logging
 
-    import pytest
-
-    from elastic_kit.checkpointer import _departure
     from elastic_kit.distributed import DistInfo
 
-    monkeypatch.setattr(DistInfo, "under_torchrun", property(lambda self: True))
-    monkeypatch.setattr(_departure, "is_dist_ready", lambda: True)
     # this node (0, joined later: a restart left) stays; node 1 goes; node 2 (no
     # restart left) stays
     gathered: list[object] = []
@@ -171,19 +164,12 @@ def test_every_rank_takes_the_durable_branch_when_any_staying_node_has_no_restar
         gathered.append(mine)
         return [mine, (1, "gce", True), (2, None, True)]
 
-    monkeypatch.setattr(_departure, "all_gather_object", gather)
     info = DistInfo(rank=0, world_size=3, num_nodes=3, run_id="job", restart_count=0,
                     max_restarts=1)
-    watch = _departure.Departure.__new__(_departure.Departure)
-    watch.notice = None
-    done: list[str] = []
-    with caplog.at_level(logging.INFO, logger="elastic_kit"), \
-            pytest.raises(SystemExit) as leaving:
-        watch.leave(info, 7, snapshot=lambda: done.append("snapshot") or True,
-                    save=lambda: done.append("save"), close=lambda staying: done.append("close"),
-                    exit_code=143)
+    with caplog.at_level(logging.INFO, logger="elastic_kit"):
+        code, done = _leave(monkeypatch, info, gather)
     assert gathered == [(0, None, False)]  # this rank's own count goes to the others
-    assert leaving.value.code == 143 and done == ["save", "close"]
+    assert code == 143 and done == ["save", "close"]
     assert "the state is in a durable checkpoint; torchrun has no restart left" in caplog.text
 
 
@@ -191,24 +177,13 @@ def test_the_first_staying_rank_says_who_leaves_when_rank_0_leaves(
         monkeypatch, caplog) -> None:  # type: ignore[no-untyped-def]
     import logging
 
-    import pytest
-
-    from elastic_kit.checkpointer import _departure
     from elastic_kit.distributed import DistInfo
 
-    monkeypatch.setattr(DistInfo, "under_torchrun", property(lambda self: True))
-    monkeypatch.setattr(_departure, "is_dist_ready", lambda: True)
     # rank 0 (node 0) leaves; this is rank 1, on node 1, which stays
-    monkeypatch.setattr(_departure, "all_gather_object",
-                        lambda mine: [(0, "gce", False), mine])
     info = DistInfo(rank=1, world_size=2, num_nodes=2, node_rank=1, run_id="job",
                     max_restarts=3)
-    watch = _departure.Departure.__new__(_departure.Departure)
-    watch.notice = None
-    with caplog.at_level(logging.INFO, logger="elastic_kit"), \
-            pytest.raises(SystemExit) as leaving:
-        watch.leave(info, 7, snapshot=lambda: True, save=lambda: None,
-                    close=lambda staying: None, exit_code=143)
-    assert leaving.value.code == 143
+    with caplog.at_level(logging.INFO, logger="elastic_kit"):
+        code, _ = _leave(monkeypatch, info, lambda mine: [(0, "gce", False), mine])
+    assert code == 143
     assert "node(s) [0] leave at step 7 (gce): the state is in memory on the nodes that " \
            "stay; restarting without them (status 143)" in caplog.text
