@@ -65,7 +65,8 @@ class LoopConfig:
         progress_bar: tqdm bar on rank 0; ``None``: when stderr is a terminal.
         shuffle: / seed: passed to the sampler the loop creates; ``seed`` also seeds,
             per epoch, the generator the loader's workers take their seeds from.
-        num_workers, pin_memory, persistent_workers, prefetch_factor: DataLoader options.
+        num_workers, pin_memory, persistent_workers, prefetch_factor: DataLoader options
+            (the last two need ``num_workers > 0``, as torch's DataLoader does).
         collate_fn: collates a list of samples (default: torch's ``default_collate``).
 
     The checkpointer's options once had flat names here (``checkpoint_every_steps``,
@@ -147,6 +148,15 @@ class LoopConfig:
         _check("num_workers", _int(self.num_workers) and self.num_workers >= 0, "an int >= 0")
         _check("prefetch_factor", self.prefetch_factor is None or (
             _int(self.prefetch_factor) and self.prefetch_factor >= 1), "None or an int >= 1")
+        # torch's DataLoader refuses these without worker processes: say so here, not
+        # drop them silently (the loader is only built at run())
+        _check("prefetch_factor", self.prefetch_factor is None or self.num_workers > 0,
+               "None with num_workers=0 (it counts batches per loader worker)")
+        _check("persistent_workers", not self.persistent_workers or self.num_workers > 0,
+               "False with num_workers=0 (there are no workers to keep)")
+        if self.collate_fn is not None and not callable(self.collate_fn):
+            raise TypeError(f"LoopConfig.collate_fn={self.collate_fn!r}: expected None or a "
+                            "callable taking a list of samples")
         if self.batch_policy == "linear_lr" and self.global_batch_size is not None:
             # the global batch then grows with the world size: a fixed one asked for
             # as well is a contradiction, not an option to ignore

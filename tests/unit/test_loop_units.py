@@ -47,6 +47,19 @@ def test_loop_config_errors_name_the_field() -> None:
         LoopConfig(global_batch_size=8, batch_policy="adaptive")
 
 
+def test_loader_options_torch_refuses_are_refused_when_configured() -> None:
+    # torch's DataLoader raises for these without workers; the loop must not drop them
+    with pytest.raises(ValueError, match=r"prefetch_factor=2: expected None with num_workers=0"):
+        LoopConfig(global_batch_size=8, prefetch_factor=2)
+    with pytest.raises(ValueError, match=r"persistent_workers=True: expected False with "
+                                         r"num_workers=0"):
+        LoopConfig(global_batch_size=8, persistent_workers=True)
+    with pytest.raises(TypeError, match=r"collate_fn=5: expected None or a callable"):
+        LoopConfig(global_batch_size=8, collate_fn=5)
+    cfg = LoopConfig(global_batch_size=8, num_workers=2, prefetch_factor=2,
+                     persistent_workers=True, collate_fn=list)
+    assert (cfg.prefetch_factor, cfg.persistent_workers, cfg.collate_fn) == (2, True, list)
+
 
 def test_termination_flag_is_set_by_sigterm_and_restores_handler() -> None:
     before = signal.getsignal(signal.SIGTERM)
