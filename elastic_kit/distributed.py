@@ -267,7 +267,10 @@ def init_distributed(
         device_count=_cuda_device_count(),
     )
     if requested is None and backend == "gloo" and torch.cuda.is_available():
-        log.info("process-group backend gloo, not nccl: %s", why)
+        # a GPU job that silently trains through gloo on the CPU is slow by 10x or more:
+        # said once per node, where a person looks (every local rank decides alike)
+        log.log(logging.WARNING if _env_int("LOCAL_RANK", 0) == 0 else logging.DEBUG,
+                "process-group backend gloo, not nccl: %s", why)
     else:
         log.debug("process-group backend %s: %s", backend, why)
     local_rank = _env_int("LOCAL_RANK", 0)
