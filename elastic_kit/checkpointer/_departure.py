@@ -118,8 +118,10 @@ class Departure:
         if info.node_rank in leaving:
             stopped = True
             if info.is_local_main:
-                say(log, "this node leaves at step %d (%s): the state is in %s", step, what,
-                    step_kept)
+                # every agent then ends without an error: say what brings the job back
+                say(log, "this node leaves at step %d (%s): the state is in %s%s", step, what,
+                    step_kept, "; every node leaves, so the job ends: relaunch it to resume "
+                    "there" if everyone else "")
                 stopped = _stop_agent(info)
             # a worker that ends with 0 under an agent that goes on tells it the job is
             # done, and the agent closes the rendezvous for every node: without a stopped

@@ -187,3 +187,22 @@ def test_the_first_staying_rank_says_who_leaves_when_rank_0_leaves(
     assert code == 143
     assert "node(s) [0] leave at step 7 (gce): the state is in memory on the nodes that " \
            "stay; restarting without them (status 143)" in caplog.text
+
+
+def test_when_every_node_leaves_each_says_the_job_ends_and_a_relaunch_resumes(
+        monkeypatch, caplog) -> None:  # type: ignore[no-untyped-def]
+    """Every node told it will go: the step is saved durably and every agent ends
+    without an error, so the log must say that the job is over until relaunched."""
+    import logging
+
+    from elastic_kit.checkpointer import _departure
+    from elastic_kit.distributed import DistInfo
+
+    monkeypatch.setattr(_departure, "torchrun_agent_pid", lambda: None)
+    info = DistInfo(rank=0, world_size=2, num_nodes=2, run_id="job", max_restarts=3)
+    with caplog.at_level(logging.INFO, logger="elastic_kit"):
+        code, done = _leave(monkeypatch, info, lambda mine: [mine, (1, "gce", False)],
+                            notice="gce")
+    assert code == 143 and done == ["save", "close"]
+    assert "this node leaves at step 7 (gce): the state is in a durable checkpoint; every " \
+           "node leaves, so the job ends: relaunch it to resume there" in caplog.text
