@@ -90,12 +90,16 @@ class ObjectBackend:
 
     def __init__(self, fs: fsspec.AbstractFileSystem, root: str, *, url: str,
                  read: Reader) -> None:
-        inside = root.strip("/")
+        # a filesystem whose paths keep their scheme (http's are whole URLs) has its
+        # "//" there, not in the path
+        scheme, _, path = root.rpartition("://")
+        inside = path.strip("/")
         if inside and "" in inside.split("/"):
             # s3fs lists ``b//run`` as ``b/run`` (it strips the key's leading slash)
             # but reads and writes the key ``/run/...``: such a store never found its
             # own checkpoints, and took another store's steps for its leftovers
-            collapsed = "/".join(part for part in root.split("/") if part)
+            collapsed = (f"{scheme}://" if scheme else "") + "/".join(
+                part for part in path.split("/") if part)
             raise ValueError(
                 f"checkpoint url={url!r} has an empty path component ('//'), which object "
                 f"stores list and write under different keys; expected the path without "

@@ -52,3 +52,15 @@ def test_a_listing_inside_the_root_is_read_as_before() -> None:
     assert torch.equal(loaded.state["w"], torch.full((2,), 2.0))
     assert [i.step for i in store.list()] == [2]
     assert fsspec.filesystem("memory").exists(f"/{name}/run/step-000000000002")
+
+
+def test_the_empty_path_component_check_reads_the_path_not_a_urls_scheme() -> None:
+    """http's paths are whole URLs: its ``//`` after the scheme is no empty component,
+    and a real one's suggested spelling keeps the scheme."""
+    store = CheckpointStore("http://127.0.0.1:9/run")  # made, nothing read yet
+    assert store.url == "http://127.0.0.1:9/run"
+    with pytest.raises(ValueError, match=r"expected the path without it "
+                                         r"\('http://127.0.0.1:9/run'\)"):
+        CheckpointStore("http://127.0.0.1:9//run")
+    with pytest.raises(ValueError, match=r"expected the path without it \('b/run'\)"):
+        CheckpointStore("memory://b//run")
