@@ -119,6 +119,13 @@ def test_usage_and_url_errors_exit_2(capsys):
     assert main(["ls", "nope://bucket/run"]) == EXIT_USAGE
     assert "unknown protocol 'nope'" in capsys.readouterr().err
     assert main(["ls", "memory://x", "--storage-options", "[1]"]) == EXIT_USAGE
+    capsys.readouterr()
+    # an option the filesystem's client refuses is named as coming from the flag
+    opts = '{"bogus_opt": 1, "endpoint_url": "http://127.0.0.1:9"}'
+    assert main(["ls", "s3://b/run", "--storage-options", opts]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --storage-options={opts!r}: the filesystem of 's3://b/run' "
+                          "does not take it: ") and "bogus_opt" in err, err
     with pytest.raises(SystemExit) as e:
         main(["frobnicate", "x"])
     assert e.value.code == EXIT_USAGE
