@@ -1,14 +1,17 @@
-"""Which process is a torchrun agent: read from ``/proc`` (Linux), by command line.
+"""Which process is a torchrun agent, and whether it hosts the c10d rendezvous: read
+from ``/proc`` (Linux), by command line and listening sockets.
 
-The planned leave uses it to find the agent a worker stops; kept apart from it so
-that other parts of the library can tell an agent from any other parent process.
+The planned leave uses it to find the agent a worker stops, and to tell whether that
+agent's exit takes the rendezvous with it; kept apart from it so that other parts of
+the library can tell an agent from any other parent process.
 """
 
 from __future__ import annotations
 
 import os
 
-__all__ = ["torchrun_agent_pid", "is_agent", "python_module", "command_line"]
+__all__ = ["torchrun_agent_pid", "is_agent", "python_module", "command_line",
+           "c10d_endpoint_port", "listens_on", "hosts_c10d_endpoint"]
 
 _AGENT_MODULES = (b"torch.distributed.run", b"torch.distributed.launch", b"elastic_kit.run")
 
@@ -77,3 +80,80 @@ def torchrun_agent_pid(pid: int | None = None, *, proc: str = "/proc",
         if is_agent(argv):
             return pid
     return None
+
+
+#: torch's port for a c10d rendezvous endpoint given without one.
+C10D_DEFAULT_PORT = 29400
+
+
+def _option(argv: list[bytes], env: dict[str, str], name: str) -> str | None:
+    """torchrun's option ``--name`` (also spelled with ``_``; ``--name=V`` or ``--name
+    V``), else its ``PET_NAME`` environment variable (torchrun reads options there)."""
+    spellings = {f"--{name}".encode(), f"--{name.replace('-', '_')}".encode()}
+    for i, a in enumerate(argv):
+        key, eq, value = a.partition(b"=")
+        if key in spellings:
+            if eq:
+                return value.decode(errors="replace")
+            return argv[i + 1].decode(errors="replace") if i + 1 < len(argv) else None
+    return env.get("PET_" + name.upper().replace("-", "_"))
+
+
+def c10d_endpoint_port(argv: list[bytes], env: dict[str, str]) -> int | None:
+    """The port of the c10d rendezvous endpoint an agent run as ``argv`` (with
+    environment ``env``) serves or joins, or None: another backend, ``--standalone``
+    (one node: nothing to leave), or no endpoint."""
+    if b"--standalone" in argv or _option(argv, env, "rdzv-backend") != "c10d":
+        return None
+    endpoint = _option(argv, env, "rdzv-endpoint")
+    if not endpoint:
+        return None
+    host, colon, port = endpoint.rpartition(":")
+    if not colon or host.endswith(":") or (endpoint.startswith("[") and not host.endswith("]")):
+        return C10D_DEFAULT_PORT  # no port ("host", or a bare IPv6 address)
+    try:
+        return int(port)
+    except ValueError:
+        return None
+
+
+def listens_on(pid: int, port: int, *, proc: str = "/proc") -> bool:
+    """Whether process ``pid`` holds a TCP socket listening on ``port`` (IPv4 or IPv6):
+    its descriptors' socket inodes against its network namespace's socket tables.
+    False when they cannot be read (another user's process, no ``/proc``)."""
+    try:
+        inodes = set()
+        for fd in os.listdir(f"{proc}/{pid}/fd"):
+            try:
+                target = os.readlink(f"{proc}/{pid}/fd/{fd}")
+            except OSError:
+                continue  # closed meanwhile
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    except OSError:
+        return False
+    want = f"{port:04X}"
+    for table in ("tcp", "tcp6"):
+        try:
+            with open(f"{proc}/{pid}/net/{table}") as f:
+                next(f, None)  # the header
+                for line in f:
+                    fields = line.split()
+                    # local address "ADDR:PORT" (hex), state 0A = LISTEN, inode 10th
+                    if (len(fields) > 9 and fields[3] == "0A" and fields[9] in inodes
+                            and fields[1].rpartition(":")[2] == want):
+                        return True
+        except OSError:
+            continue
+    return False
+
+
+def hosts_c10d_endpoint(agent: int, *, proc: str = "/proc") -> bool:
+    """Whether torchrun agent ``agent`` serves its c10d rendezvous endpoint (the other
+    agents lose the rendezvous when it exits). On one machine every agent names the
+    same endpoint host, so the socket decides, not the address."""
+    argv = command_line(agent, proc=proc)
+    if argv is None:
+        return False
+    port = c10d_endpoint_port(argv, dict(os.environ))  # a worker inherits its agent's
+    return port is not None and listens_on(agent, port, proc=proc)

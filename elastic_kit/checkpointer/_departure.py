@@ -36,7 +36,8 @@ import threading
 import time
 from typing import Callable, NoReturn
 
-from elastic_kit._agent import command_line, python_module, torchrun_agent_pid
+from elastic_kit._agent import (command_line, hosts_c10d_endpoint, python_module,
+                                torchrun_agent_pid)
 from elastic_kit._console import say
 from elastic_kit.distributed import DistInfo, all_gather_object, is_dist_ready
 from elastic_kit.health import LEAVE_ENV, LEAVE_SIGNAL, PreemptionWatcher
@@ -100,17 +101,21 @@ class Departure:
         # torchrun has no restart left for this node (its default --max-restarts is 0;
         # each agent counts its own restarts: a node that joined later has more left)
         mine = info.under_torchrun and info.restart_count >= info.max_restarts
-        gathered = all_gather_object((info.node_rank, self.notice, mine)) if is_dist_ready() \
-            else [(info.node_rank, self.notice, mine)]
-        notices = [(node, what) for node, what, _ in gathered]
+        # this node's agent serves the c10d rendezvous: its exit ends it for every node
+        host = info.is_local_main and info.under_torchrun and _hosts_rendezvous()
+        me = (info.node_rank, self.notice, mine, host)
+        gathered = all_gather_object(me) if is_dist_ready() else [me]
+        notices = [(node, what) for node, what, _, _ in gathered]
         leaving = sorted({node for node, what in notices if what is not None})
         staying = [rank for rank, (node, _) in enumerate(notices) if node not in leaving]
         what = next(w for _, w in notices if w is not None)
         everyone = set(leaving) >= {node for node, _ in notices}
         # a staying node's agent with no restart left: its exit ends the job, and the
         # step must outlive it; every rank must take the same branch (collectives)
-        last = any(no_restart for node, _, no_restart in gathered if node not in leaving)
-        durable = everyone or last or not snapshot()
+        last = any(no_restart for node, _, no_restart, _ in gathered if node not in leaving)
+        host_leaves = any(hosts for node, _, _, hosts in gathered if node in leaving)
+        ends = last or host_leaves
+        durable = everyone or ends or not snapshot()
         if durable:
             save()
         close(staying)
@@ -121,19 +126,29 @@ class Departure:
                 # every agent then ends without an error: say what brings the job back
                 say(log, "this node leaves at step %d (%s): the state is in %s%s", step, what,
                     step_kept, "; every node leaves, so the job ends: relaunch it to resume "
-                    "there" if everyone else "")
+                    "there" if everyone else "; its agent serves the c10d rendezvous "
+                    "endpoint, so the job ends: relaunch it to resume there" if host
+                    else "")
                 stopped = _stop_agent(info)
             # a worker that ends with 0 under an agent that goes on tells it the job is
             # done, and the agent closes the rendezvous for every node: without a stopped
             # agent, fail, and the group restarts (with this node, until it is gone)
             raise SystemExit(exit_code if everyone or not stopped else 0)
         if info.rank == min(staying):  # the staying nodes say it, rank 0 or not
-            then = (f"torchrun has no restart left (--max-restarts={info.max_restarts}): the "
-                    f"job ends; relaunch it to resume there" if last
+            then = ("the leaving node's agent serves the c10d rendezvous endpoint: the job "
+                    "ends; relaunch it to resume there" if host_leaves
+                    else f"torchrun has no restart left (--max-restarts={info.max_restarts}): "
+                    f"the job ends; relaunch it to resume there" if last
                     else "restarting without them")
             say(log, "node(s) %s leave at step %d (%s): the state is in %s; %s (status %d)",
                 leaving, step, what, step_kept, then, exit_code)
         raise SystemExit(exit_code)
+
+
+def _hosts_rendezvous() -> bool:
+    """Whether this worker's torchrun agent serves the job's c10d rendezvous endpoint."""
+    agent = torchrun_agent_pid()
+    return agent is not None and hosts_c10d_endpoint(agent)
 
 
 def _stop_agent(info: DistInfo) -> bool:

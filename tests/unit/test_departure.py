@@ -90,10 +90,11 @@ def test_an_agent_started_with_interpreter_options_is_found(tmp_path: Path) -> N
         assert torchrun_agent_pid(pid + 100, proc=str(tmp_path)) is None, argv
 
 
-def _leave(monkeypatch, info, gather, notice=None):  # type: ignore[no-untyped-def]
+def _leave(monkeypatch, info, gather, notice=None, hosts=False):  # type: ignore[no-untyped-def]
     """Run ``Departure.leave`` at step 7 on a rank described by ``info``, under a
     (faked) torchrun, with ``gather`` standing for the ranks' all-gather of
-    ``(node, notice, no restart left)``; returns (exit status, what it did)."""
+    ``(node, notice, no restart left, its agent serves the c10d endpoint)``, this
+    rank's agent serving it when ``hosts``; returns (exit status, what it did)."""
     import pytest
 
     from elastic_kit.checkpointer import _departure
@@ -102,6 +103,7 @@ def _leave(monkeypatch, info, gather, notice=None):  # type: ignore[no-untyped-d
     monkeypatch.setattr(DistInfo, "under_torchrun", property(lambda self: True))
     monkeypatch.setattr(_departure, "is_dist_ready", lambda: True)
     monkeypatch.setattr(_departure, "all_gather_object", gather)
+    monkeypatch.setattr(_departure, "_hosts_rendezvous", lambda: hosts)
     watch = _departure.Departure.__new__(_departure.Departure)
     watch.notice = notice
     done: list[str] = []
@@ -122,7 +124,7 @@ def test_a_leave_without_an_agent_to_stop_fails_the_workers(monkeypatch) -> None
     monkeypatch.setattr(_departure, "torchrun_agent_pid", lambda: None)
     info = DistInfo(rank=0, world_size=2, num_nodes=2, run_id="job", max_restarts=3)
     # two nodes: this one (0) was told it will go, node 1 stays
-    code, done = _leave(monkeypatch, info, lambda mine: [mine, (1, None, False)],
+    code, done = _leave(monkeypatch, info, lambda mine: [mine, (1, None, False, False)],
                         notice="signal SIGTERM")
     assert code == 143 and done == ["snapshot", "close"]
 
@@ -140,7 +142,7 @@ def test_a_leave_with_no_restart_left_saves_durably(monkeypatch, caplog) -> None
                         max_restarts=restarts)
         with caplog.at_level(logging.INFO, logger="elastic_kit"):
             # two nodes: this one (0) stays, node 1 was told it will go
-            code, done = _leave(monkeypatch, info, lambda mine: [mine, (1, "gce", mine[2])])
+            code, done = _leave(monkeypatch, info, lambda mine: [mine, (1, "gce", mine[2], False)])
         assert code == 143 and done == kept
     assert "torchrun has no restart left (--max-restarts=0): the job ends" in caplog.text
 
@@ -162,13 +164,13 @@ def test_every_rank_takes_the_durable_branch_when_any_staying_node_has_no_restar
 
     def gather(mine: object) -> list[object]:
         gathered.append(mine)
-        return [mine, (1, "gce", True), (2, None, True)]
+        return [mine, (1, "gce", True, False), (2, None, True, False)]
 
     info = DistInfo(rank=0, world_size=3, num_nodes=3, run_id="job", restart_count=0,
                     max_restarts=1)
     with caplog.at_level(logging.INFO, logger="elastic_kit"):
         code, done = _leave(monkeypatch, info, gather)
-    assert gathered == [(0, None, False)]  # this rank's own count goes to the others
+    assert gathered == [(0, None, False, False)]  # this rank's own count goes to the others
     assert code == 143 and done == ["save", "close"]
     assert "the state is in a durable checkpoint; torchrun has no restart left" in caplog.text
 
@@ -183,7 +185,7 @@ def test_the_first_staying_rank_says_who_leaves_when_rank_0_leaves(
     info = DistInfo(rank=1, world_size=2, num_nodes=2, node_rank=1, run_id="job",
                     max_restarts=3)
     with caplog.at_level(logging.INFO, logger="elastic_kit"):
-        code, _ = _leave(monkeypatch, info, lambda mine: [(0, "gce", False), mine])
+        code, _ = _leave(monkeypatch, info, lambda mine: [(0, "gce", False, False), mine])
     assert code == 143
     assert "node(s) [0] leave at step 7 (gce): the state is in memory on the nodes that " \
            "stay; restarting without them (status 143)" in caplog.text
@@ -201,8 +203,82 @@ def test_when_every_node_leaves_each_says_the_job_ends_and_a_relaunch_resumes(
     monkeypatch.setattr(_departure, "torchrun_agent_pid", lambda: None)
     info = DistInfo(rank=0, world_size=2, num_nodes=2, run_id="job", max_restarts=3)
     with caplog.at_level(logging.INFO, logger="elastic_kit"):
-        code, done = _leave(monkeypatch, info, lambda mine: [mine, (1, "gce", False)],
+        code, done = _leave(monkeypatch, info, lambda mine: [mine, (1, "gce", False, False)],
                             notice="gce")
     assert code == 143 and done == ["save", "close"]
     assert "this node leaves at step 7 (gce): the state is in a durable checkpoint; every " \
            "node leaves, so the job ends: relaunch it to resume there" in caplog.text
+
+
+def test_a_leave_of_the_node_serving_the_c10d_endpoint_saves_durably(
+        monkeypatch, caplog) -> None:  # type: ignore[no-untyped-def]
+    """The staying agents lose the c10d rendezvous with the agent that serves it, and
+    the job ends: the leave's step must be durable, not only in their memory, and
+    both sides say that a relaunch resumes there."""
+    import logging
+
+    from elastic_kit.checkpointer import _departure
+    from elastic_kit.distributed import DistInfo
+
+    monkeypatch.setattr(_departure, "torchrun_agent_pid", lambda: None)
+    gathered: list[object] = []
+
+    def gather(mine: object) -> list[object]:
+        gathered.append(mine)
+        return [mine, (1, None, False, False)]
+
+    # node 0 (this rank, its agent the endpoint's server) was told it will go
+    info = DistInfo(rank=0, world_size=2, num_nodes=2, run_id="job", max_restarts=3)
+    with caplog.at_level(logging.INFO, logger="elastic_kit"):
+        code, done = _leave(monkeypatch, info, gather, notice="gce", hosts=True)
+    assert gathered == [(0, "gce", False, True)]
+    assert done == ["save", "close"] and code == 143  # no agent found: the workers fail
+    assert "the state is in a durable checkpoint; its agent serves the c10d rendezvous " \
+           "endpoint, so the job ends: relaunch it to resume there" in caplog.text
+    caplog.clear()
+    # node 1 stays: the same branch, and it says why the job ends
+    info = DistInfo(rank=1, world_size=2, num_nodes=2, node_rank=1, run_id="job",
+                    max_restarts=3)
+    with caplog.at_level(logging.INFO, logger="elastic_kit"):
+        code, done = _leave(monkeypatch, info, lambda mine: [(0, "gce", False, True), mine])
+    assert code == 143 and done == ["save", "close"]
+    assert "the state is in a durable checkpoint; the leaving node's agent serves the c10d " \
+           "rendezvous endpoint: the job ends; relaunch it to resume there" in caplog.text
+
+
+def test_the_c10d_endpoint_port_is_read_as_torchrun_reads_its_options() -> None:
+    from elastic_kit._agent import C10D_DEFAULT_PORT, c10d_endpoint_port
+
+    run = [b"/venv/bin/torchrun", b"--nnodes=1:3"]
+    assert c10d_endpoint_port(run + [b"--rdzv-backend=c10d", b"--rdzv-endpoint=10.0.0.1:1234",
+                                     b"t.py"], {}) == 1234
+    assert c10d_endpoint_port(run + [b"--rdzv_backend", b"c10d", b"--rdzv_endpoint", b"[::1]:77",
+                                     b"t.py"], {}) == 77
+    assert c10d_endpoint_port(run + [b"--rdzv-backend=c10d", b"--rdzv-endpoint=head",
+                                     b"t.py"], {}) == C10D_DEFAULT_PORT
+    assert c10d_endpoint_port(run + [b"t.py"], {"PET_RDZV_BACKEND": "c10d",
+                                                 "PET_RDZV_ENDPOINT": "head:5"}) == 5
+    # another backend, or one node on its own: no endpoint whose host could leave
+    assert c10d_endpoint_port(run + [b"--rdzv-backend=etcd-v2", b"--rdzv-endpoint=h:2379",
+                                     b"t.py"], {}) is None
+    assert c10d_endpoint_port(run + [b"--standalone", b"t.py"], {}) is None
+
+
+def test_a_listening_socket_is_found_by_its_process_and_port() -> None:
+    import os
+    import socket
+
+    from elastic_kit._agent import listens_on
+
+    with socket.socket(socket.AF_INET6) as v6, socket.socket() as v4, \
+            socket.socket() as bound:
+        v6.bind(("::", 0))
+        v6.listen()
+        v4.bind(("127.0.0.1", 0))
+        v4.listen()
+        bound.bind(("127.0.0.1", 0))  # bound, not listening
+        me = os.getpid()
+        assert listens_on(me, v6.getsockname()[1]) and listens_on(me, v4.getsockname()[1])
+        assert not listens_on(me, bound.getsockname()[1])
+        assert not listens_on(os.getppid(), v4.getsockname()[1])  # not its socket
+        assert not listens_on(2 ** 22 + 1, v4.getsockname()[1])   # no such process
