@@ -81,7 +81,8 @@ class Checkpointer(Lifecycle):
         restored_step: its step, or None.
         finished_at_restore: the epoch the restored state had trained to its end
             without its end-of-epoch work (saved at the epoch's last step, before
-            :meth:`end_epoch`: a peer failed during validation, say), or None.
+            :meth:`end_epoch`: a ``save()`` there, or a SIGTERM save whose end-of-epoch
+            work was cut short), or None.
             :meth:`restore` moved on to the next epoch; the work for this one (a
             validation) is the script's to redo if it wants it.
             :class:`~elastic_kit.ElasticLoop` runs its ``on_epoch_end`` for it.

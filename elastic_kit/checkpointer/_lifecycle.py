@@ -353,6 +353,17 @@ class Lifecycle:
         if tier is None or mark is None or mark.step == self._committed_step or \
                 mark.step in tier.written:
             return
+        sampler = self.state.sampler
+        if sampler is not None and sampler.remaining == 0:
+            # the epoch's last step, before end_epoch(): the script's end-of-epoch work
+            # (its validation, where the peer died; a per-epoch scheduler step after
+            # it) is not in this state, and a restore of it moves on to the next epoch
+            # without that work. Periodic saves wait for end_epoch() there; so does this.
+            log.warning("rank %d exits alone after epoch %d's last step (step %d), before "
+                        "end_epoch(): no snapshot of it (a restore would skip the epoch's "
+                        "end); the restart resumes from the newest earlier state",
+                        self.info.rank, sampler.epoch, mark.step)
+            return
         try:
             audit, derived = (None, None) if self.audit == "off" else \
                 self._progress.audit_at_step_end(timeout=0.0)
