@@ -12,6 +12,7 @@ states are converted to tensors on the way.
 from __future__ import annotations
 
 import contextlib
+import copy
 import ctypes
 import logging
 import random
@@ -154,6 +155,18 @@ def restore_rng_state(state: dict[str, Any]) -> None:
     p = state["python"]
     random.setstate((int(p["version"]), tuple(int(x) for x in p["internal"].tolist()),
                      p["gauss_next"]))
+
+
+def _put_back(before: list[tuple[Any, dict[str, Any]]]) -> None:
+    """Load each object's earlier state again (newest first)."""
+    for obj, state in reversed(before):
+        obj.load_state_dict(state)
+
+
+def _scaler_enabled(scaler: Any) -> bool:
+    """Whether a GradScaler-like object is enabled (one without ``is_enabled``: yes)."""
+    enabled = getattr(scaler, "is_enabled", None)
+    return bool(enabled()) if callable(enabled) else True
 
 
 def _is_stateful(obj: Any) -> bool:
@@ -561,6 +574,35 @@ class TrainState:
         }
         return sd
 
+    def _load_small_parts(self, sd: dict[str, Any]) -> list[tuple[Any, dict[str, Any]]]:
+        """Load the scheduler's and the scaler's states; returns each loaded object
+        with its state before. On a failure, put back the ones already loaded and raise
+        :class:`CheckpointMismatchError`."""
+        before: list[tuple[Any, dict[str, Any]]] = []
+        for name in ("scheduler", "scaler"):
+            obj, part = getattr(self, name), sd.get(name)
+            if obj is None:
+                continue
+            if part is None:
+                log.warning("checkpoint has no %s state; keeping the fresh %s", name, name)
+                continue
+            if name == "scaler" and part == {} and _scaler_enabled(obj):
+                # a disabled GradScaler saves {} (AMP off, or a CPU run of a script that
+                # enables it on GPUs only): nothing to load, as with no state at all
+                log.warning("checkpoint's scaler state is empty (saved by a disabled "
+                            "scaler); keeping the fresh %s", type(obj).__name__)
+                continue
+            try:
+                before.append((obj, copy.deepcopy(obj.state_dict())))
+                obj.load_state_dict(part)
+            except (ValueError, KeyError, RuntimeError, TypeError, IndexError,
+                    AttributeError) as e:
+                _put_back(before)
+                raise CheckpointMismatchError(
+                    f"checkpoint {name} state does not fit the {name}: {e}; nothing was "
+                    "loaded") from e
+        return before
+
     def load_state_dict(self, sd: dict[str, Any], *, restore_rng: bool = True) -> None:
         """Load what :meth:`state_dict` produced (possibly from another world size).
 
@@ -606,25 +648,39 @@ class TrainState:
                 "expected a dict")
         for k, v in saved_extras.items():
             _check_extra_fits(k, self.extras.get(k), v)
-        names = ("optimizer", "scheduler", "scaler")
+        for k, live in self.extras.items():
+            if k not in saved_extras and _is_stateful(live):
+                # built before the restore (an EMA copies the fresh weights): it keeps
+                # them, which nothing else would tell
+                log.warning("checkpoint has no extras[%r]; keeping the fresh %s (its state "
+                            "is not the restored model's: e.g. an EMA copied the weights "
+                            "before the restore)", k, type(live).__name__)
+        # The scheduler's and the scaler's fit can only be known by loading them: they
+        # go first, undone on failure, so a checkpoint that does not fit them leaves
+        # the model and the optimizer untouched too.
+        loaded = self._load_small_parts(sd)
         try:
-            if self.sharded:
-                self._load_sharded(sd)
-                names = ("scheduler", "scaler")
-            else:
-                unwrap_model(self.model).load_state_dict(sd["model"])
-        except RuntimeError as e:
-            raise CheckpointMismatchError(f"checkpoint does not fit the model: {e}") from e
-        for name in names:
-            obj, part = getattr(self, name), sd.get(name)
-            if obj is not None and part is not None:
-                try:
-                    obj.load_state_dict(part)
-                except (ValueError, KeyError, RuntimeError) as e:
-                    raise CheckpointMismatchError(
-                        f"checkpoint {name} state does not fit the {name}: {e}") from e
-            elif obj is not None and part is None:
-                log.warning("checkpoint has no %s state; keeping the fresh %s", name, name)
+            try:
+                if self.sharded:
+                    self._load_sharded(sd)
+                else:
+                    unwrap_model(self.model).load_state_dict(sd["model"])
+            except RuntimeError as e:
+                raise CheckpointMismatchError(f"checkpoint does not fit the model: {e}") from e
+            if not self.sharded and self.optimizer is not None:
+                if sd.get("optimizer") is None:
+                    log.warning("checkpoint has no optimizer state; keeping the fresh "
+                                "optimizer")
+                else:
+                    try:
+                        self.optimizer.load_state_dict(sd["optimizer"])
+                    except (ValueError, KeyError, RuntimeError) as e:
+                        raise CheckpointMismatchError(
+                            f"checkpoint optimizer state does not fit the optimizer: {e}"
+                        ) from e
+        except CheckpointMismatchError:
+            _put_back(loaded)  # what the checks before could not see: as before
+            raise
         if self.sampler is not None and sd.get("sampler") is not None:
             try:
                 self.sampler.load_state_dict(sd["sampler"])
