@@ -236,6 +236,32 @@ def _distributed_like(whole: torch.Tensor, like: Any, path: str) -> Any:
                              like.device_mesh, like.placements, src_data_rank=None)
 
 
+def _shard_like_params(optimizer: Optimizer, path: str) -> None:
+    """Whole state tensors of DTensor parameters (a checkpoint read without a layout
+    for them: an optimizer in ``extras`` that had not stepped) become DTensors laid
+    out as their parameter."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            entry = optimizer.state.get(p)
+            if not is_dtensor(p) or not entry:
+                continue
+            for key, v in list(entry.items()):
+                if _is_whole(v) and tuple(v.shape) == tuple(p.shape) and v.dim() > 0:
+                    entry[key] = _distributed_like(v, p, f"{path}[{key!r}]")
+
+
+def _without_saved_state(model: nn.Module, optim_sd: dict[str, Any]) -> list[nn.Parameter]:
+    """The model's parameters that need a gradient and have no state in ``optim_sd``
+    (keyed by name, as torch's distributed state dict names them: without the
+    ``_orig_mod.`` of compiled blocks; a tied parameter under any of its names)."""
+    saved = set((optim_sd.get("state") or {}).keys())
+    names: dict[int, tuple[nn.Parameter, list[str]]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        name = ".".join(part for part in name.split(".") if part != "_orig_mod")
+        names.setdefault(id(p), (p, []))[1].append(name)
+    return [p for p, ns in names.values() if p.requires_grad and not saved.intersection(ns)]
+
+
 def _by_index(optim_sd: Any) -> bool:
     """Whether ``optim_sd`` is an optimizer's own ``state_dict()`` (parameters by
     position), as an unsharded job saves it, not keyed by parameter name."""
@@ -665,7 +691,9 @@ class TrainState:
                     self._load_sharded(sd)
                 else:
                     unwrap_model(self.model).load_state_dict(sd["model"])
-            except RuntimeError as e:
+            except (RuntimeError, ValueError, TypeError, KeyError) as e:
+                if isinstance(e, CheckpointMismatchError):
+                    raise
                 raise CheckpointMismatchError(f"checkpoint does not fit the model: {e}") from e
             if not self.sharded and self.optimizer is not None:
                 if sd.get("optimizer") is None:
@@ -693,6 +721,8 @@ class TrainState:
             if _is_stateful(live):
                 try:
                     _ddp_inner(live).load_state_dict(v)
+                    if isinstance(live, Optimizer):
+                        _shard_like_params(live, f"extras[{k!r}]")
                 except (ValueError, KeyError, RuntimeError) as e:
                     raise CheckpointMismatchError(
                         f"checkpoint extras[{k!r}] does not fit {type(live).__name__}: {e}"
@@ -712,7 +742,7 @@ class TrainState:
         """Model and optimizer of a sharded model from DTensors (each rank copies its
         own shards; the optimizer state is keyed by parameter name)."""
         from torch.distributed.checkpoint.state_dict import (
-            set_model_state_dict, set_state_dict,
+            StateDictOptions, set_model_state_dict, set_state_dict,
         )
 
         model = unwrap_model(self.model)
@@ -731,13 +761,22 @@ class TrainState:
         if self.optimizer is not None and optim_sd is not None:
             unstepped = isinstance(optim_sd, dict) and bool(optim_sd.get(UNSTEPPED_KEY))
             optim_sd = {k: v for k, v in optim_sd.items() if k != UNSTEPPED_KEY}
+            # parameters the saved optimizer held no state for (no gradient yet when
+            # it was saved: an unrouted expert, a head used later): torch's strict load
+            # refuses them, so the load is not strict then, and they are left without
+            # state, as saved
+            stateless = _without_saved_state(model, optim_sd)
+            opts = StateDictOptions(strict=not stateless)
             # a fresh optimizer gets torch's zero-gradient step first: undone when the
             # load fails, and after loading a state of an optimizer that had not stepped
             with _left_fresh(self.optimizer, unless_loaded=not unstepped):
                 set_state_dict(model, self.optimizer, model_state_dict=model_sd,
-                               optim_state_dict=optim_sd)
+                               optim_state_dict=optim_sd, options=opts)
             if unstepped:  # also where this optimizer had stepped: now as the saved one
                 self.optimizer.state.clear()
+            else:
+                for p in stateless:
+                    self.optimizer.state.pop(p, None)
         else:
             if self.optimizer is not None:
                 log.warning("checkpoint has no optimizer state; keeping the fresh optimizer")

@@ -124,7 +124,7 @@ def _fresh_optimizer_runs() -> dict[str, Any]:
     opt = _optimizer("adam", model)
     _train(model, opt, 1, seed=8)
     broken = _copy(ek.TrainState(model, opt).state_dict())
-    del broken["optimizer"]["state"]["layers.1.bias"]
+    broken["optimizer"]["state"]["layers.1.bias"]["step"] = None  # torch's load: TypeError
     fresh = _model(1)
     fresh_opt = _optimizer("adam", fresh)
     try:
@@ -163,5 +163,6 @@ def test_resume_from_a_state_taken_before_the_first_step_is_a_fresh_start(
 def test_a_failed_load_leaves_a_fresh_optimizer_fresh(
         fresh_runs: list[dict[str, Any]]) -> None:
     for rank in fresh_runs:
-        assert "layers.1.bias" in rank["failed_load"]
+        assert rank["failed_load"].startswith("checkpoint does not fit the model: float() "
+                                              "argument must be"), rank["failed_load"]
         assert rank["state_after_failed_load"] == 0
