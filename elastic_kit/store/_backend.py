@@ -144,3 +144,11 @@ class Backend(Protocol):
 
     def remove_tree(self, path: str) -> None:
         """Remove a leftover, ignoring errors."""
+
+    def unfinished_uploads(self) -> list[tuple[str, str, float]]:
+        """``(path, upload id, seconds since it last changed)`` of each multipart upload
+        under the store's steps that was started and never completed nor aborted (its
+        writer killed): invisible to a listing, its parts kept (and billed) for good."""
+
+    def abort_upload(self, path: str, upload: str) -> None:
+        """Abort one of :meth:`unfinished_uploads`, ignoring errors."""

@@ -496,3 +496,9 @@ class LocalBackend:
 
     def remove_tree(self, path: str) -> None:
         shutil.rmtree(path, ignore_errors=True)
+
+    def unfinished_uploads(self) -> list[tuple[str, str, float]]:
+        return []  # a file being written is a leftover of its own (see leftovers)
+
+    def abort_upload(self, path: str, upload: str) -> None:
+        raise NotImplementedError("a local disk has no uploads")

@@ -307,3 +307,53 @@ class ObjectBackend:
             self.fs.rm(_literal(path), recursive=True)
         except Exception as e:
             log.debug("could not remove %s: %r", path, e)
+
+    def _s3(self) -> Any:
+        """s3fs's call of the S3 API, where the filesystem is s3fs (else None): only S3
+        lists the multipart uploads a killed writer left."""
+        call = getattr(self.fs, "call_s3", None)
+        return call if callable(call) and callable(getattr(self.fs, "split_path", None)) \
+            else None
+
+    def unfinished_uploads(self) -> list[tuple[str, str, float]]:
+        call = self._s3()
+        if call is None:
+            return []
+        try:
+            bucket, key, _ = self.fs.split_path(self.root)
+            prefix = f"{key.strip('/')}/" if key.strip("/") else ""
+            found = []
+            args: dict[str, Any] = {"Bucket": bucket, "Prefix": f"{prefix}step-"}
+            while True:
+                page = call("list_multipart_uploads", **args)
+                for upload in page.get("Uploads") or []:
+                    changed = [upload.get("Initiated")]
+                    parts: dict[str, Any] = {"Bucket": bucket, "Key": upload["Key"],
+                                             "UploadId": upload["UploadId"]}
+                    while True:  # a live writer's newest part is recent
+                        listed = call("list_parts", **parts)
+                        changed += [p.get("LastModified") for p in listed.get("Parts") or []]
+                        if not listed.get("IsTruncated"):
+                            break
+                        parts["PartNumberMarker"] = listed.get("NextPartNumberMarker")
+                    times = [t.timestamp() for t in changed if hasattr(t, "timestamp")]
+                    if times:
+                        found.append((f"{bucket}/{upload['Key']}", upload["UploadId"],
+                                      time.time() - max(times)))
+                if not page.get("IsTruncated"):
+                    return found
+                args.update(KeyMarker=page.get("NextKeyMarker"),
+                            UploadIdMarker=page.get("NextUploadIdMarker"))
+        except Exception as e:  # no permission to list them, say: cleanup is best effort
+            log.debug("could not list the unfinished uploads under %s: %r", self.url, e)
+            return []
+
+    def abort_upload(self, path: str, upload: str) -> None:
+        call = self._s3()
+        if call is None:
+            return
+        bucket, key, _ = self.fs.split_path(path)
+        try:
+            call("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload)
+        except Exception as e:
+            log.debug("could not abort the upload %s of %s: %r", upload, path, e)

@@ -720,9 +720,11 @@ class Layout:
         be). ``on_delete(path, step, True)`` is called before each removal.
 
         Local disks: ``.tmp-*`` directories no store of this process is writing and
-        nothing in which changed for ``stale_after_s``. Any storage: ``step-<n>``
-        directories without a manifest (not one with a manifest that does not validate)
-        below ``newest_committed`` unchanged for as long.
+        nothing in which changed for ``stale_after_s``. S3: multipart uploads under the
+        steps never completed nor aborted (a killed writer's), unchanged for as long.
+        Any storage: ``step-<n>`` directories without a manifest (not one with a
+        manifest that does not validate) below ``newest_committed`` unchanged for as
+        long.
         """
         removed = 0
         for path in self.backend.leftovers():
@@ -738,6 +740,16 @@ class Layout:
                              "%.0f s): %s", age, path)
                     self.backend.remove_tree(path)
                 removed += 1
+        for path, upload, age in self.backend.unfinished_uploads():
+            if age < self.stale_after_s:
+                continue  # a live writer's (its newest part is recent)
+            if on_delete is not None:
+                on_delete(path, None, True)
+            if not dry_run:
+                log.info("aborting the unfinished upload of an interrupted save (unchanged "
+                         "for %.0f s): %s", age, path)
+                self.backend.abort_upload(path, upload)
+            removed += 1
         for d in self.scan():
             if d.step >= newest_committed or not self._manifest_missing(d):
                 continue

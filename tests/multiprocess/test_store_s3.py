@@ -35,3 +35,47 @@ def test_an_empty_path_component_after_the_bucket_is_refused_naming_the_url(
             CheckpointStore(bad, storage_options=opts)
     loaded = CheckpointStore(f"{url}/run", storage_options=opts).load()
     assert loaded is not None and loaded.step == 5
+
+
+@pytest.mark.s3
+def test_a_killed_writers_unfinished_multipart_upload_is_aborted_once_stale(
+        s3_bucket):  # noqa: F811
+    """A writer killed during a multipart upload (a payload over s3fs's block size)
+    leaves the upload and its parts: no listing shows them, and S3 keeps (and bills)
+    them until aborted. The stale cleanup aborts those under the store's steps that
+    did not change for ``stale_after_s``, and only those."""
+    import fsspec
+
+    url, opts = s3_bucket
+    fs = fsspec.filesystem("s3", **opts)
+    bucket = url[len("s3://"):]
+
+    def start_upload(key: str) -> None:
+        upload = fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key)["UploadId"]
+        fs.call_s3("upload_part", Bucket=bucket, Key=key, UploadId=upload, PartNumber=1,
+                   Body=b"x" * 1024)
+
+    def unfinished() -> list[str]:
+        return sorted(u["Key"] for u in fs.call_s3("list_multipart_uploads",
+                                                   Bucket=bucket).get("Uploads") or [])
+
+    store = CheckpointStore(f"{url}/run", storage_options=opts)
+    store.save({"w": torch.ones(2)}, step=1)
+    store.wait()
+    killed = "run/step-000000000002/state.0123456789ab.pt"
+    others = ["run2/step-000000000002/state.0123456789ab.pt",  # another store's
+              "run/notes/big.bin"]                                 # not a step's
+    for key in [killed, *others]:
+        start_upload(key)
+    assert unfinished() == sorted([killed, *others])
+    # younger than stale_after_s: a live writer's, kept
+    store.save({"w": torch.ones(2)}, step=3)
+    store.wait()
+    assert unfinished() == sorted([killed, *others])
+    told: list[str] = []
+    stale = CheckpointStore(f"{url}/run", storage_options=opts, stale_after_s=0)
+    stale.prune(1, dry_run=True, on_delete=lambda path, step, leftover: told.append(path))
+    assert f"{bucket}/{killed}" in told and unfinished() == sorted([killed, *others])
+    stale.prune(1)
+    assert unfinished() == sorted(others)
+    assert stale.latest_step() == 3
