@@ -622,8 +622,9 @@ class Layout:
                 self._warned_late = True
                 log.warning("checkpoint step(s) %s in %s were committed late by a process of "
                             "an earlier worker group of this run (a node taken for dead that "
-                            "was alive after all); retention treats them as older steps",
-                            late, self.url)
+                            "was alive after all); retention treats them as older steps. If "
+                            "another job was launched with the same --rdzv-id and URL, stop "
+                            "one: the run id cannot tell the two apart", late, self.url)
         if foreign:
             d, m = foreign[-1]
             raise CheckpointConflictError(
