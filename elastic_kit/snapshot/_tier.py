@@ -141,7 +141,7 @@ def _agree_node_local_identity(store: Any, info: DistInfo) -> str | None:
     of the run would have been taken for another run's, and removed. So every node
     tells what its directory holds; the run's identity is the one held beside the
     newest durable step (ties: the lowest rank), a new one only where no node has
-    one; a node without it takes it on. Collective."""
+    one; a node without it, or with another (a reused disk), takes it on. Collective."""
     found: tuple[str | None, int, str] = (None, -1, "")
     if info.local_rank == 0:
         try:
@@ -164,9 +164,15 @@ def _agree_node_local_identity(store: Any, info: DistInfo) -> str | None:
                 except Exception as e:
                     log.warning("cannot create the run identity of %s: %r", store.url, e)
             identity = broadcast_object(identity, src=0)
-    if identity is not None and info.local_rank == 0 and found[0] is None:
+    if identity is not None and info.local_rank == 0 and found[0] != identity:
+        if found[0] is not None:
+            # a reused disk: kept, its old identity would be the one beside this
+            # node's newest step once the node holding the run's is gone, and every
+            # snapshot of the run would be taken for another run's (and removed)
+            log.warning("the node-local store %s held the run identity %s of another run; "
+                        "it takes this run's (%s) on", store.url, found[0][:12], identity[:12])
         try:  # this node's directory takes the run's identity on
-            store.run_identity(adopt=identity)
+            store.run_identity(adopt=identity, replace=True)
         except Exception as e:
             why = f"cannot write the run identity to {store.url}: {e!r}"
     if all_reduce_max(int(identity is None or bool(why))):

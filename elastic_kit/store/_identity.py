@@ -62,15 +62,20 @@ def read_identity(layout: Layout) -> str | None:
         return None
 
 
-def ensure_identity(layout: Layout, *, adopt: str | None = None) -> str:
+def ensure_identity(layout: Layout, *, adopt: str | None = None,
+                    replace: bool = False) -> str:
     """The identity ``layout``'s store holds, created first when it has none (a new
     random one, or ``adopt``: one that another node's directory of a node-local
-    store holds)."""
-    found = read_identity(layout)
-    if found is not None:
-        return found
+    store holds). ``replace``: ``adopt`` replaces another identity the store holds
+    (a node's directory that held another run's: the run goes on from a newer step
+    of another node's directory)."""
     if adopt is not None:
         _parse(adopt.encode(), "the identity to adopt")
+    found = read_identity(layout)
+    if found is not None and (found == adopt or not (replace and adopt is not None)):
+        return found
+    if found is not None:  # replaced: removed first, then created as when absent
+        layout.backend.remove_file(join(layout.root, IDENTITY_NAME))
     layout.check_root()
     path = join(layout.root, IDENTITY_NAME)
     data = ((adopt or uuid.uuid4().hex) + "\n").encode()

@@ -738,7 +738,8 @@ class CheckpointStore:
             self._silent_ranks.clear()
 
     # ------------------------------------------------------------------ housekeeping
-    def run_identity(self, *, create: bool = True, adopt: str | None = None) -> str | None:
+    def run_identity(self, *, create: bool = True, adopt: str | None = None,
+                     replace: bool = False) -> str | None:
         """The random identity of the run this store holds (32 hex digits).
 
         Created when absent (``create``; create-if-absent, so writers racing on an
@@ -748,7 +749,9 @@ class CheckpointStore:
         collective (the :class:`~elastic_kit.Checkpointer` reads it on rank 0 and
         broadcasts it). With ``create=False``, None when the store has none. ``adopt``:
         the identity to create when absent, instead of a new one (each node of a
-        node-local store holds the run's one identity in its own directory).
+        node-local store holds the run's one identity in its own directory);
+        ``replace``: also when the store holds another one (a node's directory that
+        held another run's identity takes this run's on).
 
         Raises:
             CheckpointCorruptError: the identity file holds something else.
@@ -757,7 +760,7 @@ class CheckpointStore:
         """
         self._drain()
         if create:
-            return ensure_identity(self._layout, adopt=adopt)
+            return ensure_identity(self._layout, adopt=adopt, replace=replace)
         return read_identity(self._layout)
 
     def list(self) -> list[CheckpointInfo]:

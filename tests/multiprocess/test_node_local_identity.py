@@ -68,3 +68,23 @@ def test_rank_0_on_another_node_keeps_the_runs_snapshots(tmp_path: Path) -> None
     assert [(o["host"], o["restored"], o["from"]) for o in again] == [
         ("hostB", 6, "memory"), ("hostA", 6, "memory")]
     assert again[0]["identity"] == again[1]["identity"] is not None
+
+
+def test_a_node_whose_disk_held_another_runs_identity_takes_the_runs_on(
+        tmp_path: Path) -> None:
+    """Reused disks: hostA's directory holds the identity of an old run X (no step),
+    hostB's that of an old run Y with step 4. The run resumes from Y's newest state;
+    hostA's directory, kept as X, made Y's snapshots "another run's" once hostB was gone
+    (removed, and the restart went back to the durable step)."""
+    base = str(tmp_path)
+    for host in ("hostA", "hostB"):
+        os.makedirs(f"{base}/{host}/shm")
+    spawn_multi_process(1, _life, base, ["hostA"], 2)   # old run X: an identity, no save
+    spawn_multi_process(1, _life, base, ["hostB"], 5)   # old run Y: step 4, snapshot 5
+    first = spawn_multi_process(2, _life, base, ["hostA", "hostB"], 6, local_world_size=1)
+    assert [(o["restored"], o["from"]) for o in first] == [(5, "peer")] * 2  # hostB's
+    # durable step 8 on both disks, snapshots up to step 11 in both memories; hostB
+    # is gone
+    alone = spawn_multi_process(1, _life, base, ["hostA"], None)
+    assert [(o["restored"], o["from"]) for o in alone] == [(11, "memory")]
+    assert alone[0]["identity"] == first[1]["identity"]  # hostA's is Y's now
