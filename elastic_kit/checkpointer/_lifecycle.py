@@ -354,7 +354,7 @@ class Lifecycle:
                 mark.step in tier.written:
             return
         sampler = self.state.sampler
-        if sampler is not None and sampler.remaining == 0:
+        if sampler is not None and getattr(sampler, "remaining", None) == 0:
             # the epoch's last step, before end_epoch(): the script's end-of-epoch work
             # (its validation, where the peer died; a per-epoch scheduler step after
             # it) is not in this state, and a restore of it moves on to the next epoch
