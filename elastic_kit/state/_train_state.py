@@ -250,16 +250,29 @@ def _shard_like_params(optimizer: Optimizer, path: str) -> None:
                     entry[key] = _distributed_like(v, p, f"{path}[{key!r}]")
 
 
+def _dcp_names(model: nn.Module, name: str) -> set[str]:
+    """The names torch's distributed state dict gives parameter ``name`` of ``model``
+    (its own function where there is one: it drops the wrappers' parts of a name,
+    ``_orig_mod.`` of compiled blocks, ``_checkpoint_wrapped_module.`` of activation
+    checkpointing, and applies modules' ``_fqn_modifiers``)."""
+    try:
+        from torch.distributed.checkpoint.state_dict import _get_fqns
+
+        return {str(n) for n in _get_fqns(model, name)}
+    except Exception:  # another torch: the wrappers torch 2.14 drops
+        name = name.replace("_checkpoint_wrapped_module.", "")
+        return {".".join(part for part in name.split(".") if part != "_orig_mod")}
+
+
 def _without_saved_state(model: nn.Module, optim_sd: dict[str, Any]) -> list[nn.Parameter]:
     """The model's parameters that need a gradient and have no state in ``optim_sd``
-    (keyed by name, as torch's distributed state dict names them: without the
-    ``_orig_mod.`` of compiled blocks; a tied parameter under any of its names)."""
+    (keyed by name, as torch's distributed state dict names them; a tied parameter
+    under any of its names)."""
     saved = set((optim_sd.get("state") or {}).keys())
-    names: dict[int, tuple[nn.Parameter, list[str]]] = {}
+    names: dict[int, tuple[nn.Parameter, set[str]]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
-        name = ".".join(part for part in name.split(".") if part != "_orig_mod")
-        names.setdefault(id(p), (p, []))[1].append(name)
-    return [p for p, ns in names.values() if p.requires_grad and not saved.intersection(ns)]
+        names.setdefault(id(p), (p, set()))[1].update(_dcp_names(model, name))
+    return [p for p, ns in names.values() if p.requires_grad and not saved & ns]
 
 
 def _by_index(optim_sd: Any) -> bool:

@@ -20,8 +20,14 @@ pytestmark = pytest.mark.timeout(180)
 
 class _Net(nn.Module):
     def __init__(self) -> None:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+            checkpoint_wrapper,
+        )
+
         super().__init__()
-        self.body = nn.Linear(4, 4)
+        # activation checkpointing (the usual FSDP recipe): torch names its parameters
+        # without the wrapper's ``_checkpoint_wrapped_module.``
+        self.body = checkpoint_wrapper(nn.Linear(4, 4))
         self.aux = nn.Linear(4, 2)  # no gradient until ``use_aux``
 
     def forward(self, x: torch.Tensor, use_aux: bool = False) -> torch.Tensor:
@@ -70,8 +76,9 @@ def _runs(url: str) -> dict[str, Any]:
         ek.load_checkpoint(ek.TrainState(resumed, resumed_opt), store)
     except Exception as e:  # noqa: BLE001 - the test reports it
         out["unused/error"] = f"{type(e).__name__}: {e}"
-    out["unused/aux_state"] = [len(resumed_opt.state.get(p, {}))
-                               for p in resumed.aux.parameters()]
+    out["unused/aux_state"], out["unused/body_state"] = (
+        [len(resumed_opt.state.get(p, {})) for p in part.parameters()]
+        for part in (resumed.aux, resumed.body))
     for _ in range(2):
         _step(resumed, [resumed_opt], x, use_aux=True)
     out["unused/going_on"], out["unused/resumed"] = _params(model), _params(resumed)
@@ -113,6 +120,7 @@ def test_a_parameter_without_optimizer_state_restores_and_first_trains_as_if_nev
     # left without state, as saved: its first step after the restore is an optimizer's
     # first step, not a second one after a zero-gradient step
     assert runs["unused/aux_state"] == [0, 0]
+    assert runs["unused/body_state"] == [3, 3]  # AdamW's step, exp_avg, exp_avg_sq
     assert runs["unused/resumed"] == runs["unused/going_on"]
 
 
