@@ -86,6 +86,14 @@ class Checkpointer(Lifecycle):
             :meth:`restore` moved on to the next epoch; the work for this one (a
             validation) is the script's to redo if it wants it.
             :class:`~elastic_kit.ElasticLoop` runs its ``on_epoch_end`` for it.
+        replays_epoch_end: False by default: a rank that exits alone (a peer failed)
+            after an epoch's last step, before :meth:`end_epoch`, writes no snapshot,
+            since a restore of it would skip the script's end-of-epoch work (its
+            validation, a per-epoch scheduler step after it); the restart resumes
+            from an earlier state and redoes the steps since. Set it True when the
+            script does that work again for :attr:`finished_at_restore` (as
+            :class:`~elastic_kit.ElasticLoop` does): the snapshot is then written and
+            only the epoch's end is redone.
         info: this worker's :class:`~elastic_kit.DistInfo` (set by :meth:`restore`).
 
     .. warning::
@@ -133,6 +141,7 @@ class Checkpointer(Lifecycle):
         self.loaded: LoadedCheckpoint | None = None
         self.restored_step: int | None = None
         self.finished_at_restore: int | None = None
+        self.replays_epoch_end = False
         self._last_saved_step: int | None = None
         #: the step of the newest checkpoint known committed in the durable store (a
         #: blocking save, or the store's restore), for the last step written at exit

@@ -72,6 +72,7 @@ class Lifecycle:
     _departure: Departure
     state: TrainState
     exit_code: int
+    replays_epoch_end: bool
     save: Callable[..., None]  # the Checkpointer's methods
     snapshot: Callable[[], None]
     audit: str
@@ -354,11 +355,13 @@ class Lifecycle:
                 mark.step in tier.written:
             return
         sampler = self.state.sampler
-        if sampler is not None and getattr(sampler, "remaining", None) == 0:
+        if not self.replays_epoch_end and sampler is not None and \
+                getattr(sampler, "remaining", None) == 0:
             # the epoch's last step, before end_epoch(): the script's end-of-epoch work
             # (its validation, where the peer died; a per-epoch scheduler step after
             # it) is not in this state, and a restore of it moves on to the next epoch
-            # without that work. Periodic saves wait for end_epoch() there; so does this.
+            # without that work. Periodic saves wait for end_epoch() there; so does this
+            # (unless the script does that work again after such a restore).
             log.warning("rank %d exits alone after epoch %d's last step (step %d), before "
                         "end_epoch(): no snapshot of it (a restore would skip the epoch's "
                         "end); the restart resumes from the newest earlier state",

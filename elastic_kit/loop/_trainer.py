@@ -209,6 +209,9 @@ class ElasticLoop:
         self.policy.plan(info.world_size, state.initial_world_size or info.world_size)
         ckpt = self.checkpointer = _checkpointer.Checkpointer(
             state, self.store, **cfg.checkpointer_options(), info=info)
+        # a state of an epoch's last step holds that epoch's scheduler step (see
+        # train_step), and _end_restored_epoch runs its on_epoch_end after a restore
+        ckpt.replays_epoch_end = True
         if self._stop_requested:
             ckpt.request_stop(restart=self._stop_restart)
         try:
@@ -518,7 +521,8 @@ class ElasticLoop:
     def _end_restored_epoch(self, epoch: int) -> None:
         """The end-of-epoch work of an epoch the restored state had trained to its end
         but not closed (saved at its last step: a peer failed during ``on_epoch_end``,
-        say): ``on_epoch_end`` with a summary of the nothing this group trained of it,
+        say, and the survivor wrote its snapshot: this checkpointer's
+        ``replays_epoch_end``): ``on_epoch_end`` with a summary of the nothing this group trained of it,
         and the epoch-end checkpoint. The restore already checked its audit and moved
         the state to the next epoch."""
         state, info, ckpt = self.state, self.info, self.checkpointer

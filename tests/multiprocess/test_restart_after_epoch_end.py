@@ -11,6 +11,7 @@ training finished exits at once and never touches its data.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from elastic_kit.testing import spawn_multi_process
 from tests.train_script import TrainConfig, train
@@ -74,3 +75,68 @@ def test_own_loop_restarted_after_an_unclosed_last_epoch_exits_without_reading_d
     out = spawn_multi_process(2, train, _own_life(url, False, True))[0]
     assert out["start"] == EPOCHS and out["restored"] == out["step"] == EPOCHS * STEPS
     assert out["audit"] == [(0, N, True), (1, N, True)]
+
+
+def _loop_peer_lost_in_epoch_end(url: str, shm: str, die: bool) -> dict[str, Any]:
+    """ElasticLoop with snapshots, a per-epoch scheduler; ``die``: rank 1 SIGKILLs itself
+    in epoch 0's ``on_epoch_end`` (a validation with a collective)."""
+    import os
+    import signal
+
+    import torch
+    from torch import nn
+
+    import elastic_kit as ek
+    from elastic_kit.loop import LoopConfig
+
+    os.environ["ELASTIC_KIT_SNAPSHOT_DIR"] = shm
+    os.environ["ELASTIC_KIT_SNAPSHOT_NODE"] = f"node{os.environ['GROUP_RANK']}"
+    torch.set_num_threads(1)
+    info = ek.init_distributed()
+    torch.manual_seed(0)
+    model = ek.wrap_ddp(nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    g = torch.Generator().manual_seed(7)
+    data = torch.utils.data.TensorDataset(torch.randn(N, 4, generator=g),
+                                          torch.randn(N, 1, generator=g))
+    state = ek.TrainState(model, opt, scheduler=sched)
+    ends: list[int] = []
+
+    def on_epoch_end(_: Any, summary: Any) -> None:
+        if die and summary.epoch == 0 and info.rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        torch.distributed.all_reduce(torch.zeros(1))  # the validation's sum
+        ends.append(summary.epoch)
+
+    cfg = LoopConfig(epochs=EPOCHS, global_batch_size=BATCH * 2, micro_batch_size=BATCH,
+                     progress_bar=False,
+                     checkpoint=ek.CheckpointerConfig(every_steps=1000, snapshot_every=100))
+    ek.ElasticLoop(state, data, loss_fn=lambda m, b: ((m(b[0]) - b[1]) ** 2).squeeze(1),
+                   store=url, config=cfg, on_epoch_end=on_epoch_end).run()
+    return {"restored": state.history[-1]["restored_step"],
+            "from": state.history[-1].get("restored_from"), "ends": ends,
+            "lr": sched.get_last_lr(), "step": state.step}
+
+
+def test_elastic_loop_keeps_the_snapshot_of_a_peer_lost_in_on_epoch_end(
+        tmp_path: Path) -> None:
+    """The loop's state at an epoch's last step holds its scheduler step, and the loop
+    runs the epoch's ``on_epoch_end`` after such a restore: the survivor's snapshot of
+    that step is exact, and the restart redoes only the epoch's end."""
+    from elastic_kit.testing import MultiProcessError
+
+    url, shm = str(tmp_path / "run"), tmp_path / "shm"
+    shm.mkdir()
+    try:
+        spawn_multi_process(2, _loop_peer_lost_in_epoch_end, url, str(shm), True,
+                            local_world_size=1)
+    except MultiProcessError:
+        pass  # rank 1 killed itself; rank 0's collective failed
+    else:
+        raise AssertionError("the first life should have failed")
+    out = spawn_multi_process(2, _loop_peer_lost_in_epoch_end, url, str(shm), False,
+                              local_world_size=1)[0]
+    assert (out["restored"], out["from"]) == (STEPS, "memory")
+    assert out["ends"] == [0, 1] and out["step"] == EPOCHS * STEPS
+    assert out["lr"] == [0.05 * 0.5 ** EPOCHS]
