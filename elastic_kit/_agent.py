@@ -8,6 +8,8 @@ the library can tell an agent from any other parent process.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 
 __all__ = ["torchrun_agent_pid", "is_agent", "python_module", "command_line",
@@ -86,34 +88,47 @@ def torchrun_agent_pid(pid: int | None = None, *, proc: str = "/proc",
 C10D_DEFAULT_PORT = 29400
 
 
-def _option(argv: list[bytes], env: dict[str, str], name: str) -> str | None:
-    """torchrun's option ``--name`` (also spelled with ``_``; ``--name=V`` or ``--name
-    V``), else its ``PET_NAME`` environment variable (torchrun reads options there)."""
-    spellings = {f"--{name}".encode(), f"--{name.replace('-', '_')}".encode()}
-    for i, a in enumerate(argv):
-        key, eq, value = a.partition(b"=")
-        if key in spellings:
-            if eq:
-                return value.decode(errors="replace")
-            return argv[i + 1].decode(errors="replace") if i + 1 < len(argv) else None
-    return env.get("PET_" + name.upper().replace("-", "_"))
+#: ``python -m elastic_kit.run``'s own options (each with a value), which come before
+#: torchrun's.
+LAUNCHER_OPTIONS = ("--preload", "--rdzv-poll")
 
 
-def c10d_endpoint_port(argv: list[bytes], env: dict[str, str]) -> int | None:
-    """The port of the c10d rendezvous endpoint an agent run as ``argv`` (with
-    environment ``env``) serves or joins, or None: another backend, ``--standalone``
-    (one node: nothing to leave), or no endpoint."""
-    if b"--standalone" in argv or _option(argv, env, "rdzv-backend") != "c10d":
+def _torchrun_args(argv: list[bytes]) -> list[str] | None:
+    """The arguments torchrun parses in an agent's command line ``argv`` (after
+    ``torchrun``, ``python /path/torchrun`` or ``python -m <launcher>``, without
+    ``elastic_kit.run``'s own leading options), or None: not an agent's."""
+    args = [a.decode(errors="replace") for a in argv]
+    if args and os.path.basename(args[0]) == "torchrun":
+        return args[1:]
+    if len(args) > 1 and os.path.basename(args[1]) == "torchrun":
+        return args[2:]
+    module = python_module(argv)
+    if module not in _AGENT_MODULES:
         return None
-    endpoint = _option(argv, env, "rdzv-endpoint")
-    if not endpoint:
+    rest = args[args.index(module.decode()) + 1:]  # the first "-m MODULE" is python's
+    while module == b"elastic_kit.run" and rest and rest[0].split("=", 1)[0] in LAUNCHER_OPTIONS:
+        rest = rest[1:] if "=" in rest[0] else rest[2:]
+    return rest
+
+
+def c10d_endpoint_port(argv: list[bytes]) -> int | None:
+    """The port of the c10d rendezvous endpoint an agent run as ``argv`` serves or
+    joins, read as torchrun reads its options (its own parser, whose defaults are
+    this process's ``PET_*`` variables: a worker inherits its agent's), or None: not
+    an agent, another backend, or ``--standalone`` (one node: nothing to leave)."""
+    args = _torchrun_args(argv)
+    if args is None:
         return None
-    host, colon, port = endpoint.rpartition(":")
-    if not colon or host.endswith(":") or (endpoint.startswith("[") and not host.endswith("]")):
-        return C10D_DEFAULT_PORT  # no port ("host", or a bare IPv6 address)
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+    from torch.distributed.run import get_args_parser
+
     try:
-        return int(port)
-    except ValueError:
+        with contextlib.redirect_stderr(io.StringIO()):  # argparse's usage on an error
+            parsed, _ = get_args_parser().parse_known_args(args)
+        if parsed.standalone or parsed.rdzv_backend != "c10d":
+            return None
+        return parse_rendezvous_endpoint(parsed.rdzv_endpoint, C10D_DEFAULT_PORT)[1]
+    except (SystemExit, ValueError):  # argparse's error exits; a malformed endpoint
         return None
 
 
@@ -155,5 +170,5 @@ def hosts_c10d_endpoint(agent: int, *, proc: str = "/proc") -> bool:
     argv = command_line(agent, proc=proc)
     if argv is None:
         return False
-    port = c10d_endpoint_port(argv, dict(os.environ))  # a worker inherits its agent's
+    port = c10d_endpoint_port(argv)
     return port is not None and listens_on(agent, port, proc=proc)

@@ -301,7 +301,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         store = _open_store(args)
         return {"ls": _cmd_ls, "verify": _cmd_verify, "prune": _cmd_prune}[args.command](store, args)
     except (ValueError, TypeError, ImportError) as e:
-        if args.storage_options and isinstance(e, TypeError) and "keyword argument" in str(e):
+        if args.storage_options and isinstance(e, TypeError) and \
+                "unexpected keyword argument" in str(e):
             # the filesystem's client refused an option: name where it came from
             print(f"error: --storage-options={args.storage_options!r}: the filesystem of "
                   f"{args.url!r} does not take it: {e}", file=sys.stderr)

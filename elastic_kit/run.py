@@ -80,6 +80,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
+from elastic_kit._agent import LAUNCHER_OPTIONS
 from elastic_kit.health import (
     LEAVE_SIGNAL, RDZV_LOWEST_POLL_S as LOWEST_POLL_S, RDZV_TORCH_POLL_S as TORCH_POLL_S,
     agent_left, install_agent_leave,
@@ -137,7 +138,7 @@ def parse_options(argv: Sequence[str]) -> LauncherOptions:
     while argv:
         opt = argv[0]
         name = opt.split("=", 1)[0]
-        if name not in ("--preload", "--rdzv-poll"):
+        if name not in LAUNCHER_OPTIONS:
             break
         argv.pop(0)
         if name == "--preload":

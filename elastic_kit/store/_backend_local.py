@@ -501,4 +501,4 @@ class LocalBackend:
         return []  # a file being written is a leftover of its own (see leftovers)
 
     def abort_upload(self, path: str, upload: str) -> None:
-        raise NotImplementedError("a local disk has no uploads")
+        pass  # none listed

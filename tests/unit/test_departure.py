@@ -246,22 +246,40 @@ def test_a_leave_of_the_node_serving_the_c10d_endpoint_saves_durably(
            "rendezvous endpoint: the job ends; relaunch it to resume there" in caplog.text
 
 
-def test_the_c10d_endpoint_port_is_read_as_torchrun_reads_its_options() -> None:
+def test_the_c10d_endpoint_port_is_read_as_torchrun_reads_its_options(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     from elastic_kit._agent import C10D_DEFAULT_PORT, c10d_endpoint_port
 
+    for name in [k for k in __import__("os").environ if k.startswith("PET_")]:
+        monkeypatch.delenv(name)
     run = [b"/venv/bin/torchrun", b"--nnodes=1:3"]
-    assert c10d_endpoint_port(run + [b"--rdzv-backend=c10d", b"--rdzv-endpoint=10.0.0.1:1234",
-                                     b"t.py"], {}) == 1234
-    assert c10d_endpoint_port(run + [b"--rdzv_backend", b"c10d", b"--rdzv_endpoint", b"[::1]:77",
-                                     b"t.py"], {}) == 77
-    assert c10d_endpoint_port(run + [b"--rdzv-backend=c10d", b"--rdzv-endpoint=head",
-                                     b"t.py"], {}) == C10D_DEFAULT_PORT
-    assert c10d_endpoint_port(run + [b"t.py"], {"PET_RDZV_BACKEND": "c10d",
-                                                 "PET_RDZV_ENDPOINT": "head:5"}) == 5
-    # another backend, or one node on its own: no endpoint whose host could leave
+    c10d = [b"--rdzv-backend=c10d"]
+    assert c10d_endpoint_port(run + c10d + [b"--rdzv-endpoint=10.0.0.1:1234", b"t.py"]) == 1234
+    assert c10d_endpoint_port([b"python", b"-m", b"torch.distributed.run", b"--rdzv_backend",
+                               b"c10d", b"--rdzv_endpoint", b"[::1]:77", b"t.py"]) == 77
+    assert c10d_endpoint_port(run + c10d + [b"--rdzv-endpoint=head", b"t.py"]) == \
+        C10D_DEFAULT_PORT
+    assert c10d_endpoint_port(run + c10d + [b"t.py"]) == C10D_DEFAULT_PORT  # localhost
+    # argparse's rules: the last of a repeated option, an abbreviation
+    assert c10d_endpoint_port(run + c10d + [b"--rdzv-endpoint=h:1", b"--rdzv-endpoint=h:2",
+                                            b"t.py"]) == 2
+    assert c10d_endpoint_port(run + c10d + [b"--rdzv-endp=h:3", b"t.py"]) == 3
+    # the script's own arguments are the script's
+    assert c10d_endpoint_port(run + c10d + [b"--rdzv-endpoint=h:4", b"t.py",
+                                            b"--rdzv-endpoint", b"x:9", b"--standalone"]) == 4
+    assert c10d_endpoint_port(run + [b"t.py", b"--rdzv_backend", b"c10d"]) is None
+    # the launcher's own options come first
+    assert c10d_endpoint_port([b"python", b"-m", b"elastic_kit.run", b"--preload", b"torchvision",
+                               b"--rdzv-poll=0.05", *c10d, b"--rdzv-endpoint=h:5", b"t.py"]) == 5
+    # torchrun reads options from PET_* variables too (a worker inherits its agent's)
+    monkeypatch.setenv("PET_RDZV_BACKEND", "c10d")
+    monkeypatch.setenv("PET_RDZV_ENDPOINT", "head:6")
+    assert c10d_endpoint_port(run + [b"t.py"]) == 6
+    monkeypatch.delenv("PET_RDZV_BACKEND")
+    # another backend, one node on its own, not an agent: no endpoint whose host could leave
     assert c10d_endpoint_port(run + [b"--rdzv-backend=etcd-v2", b"--rdzv-endpoint=h:2379",
-                                     b"t.py"], {}) is None
-    assert c10d_endpoint_port(run + [b"--standalone", b"t.py"], {}) is None
+                                     b"t.py"]) is None
+    assert c10d_endpoint_port(run + [b"--standalone", b"t.py"]) is None
+    assert c10d_endpoint_port([b"python", b"t.py", b"--rdzv-backend=c10d"]) is None
 
 
 def test_a_listening_socket_is_found_by_its_process_and_port() -> None:
