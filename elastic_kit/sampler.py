@@ -686,8 +686,16 @@ class ElasticDistributedSampler(DistributedSampler[int]):
         self._pass_dealt = True
         indices = self.local_indices()
         if len(indices) == 0:
-            self._end_reached = True
+            # marked when the empty pass is run through, not when it is made: torch's
+            # DataLoader (num_workers > 0, batch_size=None) calls iter() twice and
+            # reads only the second iterator
+            return self._empty_pass()
         return self._dealt(indices)
+
+    def _empty_pass(self) -> Iterator[int]:
+        self._end_reached = True
+        return
+        yield
 
     def _dealt(self, indices: torch.Tensor) -> Iterator[int]:
         """``indices`` as the pass yields them: ints, or ``(epoch, index)`` keys."""

@@ -130,6 +130,12 @@ class Progress:
         self._check_weighed(n)
         if sampler is None:
             return
+        if sampler.epoch != state.epoch:
+            raise RuntimeError(
+                f"step(): state.sampler is at epoch {sampler.epoch}, but the checkpointer's "
+                f"epoch is {state.epoch}: call end_epoch() after every epoch, and start the "
+                f"loop at the epoch restore() returns (for epoch in range(ckpt.restore(), "
+                f"epochs): sampler.set_epoch(epoch))")
         j0, n_real, _ = self._position(sampler, n)
         if n > 0 and j0 >= sampler.pass_length:
             raise _overrun(sampler, n)

@@ -247,3 +247,40 @@ def test_with_the_steps_size_every_real_sample_of_a_partial_step_weighs_the_same
     assert all(w == pytest.approx(0.1) for i, w in weight.items() if i >= 48), weight
     if world > 1:  # without it: not the mean over the step's real samples
         assert any(w != pytest.approx(0.1) for w in _last_step_weights(world, False).values())
+
+
+@pytest.mark.parametrize("audit", [False, True])
+def test_a_forgotten_end_epoch_is_named_at_the_next_epochs_first_step(tmp_path, audit) -> None:
+    """The sampler rolls over to the next epoch on its own, the checkpointer's epoch
+    does not: without the audit the run trained on with its accounting an epoch
+    behind; with it, the next save failed with an internal AssertionError."""
+    state, ck = _setup(tmp_path, audit=audit, every_steps=2)
+    ck.restore()
+    for x in DataLoader(range(N), batch_size=BATCH, sampler=state.sampler):
+        ck.step(len(x))
+    # no ck.end_epoch()
+    state.sampler.set_epoch(1)
+    batch = next(iter(DataLoader(range(N), batch_size=BATCH, sampler=state.sampler)))
+    with pytest.raises(RuntimeError, match=r"state.sampler is at epoch 1, but the "
+                                           r"checkpointer's epoch is 0: call end_epoch\(\)"):
+        ck.step(len(batch))
+    ck.abandon()
+
+
+def test_a_loop_that_ignores_the_epoch_restore_returns_is_named(tmp_path) -> None:
+    """``for epoch in range(epochs)`` after a restore into epoch 1 would retrain epoch 0."""
+    state, ck = _setup(tmp_path, every_steps=1000)
+    ck.restore()
+    for x in DataLoader(range(N), batch_size=BATCH, sampler=state.sampler):
+        ck.step(len(x))
+    ck.end_epoch()
+    ck.save()
+    ck.close()
+    state, ck = _setup(tmp_path, every_steps=1000)
+    assert ck.restore() == 1
+    state.sampler.set_epoch(0)  # the script's range(epochs)
+    batch = next(iter(DataLoader(range(N), batch_size=BATCH, sampler=state.sampler)))
+    with pytest.raises(RuntimeError, match=r"state.sampler is at epoch 0, but the "
+                                           r"checkpointer's epoch is 1: .*range\(ckpt.restore"):
+        ck.step(len(batch))
+    ck.abandon()

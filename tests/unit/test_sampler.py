@@ -349,3 +349,22 @@ def test_a_pass_resumed_at_the_same_world_size_pads_as_the_uninterrupted_one(
             assert resumed.local_indices().tolist() == full[start // w:], (rank, start)
             assert (resumed.local_padding_mask().tolist()
                     == whole.local_padding_mask().tolist()[start // w:])
+
+
+def test_an_iterator_made_and_never_read_does_not_end_the_epoch() -> None:
+    """torch's DataLoader with workers and ``batch_size=None`` calls ``iter(sampler)``
+    twice and reads only the second: resumed at an epoch's end, the first (empty)
+    iterator marked the epoch ended, and the second dealt the whole epoch again."""
+    from elastic_kit import ElasticDistributedSampler
+
+    done = ElasticDistributedSampler(range(6), num_replicas=1, rank=0, seed=0)
+    done.set_epoch(0)
+    for _ in done:
+        pass
+    done.advance(6)
+    resumed = ElasticDistributedSampler(range(6), num_replicas=1, rank=0, seed=0)
+    resumed.load_state_dict(done.state_dict())
+    resumed.set_epoch(0)
+    unread = iter(resumed)  # made by the loader, never read
+    assert list(iter(resumed)) == [] and resumed.remaining == 0
+    del unread
