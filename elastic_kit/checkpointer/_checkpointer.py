@@ -92,8 +92,11 @@ class Checkpointer(Lifecycle):
             validation, a per-epoch scheduler step after it); the restart resumes
             from an earlier state and redoes the steps since. Set it True when the
             script does that work again for :attr:`finished_at_restore` (as
-            :class:`~elastic_kit.ElasticLoop` does): the snapshot is then written and
-            only the epoch's end is redone.
+            :class:`~elastic_kit.ElasticLoop` does, until its ``on_epoch_end``
+            begins): the snapshot is then written and only the epoch's end is redone.
+            Set it back to False while that work runs when it changes the state (a
+            learning rate decayed by hand): a snapshot of such a state would have the
+            change applied twice.
         info: this worker's :class:`~elastic_kit.DistInfo` (set by :meth:`restore`).
 
     .. warning::

@@ -544,6 +544,10 @@ class ElasticLoop:
         assert info is not None and ckpt is not None
         ckpt.finish_audit()
         if self.on_epoch_end is not None:
+            # from here the state may hold what on_epoch_end changed (a learning rate,
+            # an early-stopping count), which a restore would apply again when it runs
+            # on_epoch_end once more: a rank that exits now writes no snapshot
+            ckpt.replays_epoch_end = False
             with ckpt.paused():
                 self.on_epoch_end(state, summary)
         self.summaries.append(summary)
@@ -552,6 +556,7 @@ class ElasticLoop:
                 "loss %.4f", summary.epoch, summary.steps, summary.samples, summary.seconds,
                 summary.samples_per_second, summary.loss)
         ckpt.end_epoch()
+        ckpt.replays_epoch_end = True
 
     def save(self, *, blocking: bool = True) -> None:
         """Checkpoint the state now (collective: every rank calls it, inside :meth:`run`)."""
