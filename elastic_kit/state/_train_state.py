@@ -259,9 +259,9 @@ def _dcp_names(model: nn.Module, name: str) -> set[str]:
         from torch.distributed.checkpoint.state_dict import _get_fqns
 
         return {str(n) for n in _get_fqns(model, name)}
-    except Exception:  # another torch: the wrappers torch 2.14 drops
+    except Exception:  # another torch: every name it may give (one more does no harm)
         name = name.replace("_checkpoint_wrapped_module.", "")
-        return {".".join(part for part in name.split(".") if part != "_orig_mod")}
+        return {name, ".".join(part for part in name.split(".") if part != "_orig_mod")}
 
 
 def _without_saved_state(model: nn.Module, optim_sd: dict[str, Any]) -> list[nn.Parameter]:

@@ -75,12 +75,17 @@ def ensure_identity(layout: Layout, *, adopt: str | None = None,
     if found is not None and (found == adopt or not (replace and adopt is not None)):
         return found
     if found is not None:  # replaced: removed first, then created as when absent
-        layout.backend.remove_file(join(layout.root, IDENTITY_NAME))
+        try:
+            layout.backend.remove_file(join(layout.root, IDENTITY_NAME))
+        except FileNotFoundError:
+            pass  # another process replacing it too (a directory shared by accident)
     layout.check_root()
     path = join(layout.root, IDENTITY_NAME)
     data = ((adopt or uuid.uuid4().hex) + "\n").encode()
     layout.backend.create_once(path, data)
     found = read_identity(layout)
+    if found is None and adopt is not None and replace:
+        found = adopt  # another process replacing it too removed ours: theirs is the same
     if found is None:
         raise FileNotFoundError(errno.ENOENT, f"the run identity written to {path} cannot be "
                                 "read back", path)

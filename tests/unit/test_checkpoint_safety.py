@@ -349,3 +349,29 @@ def test_a_step_the_jobs_retention_deletes_during_verify_is_not_reported(tmp_pat
     got = CheckpointStore(url, filesystem=ffs).verify()
     assert ffs.fired("open") == 1
     assert [(step, problem) for step, _, problem in got] == [(2, None), (3, None)]
+
+
+def test_an_identity_replaced_by_two_processes_at_once_is_the_adopted_one(
+        tmp_path, monkeypatch) -> None:
+    """Two processes replacing a node-local directory's identity with the run's (a
+    directory shared by accident): the one whose removal finds the file gone, or whose
+    file the other removed, still holds the run's identity; it failed, and turned the
+    snapshots off for the whole group."""
+    import uuid
+
+    from elastic_kit.store import CheckpointStore
+
+    url = str(tmp_path / "node")
+    CheckpointStore(url, node_local=True).run_identity()  # an old run's
+    store = CheckpointStore(url, node_local=True)
+    backend = store._layout.backend
+    remove = backend.remove_file
+
+    def removed_by_the_other_first(path: str) -> None:
+        remove(path)
+        raise FileNotFoundError(path)
+
+    monkeypatch.setattr(backend, "remove_file", removed_by_the_other_first)
+    run = uuid.uuid4().hex
+    assert store.run_identity(adopt=run, replace=True) == run
+    assert CheckpointStore(url, node_local=True).run_identity(create=False) == run
