@@ -8,9 +8,8 @@ the library can tell an agent from any other parent process.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import os
+from typing import NoReturn
 
 __all__ = ["torchrun_agent_pid", "is_agent", "python_module", "command_line",
            "c10d_endpoint_port", "listens_on", "hosts_c10d_endpoint"]
@@ -122,13 +121,17 @@ def c10d_endpoint_port(argv: list[bytes]) -> int | None:
     from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
     from torch.distributed.run import get_args_parser
 
+    def refuse(message: str) -> NoReturn:  # argparse prints its usage, then exits
+        raise ValueError(message)
+
+    parser = get_args_parser()
+    parser.error = refuse  # type: ignore[method-assign]
     try:
-        with contextlib.redirect_stderr(io.StringIO()):  # argparse's usage on an error
-            parsed, _ = get_args_parser().parse_known_args(args)
+        parsed, _ = parser.parse_known_args(args)
         if parsed.standalone or parsed.rdzv_backend != "c10d":
             return None
         return parse_rendezvous_endpoint(parsed.rdzv_endpoint, C10D_DEFAULT_PORT)[1]
-    except (SystemExit, ValueError):  # argparse's error exits; a malformed endpoint
+    except (SystemExit, ValueError):  # argparse's error; a malformed endpoint
         return None
 
 
