@@ -284,9 +284,12 @@ class Lifecycle:
             return
         why = (f"signal {signum} heard but not acted on (away from the training steps)"
                if heard else f"signal {signum} unheard by the training thread")
-        self._leave_alone(why, lambda: exit_now(self.exit_code))
+        # a stop heard during end-of-epoch work keeps the epoch's last step, as the
+        # stop's own save there does (the work was cut short either way)
+        self._leave_alone(why, lambda: exit_now(self.exit_code), stopping=heard)
 
-    def _leave_alone(self, why: str, leave: Callable[[], None]) -> None:
+    def _leave_alone(self, why: str, leave: Callable[[], None], *,
+                     stopping: bool = False) -> None:
         """Write the last step from this thread, then ``leave()`` (which ends the
         process): what :meth:`abandon` does on the training thread, for a training
         thread that will not return. The audit sum in flight is given up and the state
@@ -313,7 +316,7 @@ class Lifecycle:
                     mine = self._hooks.close(keep_signals=True, keep_step_hook=True)
                 if mine:
                     self._progress.give_up_audit_sum(grace=AUDIT_GRACE_S)
-                    self._snapshot_at_exit()
+                    self._snapshot_at_exit(stopping=stopping)
                     if self.snapshots is not None:
                         self.snapshots.close(remove=False, flush=False)
                     _saving.abandon(self.store, None)
@@ -338,12 +341,14 @@ class Lifecycle:
         if self._leaving.is_set():
             threading.Event().wait()
 
-    def _snapshot_at_exit(self) -> None:
+    def _snapshot_at_exit(self, *, stopping: bool = False) -> None:
         """Write the state of the last step to this node's memory as this rank exits
         alone (a peer died in the step in progress; see
         :mod:`elastic_kit.checkpointer._step_end`): when this rank writes snapshots, the
         state is still that step's and no snapshot of it was written nor a save of it
-        made. Never raises."""
+        made. Not after an epoch's last step before :meth:`end_epoch` unless
+        ``stopping`` (a stop signal heard there, whose own save keeps that step) or
+        :attr:`replays_epoch_end`. Never raises."""
         tier, step_end = self.snapshots, self._step_end
         mark = step_end.intact() if tier is not None and tier.writes and step_end.enabled \
             else None
@@ -355,7 +360,7 @@ class Lifecycle:
                 mark.step in tier.written:
             return
         sampler = self.state.sampler
-        if not self.replays_epoch_end and sampler is not None and \
+        if not (self.replays_epoch_end or stopping) and sampler is not None and \
                 getattr(sampler, "remaining", None) == 0:
             # the epoch's last step, before end_epoch(): the script's end-of-epoch work
             # (its validation, where the peer died; a per-epoch scheduler step after
