@@ -83,7 +83,10 @@ def resume(state: TrainState, info: DistInfo, loaded: LoadedCheckpoint | None,
         # it to the next): a pass after an epoch's end, before end_epoch() (an
         # evaluation over the training loader), repeats the epoch, never starts the
         # next one. The position stays: set_epoch() keeps it for the same epoch.
-        sampler.set_epoch(sampler.epoch)
+        # With nothing restored, the state's epoch is the script's (a run carried
+        # over from torch.save sets it): the sampler starts there, at a position
+        # given as its start_index.
+        sampler.set_epoch(state.epoch if loaded is None else sampler.epoch)
     log_restore(state, info, loaded, restored_from, tier)
     return finished
 

@@ -284,3 +284,24 @@ def test_a_loop_that_ignores_the_epoch_restore_returns_is_named(tmp_path) -> Non
                                            r"checkpointer's epoch is 1: .*range\(ckpt.restore"):
         ck.step(len(batch))
     ck.abandon()
+
+
+def test_an_epoch_set_before_a_restore_that_finds_nothing_is_where_the_sampler_starts(
+        tmp_path) -> None:
+    """A run carried over from ``torch.save`` (docs/checkpoints.md) sets ``state.epoch``
+    before the first ``restore()``; a loop that leaves the epochs to ``end_epoch()``
+    (no ``set_epoch``) trained the sampler's epoch 0 under the checkpointer's epoch 2
+    (now refused at the first step), and a save before any step kept epoch 0."""
+    state, ck = _setup(tmp_path, every_steps=1000)
+    state.epoch = 2
+    assert ck.restore() == 2 and state.sampler.epoch == 2
+    ck.save()
+    ck.close()
+    state, ck = _setup(tmp_path, every_steps=1000)
+    assert ck.restore() == 2  # the save kept the epoch
+    for _ in range(2, 4):
+        for x in DataLoader(range(N), batch_size=BATCH, sampler=state.sampler):
+            ck.step(len(x))
+        ck.end_epoch()
+    assert (state.epoch, state.sampler.epoch, state.step) == (4, 4, 6)
+    ck.close()
