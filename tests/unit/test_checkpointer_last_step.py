@@ -27,7 +27,7 @@ def _held_write(ck: ek.Checkpointer, monkeypatch: pytest.MonkeyPatch,
     """Make the last step's write wait for the returned event, then note it."""
     gate = threading.Event()
 
-    def write() -> None:
+    def write(**_: object) -> None:
         assert gate.wait(30)
         events.append("written")
     monkeypatch.setattr(ck, "_snapshot_at_exit", write)
