@@ -12,7 +12,8 @@ import os
 from typing import NoReturn
 
 __all__ = ["torchrun_agent_pid", "is_agent", "python_module", "command_line",
-           "c10d_endpoint_port", "listens_on", "hosts_c10d_endpoint"]
+           "c10d_endpoint_port", "listens_on", "hosts_c10d_endpoint", "C10D_DEFAULT_PORT",
+           "LAUNCHER_OPTIONS"]
 
 _AGENT_MODULES = (b"torch.distributed.run", b"torch.distributed.launch", b"elastic_kit.run")
 
