@@ -43,9 +43,7 @@ def is_agent(argv: list[bytes]) -> bool:
     """``torchrun ...``, ``python /path/torchrun ...`` or ``python [options] -m
     <launcher> ...`` (exactly: a test file under ``tests/torchrun/`` on a command line
     is no agent)."""
-    if any(os.path.basename(a) == b"torchrun" for a in argv[:2]):
-        return True
-    return python_module(argv) in _AGENT_MODULES
+    return _torchrun_args(argv) is not None
 
 
 def command_line(pid: int, *, proc: str = "/proc") -> list[bytes] | None:
