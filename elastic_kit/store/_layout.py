@@ -78,6 +78,8 @@ log = logging.getLogger(__name__)
 STEP_DIGITS = 12
 _STEP_RE = re.compile(r"step-([0-9]{12})", re.ASCII)
 _CHUNK = 8 << 20
+#: Names a script's own ``torch.save`` files usually end with (hinted at, never read).
+_TORCH_SAVE_SUFFIXES = (".pt", ".pth", ".tar", ".ckpt")
 #: The locks of the commits in progress in this process, by step directory (see
 #: ``commit``), with the number of commits holding or awaiting each; reentrant: a
 #: storage callback (a fault-injecting filesystem's) may commit as another writer
@@ -268,7 +270,22 @@ class Layout:
                 self._warned_entries.add(name)
                 log.warning("%s in %s is not a directory (a symbolic link, or a file): not "
                             "read as checkpoint step %d", name, self.url, step)
+        if not out:
+            self._hint_foreign_files(entries)
         return sorted(out, key=lambda d: d.step)
+
+    def _hint_foreign_files(self, entries: list[tuple[str, bool]]) -> None:
+        """Say once that a file a script saved itself is not read (an empty store
+        beside it means "no checkpoint to restore", and training starts over)."""
+        for name, is_dir in entries:
+            if (is_dir or not name.endswith(_TORCH_SAVE_SUFFIXES)
+                    or name in self._warned_entries):
+                continue
+            self._warned_entries.add(name)
+            log.warning("%s in %s is not an elastic_kit checkpoint (a torch.save file?): "
+                        "a store reads only its own step-<n>/ directories; \"Coming from "
+                        "torch.save\" in docs/checkpoints.md carries such a run over",
+                        name, self.url)
 
     # ------------------------------------------------------------------ read
     def _manifest_text(self, d: StepDir) -> bytes:
