@@ -79,7 +79,7 @@ def _phase(tmp: Path, seconds: float, flood: bool, tag: str) -> dict[str, Any]:
     loss_fn = nn.CrossEntropyLoss()
     receiver = ReplicaReceiver(str(tmp / f"peer-{tag}"), run="bench", token=TOKEN,
                                host="127.0.0.1")
-    sender = ReplicaSender((receiver.host, receiver.port), source="nodeA", run="bench",
+    sender = ReplicaSender((receiver.host, receiver.port), to=receiver.ident, source="nodeA", run="bench",
                            token=TOKEN)
     store = CheckpointStore(str(tmp / f"own-{tag}"), keep_last=1, node_local=True,
                             private=True)

@@ -20,19 +20,24 @@ side channel that carries no collective and never blocks training:
   snapshot directory; it streams the newest one offered (an older one still waiting
   is skipped): a header line (run, source node, step, file names and sizes), which
   the receiver accepts (``go``) or refuses with a reason, then the files with
-  ``sendfile``, manifest last, and waits for the receiver's ``ok``.
+  ``sendfile``, manifest last, then a trailer line with the HMAC of those bytes, and
+  waits for the receiver's ``ok``.
 
 Both ends prove that they hold the group's token, which rank 0 draws when the group
 forms, without ever sending it (another local user can listen on a port a dead
 receiver freed, or connect to a live one): the receiver greets each connection with
 a fresh nonce, the sender's header carries an HMAC of the header and that nonce, and
 the receiver's ``go`` carries an HMAC of the sender's own nonce, checked before a
-byte of a file is sent. A receiver that has no token yet (between its start and the
-group's exchange) refuses every stream; a refusal before the header's HMAC checked
-says nothing about the run. The header also names the run with the durable store's
-run identity, so a stream of another run of the same store is refused. The bytes
-are not trusted: a replica is loaded like any snapshot, after its manifest's
-checksum verified.
+byte of a file is sent. The header names the receiver it is for (an identity each
+receiver draws and publishes with its address), so a stranger on a dead receiver's
+port cannot pass the stream on to a live one; and a trailer after the last file
+carries an HMAC of every byte of the stream (bound to both nonces), checked before
+the replica is committed, so bytes changed on the way are refused. A receiver that
+has no token yet (between its start and the group's exchange) refuses every stream;
+a refusal before the header's HMAC checked says nothing about the run. The header
+also names the run with the durable store's run identity, so a stream of another run
+of the same store is refused. A replica is then loaded like any snapshot, after its
+manifest's checksum verified.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ import hmac
 import ipaddress
 import json
 import logging
+import mmap
 import os
 import re
 import secrets
@@ -60,7 +66,7 @@ from elastic_kit.store import (
 )
 
 __all__ = ["ADDR_ENV", "REPLICAS", "ReplicaReceiver", "ReplicaSender", "advertised_host",
-           "receiver_proof", "signed_header", "writer_addresses"]
+           "content_mac", "receiver_proof", "signed_header", "writer_addresses"]
 
 log = logging.getLogger(__name__)
 
@@ -139,8 +145,11 @@ class _Refused(Exception):
 
 
 #: What the two ends' HMACs cover starts with these (so that neither can be replayed
-#: as the other).
+#: as the other, nor a stream's bytes as either).
 _SENDER_MAC, _RECEIVER_MAC = b"elastic_kit replica header\n", b"elastic_kit replica go\n"
+_CONTENT_MAC = b"elastic_kit replica bytes\n"
+#: The line that ends a stream, after its last file: ``mac <HMAC of its bytes>``.
+_TRAILER_MAX = 80
 
 
 def _mac(token: str, *parts: bytes) -> str:
@@ -166,11 +175,21 @@ def receiver_proof(token: str, *, sender_nonce: str, nonce: str) -> str:
     return _mac(token, _RECEIVER_MAC, sender_nonce.encode(), nonce.encode())
 
 
-def check_header(header: Any, *, run: str, token: str,
-                 nonce: str) -> tuple[str, int, list[str], list[int]]:
+def content_mac(token: str, *, sender_nonce: str, nonce: str) -> Any:
+    """The HMAC (an ``hmac.HMAC`` to feed every byte of a stream's files to, in order)
+    that the stream's trailer carries: bound to both ends' nonces, so the bytes of
+    one stream cannot be passed off as another's."""
+    return hmac.new(token.encode(), b"\n".join(
+        (_CONTENT_MAC, sender_nonce.encode(), nonce.encode(), b"")), hashlib.sha256)
+
+
+def check_header(header: Any, *, run: str, token: str, nonce: str,
+                 ident: str) -> tuple[str, int, list[str], list[int]]:
     """``(source, step, names, sizes)`` of a stream's header, its HMAC (for the
     greeting ``nonce``) checked first and every field validated before anything is
-    made on disk.
+    made on disk. ``ident``: the receiver's own identity, which the header must be
+    addressed to (a signed header that another local user, listening on the port of
+    a receiver that died, passes on to a live one names the dead one).
 
     Raises:
         _Refused: naming the field, its value and what was expected (only once the
@@ -188,6 +207,9 @@ def check_header(header: Any, *, run: str, token: str,
         raise _Refused(f"bad nonce {str(sender_nonce)[:40]!r}: expected 16-128 characters")
     if header.get("run") != run:
         raise _Refused(f"run {str(header.get('run'))[:200]!r} is not {run!r}")
+    if header.get("to") != ident:
+        raise _Refused(f"addressed to receiver {str(header.get('to'))[:40]!r}, not to this "
+                       f"one ({ident!r})")
     source, step, files = header.get("source"), header.get("step"), header.get("files")
     if not isinstance(source, str) or not _NAME_RE.fullmatch(source):
         raise _Refused(f"bad source node name {str(source)[:200]!r}: expected 1-128 of "
@@ -228,6 +250,8 @@ class _Stream:
         self.left = 0
         self.fd: int | None = None
         self.tmp: str | None = None
+        self.mac: Any = None  # the HMAC of the files' bytes, fed as they arrive
+        self.trailer = bytearray()  # the line after the last file
 
 
 class ReplicaReceiver:
@@ -271,6 +295,9 @@ class ReplicaReceiver:
         self._keep_parts = keep_parts
         self.dir = os.path.join(node_dir, REPLICAS)
         self.run, self.token = run, token
+        #: this receiver's identity, which every stream's signed header names (see
+        #: :func:`check_header`); published with its address
+        self.ident = secrets.token_hex(16)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -395,7 +422,7 @@ class ReplicaReceiver:
     def _start(self, st: _Stream, header: Any) -> None:
         """Validate the header; then (only then) make the temporary directory."""
         st.source, st.step, st.names, st.sizes = check_header(
-            header, run=self.run, token=self.token, nonce=st.nonce)
+            header, run=self.run, token=self.token, nonce=st.nonce, ident=self.ident)
         where = self.node_dir if os.path.isdir(self.node_dir) else os.path.dirname(
             self.node_dir)
         # the streams still arriving will take their remaining bytes too
@@ -413,6 +440,7 @@ class ReplicaReceiver:
         st.receiving = True
         st.deadline = time.monotonic() + PROGRESS_TIMEOUT_S
         proof = receiver_proof(self.token, sender_nonce=header["nonce"], nonce=st.nonce)
+        st.mac = content_mac(self.token, sender_nonce=header["nonce"], nonce=st.nonce)
         # the header is accepted: the sender checks the proof, then streams the files
         st.sock.sendall(f"go {proof}\n".encode())
         st.index, st.left = -1, 0
@@ -434,18 +462,20 @@ class ReplicaReceiver:
             st.left = st.sizes[st.index]
 
     def _receive_some(self, sel: selectors.BaseSelector, st: _Stream) -> None:
-        data = st.sock.recv(min(st.left, _CHUNK)) if st.left else st.sock.recv(1)
+        if st.index < len(st.names):
+            data = st.sock.recv(min(st.left, _CHUNK)) if st.left else st.sock.recv(1)
+        else:  # the trailer: no byte past its line is read
+            data = st.sock.recv(_TRAILER_MAX + 1 - len(st.trailer))
         if not data:
-            name = st.names[st.index] if st.index < len(st.names) else "?"
+            name = st.names[st.index] if st.index < len(st.names) else "its trailer"
             raise _Refused(f"stream ended with {st.left} bytes of {name} missing")
         self._consume(sel, st, data)
 
     def _consume(self, sel: selectors.BaseSelector, st: _Stream, data: bytes) -> None:
         view = memoryview(data)
-        while view:
-            if st.index >= len(st.names):
-                raise _Refused("the stream is longer than its header says")
+        while view and st.index < len(st.names):
             take = view[:st.left]
+            st.mac.update(take)
             assert st.fd is not None
             while take:
                 k = os.write(st.fd, take)
@@ -454,9 +484,20 @@ class ReplicaReceiver:
             view = view[n:]
             st.left -= n
             self._next_file(st)
+        st.trailer += view
         st.deadline = time.monotonic() + PROGRESS_TIMEOUT_S
-        if st.index >= len(st.names):
-            self._commit(sel, st)
+        if st.index < len(st.names):
+            return
+        end = st.trailer.find(b"\n")
+        if end < 0 and len(st.trailer) <= _TRAILER_MAX:
+            return
+        if end != len(st.trailer) - 1:
+            raise _Refused("the stream is longer than its header says")
+        if not hmac.compare_digest(bytes(st.trailer[:end]),
+                                   b"mac " + st.mac.hexdigest().encode()):
+            raise _Refused("the stream's bytes are not the ones its sender signed "
+                           "(changed on the way)")
+        self._commit(sel, st)
 
     def _commit(self, sel: selectors.BaseSelector, st: _Stream) -> None:
         assert st.tmp is not None
@@ -588,31 +629,43 @@ def writer_addresses(hosts: list[str]) -> frozenset[str] | None:
     return frozenset(out)
 
 
-def _send_file(conn: socket.socket, f: Any, size: int, deadline: float) -> None:
+def _send_file(conn: socket.socket, f: Any, size: int, deadline: float, mac: Any) -> None:
     """Send ``size`` bytes of the open file ``f`` by ``deadline``, in pieces, each
-    bounded by what is left of it."""
+    bounded by what is left of it, and feed them to ``mac`` (read from a mapping of
+    the file: the kernel sends them without a copy, the HMAC reads them once)."""
+    if size == 0:
+        return
     offset = 0
-    while offset < size:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError(f"the peer took {size} bytes of {f.name} too slowly")
-        conn.settimeout(min(left, IO_TIMEOUT_S))
-        n = conn.sendfile(f, offset, min(_CHUNK * 16, size - offset))
-        if n <= 0:
-            raise ConnectionError(f"sent {offset} of the {size} bytes of {f.name}")
-        offset += n
+    with mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) as mapped:
+        view = memoryview(mapped)
+        try:
+            while offset < size:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"the peer took {size} bytes of {f.name} too slowly")
+                conn.settimeout(min(left, IO_TIMEOUT_S))
+                n = conn.sendfile(f, offset, min(_CHUNK * 16, size - offset))
+                if n <= 0:
+                    raise ConnectionError(f"sent {offset} of the {size} bytes of {f.name}")
+                mac.update(view[offset:offset + n])
+                offset += n
+        finally:
+            view.release()
 
 
 class ReplicaSender:
     """Streams this node's newest committed snapshot to its ring successor (a daemon
     thread); :meth:`offer` never blocks.
 
+    ``to``: the receiver's :attr:`~ReplicaReceiver.ident`, which the signed header
+    names (a receiver refuses a stream addressed to another).
     ``bind``: the local address its connections come from (this node's advertised
     host, which the receiver checks), or None for the kernel's choice."""
 
-    def __init__(self, peer: tuple[str, int], *, source: str, run: str, token: str,
-                 bind: str | None = None) -> None:
+    def __init__(self, peer: tuple[str, int], *, to: str, source: str, run: str,
+                 token: str, bind: str | None = None) -> None:
         self.peer, self.source, self.run, self.token = peer, source, run, token
+        self.to = to
         self.bind = bind
         self._cond = threading.Condition()
         self._offered: tuple[int, str] | None = None
@@ -666,7 +719,7 @@ class ReplicaSender:
         try:
             sizes = [os.fstat(f.fileno()).st_size for f in files]
             header: dict[str, Any] = {
-                "run": self.run, "source": self.source, "step": step,
+                "run": self.run, "to": self.to, "source": self.source, "step": step,
                 "nonce": secrets.token_hex(16),
                 "files": [[n, s] for n, s in zip(names, sizes)] + [[MANIFEST_NAME,
                                                                      len(manifest_bytes)]],
@@ -685,10 +738,13 @@ class ReplicaSender:
                 # peer that reads a byte now and then cannot hold the thread
                 deadline = time.monotonic() + IO_TIMEOUT_S + (
                     sum(sizes) + len(manifest_bytes)) / MIN_RATE
+                mac = content_mac(self.token, sender_nonce=header["nonce"],
+                                  nonce=self._greeting)
                 for f, size in zip(files, sizes):
-                    _send_file(conn, f, size, deadline)
+                    _send_file(conn, f, size, deadline, mac)
+                mac.update(manifest_bytes)
                 conn.settimeout(max(0.05, deadline - time.monotonic()))
-                conn.sendall(manifest_bytes)
+                conn.sendall(manifest_bytes + b"mac " + mac.hexdigest().encode() + b"\n")
                 reply = _recv_line(conn, 2000, deadline).decode(errors="replace")
         finally:
             for f in files:

@@ -958,7 +958,8 @@ class SnapshotTier:
         r = self._receiver
         mine = (self.info.rank, os.path.basename(self.node_dir),
                 None if r is None else (r.host, r.port),
-                secrets.token_hex(16) if self.info.rank == 0 else None)
+                secrets.token_hex(16) if self.info.rank == 0 else None,
+                None if r is None else r.ident)
         everyone: list[Any] = all_gather_object(mine)  # held: never freed on gloo's thread
         token = everyone[0][3]
         self.group = token[:16]
@@ -985,8 +986,8 @@ class SnapshotTier:
         source = part_source(mine[1], self.info.local_rank) if self.sharded else mine[1]
         # from this node's advertised address, which the successor's receiver checks
         bind = next((e[2][0] for e in writers if e[1] == mine[1]), None)
-        self._sender = ReplicaSender(succ[2], source=source, run=self._run_label(),
-                                     token=token, bind=_bindable(bind))
+        self._sender = ReplicaSender(succ[2], to=succ[4], source=source,
+                                     run=self._run_label(), token=token, bind=_bindable(bind))
         log.info("snapshots of %s are replicated to node %s at %s:%d", mine[1], succ[1],
                  *succ[2])
 

@@ -246,7 +246,7 @@ def test_a_failing_worker_does_not_wait_for_its_stream_to_a_silent_peer(
     try:
         tier.save({"w": torch.arange(1000.0)}, step=1, metadata={})
         tier.store.wait()
-        sender = _replica.ReplicaSender(silent.getsockname(), source="node-a", run="t",
+        sender = _replica.ReplicaSender(silent.getsockname(), to="r" * 32, source="node-a", run="t",
                                         token="x")
         tier._sender = sender
         sender.offer(1, tier.store.list()[-1].path)

@@ -35,7 +35,7 @@ def test_a_receiver_without_its_token_yet_takes_no_stream(tmp_path: Path) -> Non
     signed with the empty key (anyone can make one) is refused, and nothing lands."""
     r = ReplicaReceiver(str(tmp_path / "peer"), run="run-1@ident", token="", host="127.0.0.1")
     try:
-        sender = ReplicaSender((r.host, r.port), source="evil", run="run-1@ident", token="")
+        sender = ReplicaSender((r.host, r.port), to=r.ident, source="evil", run="run-1@ident", token="")
         sender.offer(10**11 - 1, str(_snapshot(tmp_path / "own", 7)))
         assert sender.flush(timeout=60)
         sender.close()
@@ -89,7 +89,8 @@ def test_a_stranger_on_the_peers_port_gets_neither_the_token_nor_the_snapshot(
     thread = threading.Thread(target=serve)
     thread.start()
     src = _snapshot(tmp_path / "own", 5)
-    sender = ReplicaSender(squatter.getsockname(), source="nodeA", run="run-1", token=TOKEN)
+    sender = ReplicaSender(squatter.getsockname(), to="r" * 32, source="nodeA", run="run-1",
+                           token=TOKEN)
     try:
         sender.offer(5, str(src))
         assert sender.flush(timeout=60)
@@ -134,7 +135,7 @@ def test_a_peer_that_reads_slowly_cannot_hold_the_sender(
 
     thread = threading.Thread(target=serve)
     thread.start()
-    sender = ReplicaSender(peer.getsockname(), source="nodeA", run="run-1", token=TOKEN)
+    sender = ReplicaSender(peer.getsockname(), to="r" * 32, source="nodeA", run="run-1", token=TOKEN)
     try:
         t0 = time.monotonic()
         sender.offer(5, str(_snapshot(tmp_path / "own", 5)))

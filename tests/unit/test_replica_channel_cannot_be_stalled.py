@@ -18,7 +18,7 @@ import torch
 from elastic_kit.snapshot import _replica
 from elastic_kit.snapshot._replica import ReplicaReceiver, ReplicaSender
 from elastic_kit.store import CheckpointStore
-from tests.replica_wire import greeted, read_all, read_line, send_header
+from tests.replica_wire import greeted, open_stream, read_all, read_line, send_header, trailer
 
 TOKEN = "t0ken"
 
@@ -50,7 +50,7 @@ def test_a_replica_arrives_while_an_idle_connection_is_held(
     half, _ = greeted(receiver)
     half.sendall(b'{"run": "run-1", "mac"')            # half a header, then silence
     try:
-        sender = ReplicaSender((receiver.host, receiver.port), source="nodeA", run="run-1",
+        sender = ReplicaSender((receiver.host, receiver.port), to=receiver.ident, source="nodeA", run="run-1",
                                token=TOKEN)
         sender.offer(5, str(_snapshot(tmp_path / "own", 5)))
         assert sender.flush(timeout=60)
@@ -128,7 +128,7 @@ def test_a_flood_of_wrong_tokens_is_refused_and_a_legit_stream_still_lands(
     flooder = threading.Thread(target=flood)
     flooder.start()
     try:
-        sender = ReplicaSender((receiver.host, receiver.port), source="nodeA", run="run-1",
+        sender = ReplicaSender((receiver.host, receiver.port), to=receiver.ident, source="nodeA", run="run-1",
                                token=TOKEN)
         for step in (1, 2, 3):
             sender.offer(step, str(_snapshot(tmp_path / "own", step)))
@@ -167,11 +167,12 @@ def test_a_stream_whose_manifest_does_not_validate_leaves_nothing(
         receiver: ReplicaReceiver) -> None:
     header = {"run": "run-1", "source": "nodeA", "step": 6,
               "files": [["state.pt", 4], ["manifest.json", 7]]}
-    with send_header(receiver, header, TOKEN) as conn:
+    conn, mac = open_stream(receiver, header, TOKEN)
+    with conn:
         assert read_line(conn).startswith(b"go ")
-        conn.sendall(b"abcd" + b"garbage")
+        conn.sendall(trailer(mac, b"abcd" + b"garbage"))
         out = read_all(conn)
-    assert out.startswith(b"error: the streamed manifest does not validate")
+    assert out.startswith(b"error: the streamed manifest does not validate"), out
     assert receiver.received == [] and _leftovers(receiver) == []
     assert list(Path(receiver.dir, "nodeA").iterdir()) == []
 
@@ -196,7 +197,7 @@ def test_a_connection_from_an_address_outside_the_group_is_closed_unread(
             reply = b""
     assert reply == b""                                # closed, no "go", no error text
     assert receiver.refused == 1 and not Path(receiver.dir).exists()
-    sender = ReplicaSender((receiver.host, receiver.port), source="nodeA", run="run-1",
+    sender = ReplicaSender((receiver.host, receiver.port), to=receiver.ident, source="nodeA", run="run-1",
                            token=TOKEN, bind="127.0.0.1")
     sender.offer(5, str(_snapshot(tmp_path / "own", 5)))
     assert sender.flush(timeout=60)

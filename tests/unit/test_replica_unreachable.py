@@ -22,7 +22,7 @@ def _connected(shm: str, monkeypatch: pytest.MonkeyPatch, peer_host: str) -> Sna
     monkeypatch.setattr(tier_module, "advertised_host", lambda: "127.0.0.1")
 
     def gather(mine: Any) -> list[Any]:  # this node's entry and the other node's
-        return [mine, (1, "node1", (peer_host, 9), None)]
+        return [mine, (1, "node1", (peer_host, 9), None, "node1-receiver")]
 
     monkeypatch.setattr(tier_module, "all_gather_object", gather)
     tier.connect()
@@ -44,6 +44,6 @@ def test_nodes_on_one_host_all_on_loopback_replicate(
         shm: str, monkeypatch: pytest.MonkeyPatch) -> None:
     tier = _connected(shm, monkeypatch, "127.0.0.1")
     try:
-        assert tier._sender is not None
+        assert tier._sender is not None and tier._sender.to == "node1-receiver"
     finally:
         tier.close(remove=True, flush=False)

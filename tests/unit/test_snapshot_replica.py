@@ -36,7 +36,7 @@ def receiver(tmp_path: Path):  # type: ignore[no-untyped-def]
 
 def _send(receiver: ReplicaReceiver, step_dir: Path, step: int, *, source: str = "nodeA",
           run: str = "run-1", token: str = TOKEN) -> ReplicaSender:
-    sender = ReplicaSender((receiver.host, receiver.port), source=source, run=run, token=token)
+    sender = ReplicaSender((receiver.host, receiver.port), to=receiver.ident, source=source, run=run, token=token)
     sender.offer(step, str(step_dir))
     assert sender.flush(timeout=30)
     sender.close()
