@@ -59,24 +59,70 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ[SNAPSHOT_ENV] = _snapshot_root
 
 
-def _uses_a_module_fixture(item: pytest.Item) -> bool:
-    info = getattr(item, "_fixtureinfo", None)
-    return info is not None and any(
-        d.scope == "module" for defs in info.name2fixturedefs.values() for d in defs)
+#: A fixture that one module's tests (or one directory's) share and that is computed
+#: once per xdist worker that runs one of them: some are whole torchrun runs.
+_SHARED_FIXTURE = re.compile(r"@pytest\.fixture\([^)]*scope=[\"'](module|session)[\"']")
+_SHARES: dict[str, bool] = {}
+
+
+def _shares_a_fixture(root: str, path: str) -> bool:
+    """Whether the test module ``path`` (relative to ``root``) defines a module- or
+    session-scoped fixture of its own."""
+    where = os.path.join(root, path)
+    if where not in _SHARES:
+        try:
+            with open(where, encoding="utf-8") as f:
+                _SHARES[where] = _SHARED_FIXTURE.search(f.read()) is not None
+        except OSError:
+            _SHARES[where] = False
+    return _SHARES[where]
+
+
+def work_unit(root: str, nodeid: str) -> str:
+    """The unit ``scripts/test`` hands one pytest-xdist worker whole: the real-torchrun
+    scenarios under ``tests/torchrun/scenarios`` (they share session fixtures, among
+    them a never-interrupted reference run), the tests of a module that defines a
+    module- or session-scoped fixture, each other test alone."""
+    path = nodeid.split("::", 1)[0]
+    if path.startswith("tests/torchrun/scenarios/"):
+        return "tests/torchrun/scenarios"
+    return path if _shares_a_fixture(root, path) else nodeid
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    # scripts/test runs the suite on pytest-xdist workers (--dist loadgroup). A fixture
+    # of module or session scope is computed once per worker that runs a test using
+    # it: the tests that share one go to one worker (see work_unit). xdist's own
+    # grouping (xdist_group marks, which it appends to each test's id) has no effect
+    # under pytest 9, whose ids it can no longer change; this scheduler decides by the
+    # id instead, in the controlling process.
+    if config.getoption("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    root = str(config.rootpath)
+
+    class _SharedFixturesTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(root, nodeid)
+
+    return _SharedFixturesTogether(config, log)
+
+
+#: The order the suite runs in: the longest work first (the real-torchrun scenarios,
+#: one worker's share on their own, then the other torchrun tests), the many short
+#: unit tests last, where they fill the workers' tails.
+_ORDER = ("tests/torchrun/scenarios/", "tests/torchrun/", "tests/tooling/",
+          "tests/multiprocess/", "tests/unit/")
+
+
+def _rank(nodeid: str) -> int:
+    return next((i for i, p in enumerate(_ORDER) if nodeid.startswith(p)), len(_ORDER))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # scripts/test runs the suite on pytest-xdist workers (--dist loadgroup). A fixture
-    # of module or session scope is computed once per worker that runs a test using it,
-    # and some are whole torchrun runs (a never-interrupted reference run): the
-    # real-torchrun scenarios under tests/torchrun/scenarios share session fixtures, so
-    # they stay together on one worker, and the tests of a module that share a module
-    # fixture stay on one worker too.
-    for item in items:
-        if item.nodeid.startswith("tests/torchrun/scenarios/"):
-            item.add_marker(pytest.mark.xdist_group("integration"))
-        elif _uses_a_module_fixture(item):
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # under xdist (each worker collects alike)
+        items.sort(key=lambda item: _rank(item.nodeid))  # stable: modules stay whole
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
