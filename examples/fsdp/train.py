@@ -57,6 +57,17 @@ def _steps(text: str, auto: bool = True) -> int | str:
     return text if text == "auto" else int(text)
 
 
+def _positive(text: str) -> int:
+    """An argparse type: an int >= 1 (refused at parse time, naming the value)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected an integer >= 1")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="A small transformer LM with FSDP2, own loop")
     p.add_argument("--samples", type=int, default=480, help="generated sequences per epoch")
@@ -66,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--epochs", type=int, default=2)
-    p.add_argument("--global-batch", type=int, default=24,
+    p.add_argument("--global-batch", type=_positive, default=24,
                    help="sequences per optimizer step over all workers (a multiple of the "
                         "world size)")
     p.add_argument("--lr", type=float, default=3e-3)
@@ -82,7 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--audit", action=argparse.BooleanOptionalAction, default=False,
                    help="check at every epoch end that each sample was trained on once")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--print-freq", type=int, default=5)
+    p.add_argument("--print-freq", type=int, default=5, metavar="N",
+                   help="print every N steps (0: never)")
     p.add_argument("--summary-json", default=None, metavar="PATH",
                    help="rank 0 writes the run report here at the end")
     p.add_argument("--final-state", default=None, metavar="PATH",
@@ -223,7 +235,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             ckpt.step(len(tokens))  # saves when due; after a SIGTERM saves and exits
-            if info.is_main and i % args.print_freq == 0:
+            if info.is_main and args.print_freq and i % args.print_freq == 0:
                 print(f"Epoch: [{epoch}] [{i}/{len(loader)}] step {state.step} loss "
                       f"{per_seq.mean().item():.4f} (uniform {math.log(args.vocab):.2f})",
                       flush=True)

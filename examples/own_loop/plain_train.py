@@ -41,6 +41,17 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
 
 
+def _positive(text: str) -> int:
+    """An argparse type: an int >= 1 (refused at parse time, naming the value)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected an integer >= 1")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="Image classification, own training loop")
     p.add_argument("data", nargs="?", metavar="DIR",
@@ -52,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "torchvision model name")
     p.add_argument("--image-size", type=int, default=32, metavar="PX")
     p.add_argument("--epochs", type=int, default=10)
-    p.add_argument("-b", "--batch-size", type=int, default=32, help="per worker")
+    p.add_argument("-b", "--batch-size", type=_positive, default=32, help="per worker")
     p.add_argument("--lr", type=float, default=0.1)
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--wd", "--weight-decay", type=float, default=1e-4, dest="weight_decay")
@@ -64,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="model init and shuffling")
     p.add_argument("-j", "--workers", type=int, default=4, help="data-loader processes per worker")
     p.add_argument("-p", "--print-freq", type=int, default=10, metavar="N",
-                   help="print every N batches")
+                   help="print every N batches (0: never)")
     p.add_argument("--summary-json", default=None, metavar="PATH",
                    help="rank 0 writes steps, accuracy and parameter digests here at the end")
     return p
@@ -230,7 +241,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             ema.update_parameters(model_without_ddp)
             step += 1
             seen += len(images) * world_size
-            if is_main and i % args.print_freq == 0:
+            if is_main and args.print_freq and i % args.print_freq == 0:
                 toc = time.perf_counter()
                 acc1 = 100.0 * (output.argmax(1) == target).float().mean().item()
                 print(f"Epoch: [{epoch}] [{i}/{len(loader)}] loss {loss.item():.4f} "
