@@ -45,7 +45,8 @@ class LoopConfig:
         micro_batch_size: the most samples a rank feeds the model at once
             (``fixed_global``); the per-worker batch for ``linear_lr``.
         batch_policy: ``"fixed_global"`` (default), ``"linear_lr"`` or a
-            :class:`~elastic_kit.loop.BatchPolicy` instance.
+            :class:`~elastic_kit.loop.BatchPolicy` instance, whose own sizes are used
+            (``global_batch_size`` and ``micro_batch_size`` left out, or the same).
         max_steps: stop (after a checkpoint) once the global step reaches this.
         checkpoint: when and how to save, snapshot and stop: a
             :class:`~elastic_kit.CheckpointerConfig` (the options
@@ -165,7 +166,20 @@ class LoopConfig:
                 "batch_policy='linear_lr': that policy keeps micro_batch_size per rank "
                 "and the global batch grows with the world size; drop global_batch_size "
                 "or use batch_policy='fixed_global'")
-        if not isinstance(self.batch_policy, BatchPolicy):
+        if isinstance(self.batch_policy, BatchPolicy):
+            # the instance's own sizes are the ones used: others given beside it would
+            # be ignored in silence
+            for name, default in (("global_batch_size", None), ("micro_batch_size", 32)):
+                given = getattr(self, name)
+                held = getattr(self.batch_policy, name, None)
+                if name == "micro_batch_size" and held is None:
+                    held = getattr(self.batch_policy, "batch_size", None)
+                if given != default and given != held:
+                    raise BatchPolicyError(
+                        f"LoopConfig.{name}={given!r} with batch_policy="
+                        f"{self.batch_policy!r}, which holds {name}={held!r} and is what "
+                        f"the loop uses: drop {name} or make the two agree")
+        else:
             # Fails early with a BatchPolicyError naming the missing/invalid value.
             make_policy(self.batch_policy, global_batch_size=self.global_batch_size,
                         micro_batch_size=self.micro_batch_size)

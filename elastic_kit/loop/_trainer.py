@@ -129,6 +129,14 @@ class ElasticLoop:
             raise TypeError(f"loss_fn={loss_fn!r} must be callable: (model, batch) -> losses")
         if state.optimizer is None:
             raise ValueError("TrainState.optimizer is None: the loop needs an optimizer")
+        if isinstance(state.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            # the loop calls scheduler.step() with no metric: torch's TypeError would
+            # come after a whole epoch of training, at every restart
+            raise TypeError(
+                "TrainState.scheduler is a ReduceLROnPlateau, which steps on a metric, and "
+                "the loop steps its scheduler without one: keep it in TrainState.extras "
+                "(saved and restored with the state) and call its step(metric) in "
+                "on_epoch_end")
         self.state = state
         self.dataset = dataset
         self.loss_fn = loss_fn

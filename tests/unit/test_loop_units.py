@@ -61,6 +61,36 @@ def test_loader_options_torch_refuses_are_refused_when_configured() -> None:
     assert (cfg.prefetch_factor, cfg.persistent_workers, cfg.collate_fn) == (2, True, list)
 
 
+def test_sizes_given_beside_a_policy_instance_must_agree_with_it() -> None:
+    # the instance's sizes are the ones used: others beside it were ignored in silence
+    with pytest.raises(BatchPolicyError, match=r"global_batch_size=12 with batch_policy="
+                                               r"LinearLRScaling.*holds global_batch_size"):
+        LoopConfig(global_batch_size=12, batch_policy=LinearLRScaling(4))
+    with pytest.raises(BatchPolicyError, match=r"global_batch_size=12 .*holds "
+                                               r"global_batch_size=8"):
+        LoopConfig(global_batch_size=12, batch_policy=FixedGlobalBatch(8, 2))
+    with pytest.raises(BatchPolicyError, match=r"micro_batch_size=4 .*holds "
+                                               r"micro_batch_size=2"):
+        LoopConfig(global_batch_size=8, micro_batch_size=4,
+                   batch_policy=FixedGlobalBatch(8, 2))
+    for same in (LoopConfig(batch_policy=FixedGlobalBatch(8, 2)),
+                 LoopConfig(global_batch_size=8, micro_batch_size=2,
+                            batch_policy=FixedGlobalBatch(8, 2)),
+                 LoopConfig(micro_batch_size=4, batch_policy=LinearLRScaling(4))):
+        assert same.policy() is same.batch_policy
+
+
+def test_a_plateau_scheduler_is_refused_before_any_training() -> None:
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = TrainState(model, opt, scheduler=torch.optim.lr_scheduler.ReduceLROnPlateau(opt))
+    data = TensorDataset(torch.zeros(8, 2), torch.zeros(8, 1))
+    with pytest.raises(TypeError, match=r"ReduceLROnPlateau, which steps on a metric.*"
+                                        r"TrainState.extras.*on_epoch_end"):
+        ElasticLoop(state, data, loss_fn=lambda m, b: m(b[0]).sum(),
+                    config=LoopConfig(global_batch_size=4))
+
+
 def test_termination_flag_is_set_by_sigterm_and_restores_handler() -> None:
     before = signal.getsignal(signal.SIGTERM)
     with TerminationFlag() as flag:
