@@ -61,8 +61,9 @@ class LoopConfig:
             optimizer step of its last step, before ``on_epoch_end``: a save of that
             step holds it) or ``"step"`` (after every optimizer step).
         clip_grad_norm: clip the gradient norm to this value before each step.
-        log_every: rank 0 logs step, epoch, loss, samples/s and ETA every this many
-            steps (0: never).
+        log_every: rank 0 logs step, epoch, its own loss (of its share of the batch,
+            so it changes with the world size; the epoch line's loss is every rank's),
+            samples/s and ETA every this many steps (0: never).
         progress_bar: tqdm bar on rank 0; ``None``: when stderr is a terminal.
         shuffle: / seed: passed to the sampler the loop creates; ``seed`` also seeds,
             per epoch, the generator the loader's workers take their seeds from.

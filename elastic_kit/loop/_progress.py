@@ -107,7 +107,7 @@ class ProgressReporter:
                                       sps=f"{self.samples_per_second:.1f}", refresh=False)
         if logs:
             lr_txt = f" lr {lr:.4g}" if lr is not None else ""
-            say(log, "step %d epoch %d loss %.4f%s %.1f samples/s (W=%d) eta %s",
+            say(log, "step %d epoch %d rank-0 loss %.4f%s %.1f samples/s (W=%d) eta %s",
                      step, epoch, float(loss), lr_txt, self.samples_per_second, world_size,
                      format_eta(self.eta()))
 

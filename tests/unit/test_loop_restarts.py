@@ -4,6 +4,8 @@ and a failing set-up leaves no hooks behind."""
 
 from __future__ import annotations
 
+import logging
+
 import dataclasses
 import signal
 from pathlib import Path
@@ -209,6 +211,18 @@ def test_throughput_is_recent_on_every_rank(enabled: bool,
         now[0] += dt
         rep.update(step=step, epoch=0, samples=10, loss=0.5, lr=None, world_size=2)
     assert rep.samples_per_second == pytest.approx(100.0)     # 20 samples in 0.2 s
+
+
+def test_the_step_line_says_its_loss_is_rank_0s(caplog: pytest.LogCaptureFixture) -> None:
+    """Rank 0's loss (of its share of the batch) changes with the world size on the same
+    trajectory: the line says whose it is, so it is not read as the global loss."""
+    from elastic_kit.loop import _progress
+
+    rep = _progress.ProgressReporter(enabled=True, log_every=1, total_samples=100,
+                                     progress_bar=False)
+    with caplog.at_level(logging.INFO, logger=_progress.log.name):
+        rep.update(step=1, epoch=0, samples=10, loss=0.25, lr=None, world_size=2)
+    assert "step 1 epoch 0 rank-0 loss 0.2500 " in caplog.text, caplog.text
 
 
 def test_linear_lr_refuses_a_fixed_global_batch_too() -> None:
