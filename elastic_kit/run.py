@@ -27,6 +27,10 @@ last round is back (or seen dead) and no other is waiting, instead of
 ``last_call_timeout`` after the minimum number of nodes joined (see
 :mod:`elastic_kit.health._rdzv_close`).
 
+The agent runs with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` unless it is set: scale-up
+on torch 2.13-2.14 needs it, and restarted gloo groups form reliably with it (see the
+README's Launching).
+
 The agent resumes (SIGCONT) its workers right before it sends them its death signal,
 so a stopped worker exits at once instead of after torch's 30 s grace (see
 :mod:`elastic_kit.health._stopped_workers`).
@@ -94,6 +98,9 @@ __all__ = ["LauncherOptions", "main", "parse_options", "run_script_path"]
 
 #: Imported into the agent whatever ``--preload`` says.
 DEFAULT_PRELOAD = ("torch._dynamo",)
+#: Set in the agent's environment unless it is set already: torch's agent then gives
+#: each worker group a store of its own instead of sharing its rendezvous store.
+OWN_GROUP_STORE = ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
 
 #: torch's switch for CUDA checks through NVML, which do not poison forks.
 FORK_SAFE_CUDA_CHECK = ("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
@@ -304,6 +311,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     """Import the preloads, shorten the rendezvous poll, then run torchrun's ``main``
     with the remaining arguments."""
     os.environ.setdefault(*FORK_SAFE_CUDA_CHECK)
+    # each worker group gets a store of its own: on torch 2.13-2.14 a shared one hangs
+    # scale-up and sometimes fails a restarted gloo group (see the README's Launching)
+    os.environ.setdefault(*OWN_GROUP_STORE)
     try:
         opts = parse_options(sys.argv[1:] if argv is None else argv)
         if opts.torchrun_argv[:1] in (["-h"], ["--help"]):

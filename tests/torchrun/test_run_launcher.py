@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -42,9 +43,9 @@ def test_a_bad_launcher_option_is_named(argv: list[str], message: str) -> None:
         parse_options(argv)
 
 
-def _launch(*argv: str) -> subprocess.CompletedProcess[str]:
+def _launch(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "elastic_kit.run", *argv],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=120, env=env)
 
 
 def test_a_module_that_does_not_import_exits_2_naming_it() -> None:
@@ -75,13 +76,16 @@ def test_the_agent_has_torch_dynamo_and_the_preloads_before_torchrun_runs(tmp_pa
     script = tmp_path / "probe.py"
     out_file = tmp_path / "modules.txt"
     script.write_text(
-        "import sys\n"
+        "import os, sys\n"
         f"open({str(out_file)!r}, 'w').write(' '.join(sorted(m for m in sys.modules "
-        "if m in ('torch._dynamo', 'csv'))))\n")
+        "if m in ('torch._dynamo', 'csv'))) + ' ' + "
+        "os.environ.get('TORCH_DISABLE_SHARE_RDZV_TCP_STORE', 'unset'))\n")
+    # and the agent's worker groups get stores of their own unless told otherwise
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}
     out = _launch("--preload", "csv", "--standalone", "--nproc-per-node=1",
-                  "--start-method=fork", "--run-path", str(script))
+                  "--start-method=fork", "--run-path", str(script), env=env)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out_file.read_text() == "csv torch._dynamo"
+    assert out_file.read_text() == "csv torch._dynamo 1"
 
 
 def test_the_agents_rendezvous_reads_its_state_at_the_chosen_poll(tmp_path) -> None:
