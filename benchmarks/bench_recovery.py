@@ -161,7 +161,7 @@ PAT = {
     "worker_up": re.compile(r"world size (\d+) \(restart (\d+)"),
     "restored": re.compile(r"restored checkpoint step (\d+)|no checkpoint to restore: "
                            r"starting at step (\d+)"),
-    "step": re.compile(r"\bstep (\d+) epoch (\d+) loss .*\(W=(\d+)\)"),
+    "step": re.compile(r"\bstep (\d+) epoch (\d+) rank-0 loss .*\(W=(\d+)\)"),
 }
 
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 from collections.abc import Callable
 import sys
 import warnings
-from dataclasses import InitVar, dataclass, field, replace
+from dataclasses import InitVar, dataclass, field, fields, replace
 from typing import Any
 
 from elastic_kit.checkpointer import AUDIT_MODES, CheckpointerConfig
 from elastic_kit.state import EpochAudit
 from elastic_kit.errors import BatchPolicyError
-from elastic_kit.loop._policy import BatchPolicy, make_policy
+from elastic_kit.loop._policy import BatchPolicy, FixedGlobalBatch, LinearLRScaling, make_policy
 
 __all__ = ["LoopConfig", "StepInfo", "EpochSummary"]
 
@@ -45,8 +45,9 @@ class LoopConfig:
         micro_batch_size: the most samples a rank feeds the model at once
             (``fixed_global``); the per-worker batch for ``linear_lr``.
         batch_policy: ``"fixed_global"`` (default), ``"linear_lr"`` or a
-            :class:`~elastic_kit.loop.BatchPolicy` instance, whose own sizes are used
-            (``global_batch_size`` and ``micro_batch_size`` left out, or the same).
+            :class:`~elastic_kit.loop.BatchPolicy` instance (a built-in one's own sizes
+            are used: ``global_batch_size`` and ``micro_batch_size`` left out, or the
+            same).
         max_steps: stop (after a checkpoint) once the global step reaches this.
         checkpoint: when and how to save, snapshot and stop: a
             :class:`~elastic_kit.CheckpointerConfig` (the options
@@ -168,22 +169,31 @@ class LoopConfig:
                 "and the global batch grows with the world size; drop global_batch_size "
                 "or use batch_policy='fixed_global'")
         if isinstance(self.batch_policy, BatchPolicy):
-            # the instance's own sizes are the ones used: others given beside it would
-            # be ignored in silence
-            for name, default in (("global_batch_size", None), ("micro_batch_size", 32)):
-                given = getattr(self, name)
-                held = getattr(self.batch_policy, name, None)
-                if name == "micro_batch_size" and held is None:
-                    held = getattr(self.batch_policy, "batch_size", None)
-                if given != default and given != held:
-                    raise BatchPolicyError(
-                        f"LoopConfig.{name}={given!r} with batch_policy="
-                        f"{self.batch_policy!r}, which holds {name}={held!r} and is what "
-                        f"the loop uses: drop {name} or make the two agree")
+            self._check_sizes_agree(self.batch_policy)
         else:
             # Fails early with a BatchPolicyError naming the missing/invalid value.
             make_policy(self.batch_policy, global_batch_size=self.global_batch_size,
                         micro_batch_size=self.micro_batch_size)
+
+    def _check_sizes_agree(self, policy: BatchPolicy) -> None:
+        """The sizes of a built-in policy instance are the ones used: sizes given beside
+        it that differ would be ignored in silence (a policy of the user's own may
+        read them as it likes)."""
+        held: dict[str, int | None] = {}
+        if isinstance(policy, FixedGlobalBatch):
+            held = {"global_batch_size": policy.global_batch_size,
+                    "micro_batch_size": policy.micro_batch_size}
+        elif isinstance(policy, LinearLRScaling):  # its global batch grows with W
+            held = {"global_batch_size": None,
+                    "micro_batch_size": policy.micro_batch_size or policy.batch_size}
+        defaults = {f.name: f.default for f in fields(self)}  # a size left there: not given
+        for name, value in held.items():
+            given = getattr(self, name)
+            if given != defaults[name] and given != value:
+                raise BatchPolicyError(
+                    f"LoopConfig.{name}={given!r} with batch_policy={policy!r}, whose "
+                    f"{name} is {value!r} and is what the loop uses: drop {name} or "
+                    "make the two agree")
 
     def policy(self) -> BatchPolicy:
         """The :class:`~elastic_kit.loop.BatchPolicy` these options describe."""

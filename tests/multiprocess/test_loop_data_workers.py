@@ -91,6 +91,6 @@ def test_progress_is_visible_without_configuring_logging() -> None:
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [ln for ln in done.stderr.splitlines() if ln.startswith("[elastic_kit]")]
-    assert any(ln.startswith("[elastic_kit] step 3 epoch 0 loss") for ln in lines), lines
+    assert any(ln.startswith("[elastic_kit] step 3 epoch 0 rank-0 loss") for ln in lines), lines
     assert any("epoch 0 done: 3 steps, 24 samples" in ln for ln in lines), lines
     assert any("sample audit: epoch 0: all 24 samples exactly once" in ln for ln in lines)

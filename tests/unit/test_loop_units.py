@@ -13,8 +13,8 @@ from torch.utils.data import TensorDataset
 
 from elastic_kit import CheckpointerConfig
 from elastic_kit.errors import BatchPolicyError
-from elastic_kit.loop import (ElasticLoop, FixedGlobalBatch, LinearLRScaling, LoopConfig,
-                              TerminationFlag, TrainState)
+from elastic_kit.loop import (BatchPlan, BatchPolicy, ElasticLoop, FixedGlobalBatch,
+                              LinearLRScaling, LoopConfig, TerminationFlag, TrainState)
 from tests.loop_data import AugmentedData, run_w1
 
 
@@ -64,13 +64,13 @@ def test_loader_options_torch_refuses_are_refused_when_configured() -> None:
 def test_sizes_given_beside_a_policy_instance_must_agree_with_it() -> None:
     # the instance's sizes are the ones used: others beside it were ignored in silence
     with pytest.raises(BatchPolicyError, match=r"global_batch_size=12 with batch_policy="
-                                               r"LinearLRScaling.*holds global_batch_size"):
+                                               r"LinearLRScaling.*whose global_batch_size"):
         LoopConfig(global_batch_size=12, batch_policy=LinearLRScaling(4))
-    with pytest.raises(BatchPolicyError, match=r"global_batch_size=12 .*holds "
-                                               r"global_batch_size=8"):
+    with pytest.raises(BatchPolicyError, match=r"global_batch_size=12 .*whose "
+                                               r"global_batch_size is 8"):
         LoopConfig(global_batch_size=12, batch_policy=FixedGlobalBatch(8, 2))
-    with pytest.raises(BatchPolicyError, match=r"micro_batch_size=4 .*holds "
-                                               r"micro_batch_size=2"):
+    with pytest.raises(BatchPolicyError, match=r"micro_batch_size=4 .*whose "
+                                               r"micro_batch_size is 2"):
         LoopConfig(global_batch_size=8, micro_batch_size=4,
                    batch_policy=FixedGlobalBatch(8, 2))
     for same in (LoopConfig(batch_policy=FixedGlobalBatch(8, 2)),
@@ -78,6 +78,17 @@ def test_sizes_given_beside_a_policy_instance_must_agree_with_it() -> None:
                             batch_policy=FixedGlobalBatch(8, 2)),
                  LoopConfig(micro_batch_size=4, batch_policy=LinearLRScaling(4))):
         assert same.policy() is same.batch_policy
+
+
+    class PerWorker(BatchPolicy):  # a policy of the user's own: the sizes beside it
+        name = "per_worker"        # are the user's business, not checked
+
+        def plan(self, world_size: int, initial_world_size: int) -> BatchPlan:
+            return BatchPlan(world_size, 4 * world_size, 4, 2, 1.0)
+
+    own = PerWorker()
+    assert LoopConfig(global_batch_size=48, micro_batch_size=8,
+                      batch_policy=own).policy() is own
 
 
 def test_a_plateau_scheduler_is_refused_before_any_training() -> None:
