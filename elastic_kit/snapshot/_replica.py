@@ -19,9 +19,9 @@ side channel that carries no collective and never blocks training:
 - :class:`ReplicaSender` (a daemon thread on each writer) is offered each committed
   snapshot directory; it streams the newest one offered (an older one still waiting
   is skipped): a header line (run, source node, step, file names and sizes), which
-  the receiver accepts (``go``) or refuses with a reason, then the files with
-  ``sendfile``, manifest last, then a trailer line with the HMAC of those bytes, and
-  waits for the receiver's ``ok``.
+  the receiver accepts (``go``) or refuses with a reason, then the files (read in
+  pieces, each fed to the HMAC as it is sent), manifest last, then a trailer line with
+  the HMAC of those bytes, and waits for the receiver's ``ok``.
 
 Both ends prove that they hold the group's token, which rank 0 draws when the group
 forms, without ever sending it (another local user can listen on a port a dead
@@ -47,7 +47,6 @@ import hmac
 import ipaddress
 import json
 import logging
-import mmap
 import os
 import re
 import secrets
@@ -467,8 +466,10 @@ class ReplicaReceiver:
         else:  # the trailer: no byte past its line is read
             data = st.sock.recv(_TRAILER_MAX + 1 - len(st.trailer))
         if not data:
-            name = st.names[st.index] if st.index < len(st.names) else "its trailer"
-            raise _Refused(f"stream ended with {st.left} bytes of {name} missing")
+            if st.index >= len(st.names):
+                raise _Refused("stream ended before its trailer")
+            raise _Refused(f"stream ended with {st.left} bytes of {st.names[st.index]} "
+                           "missing")
         self._consume(sel, st, data)
 
     def _consume(self, sel: selectors.BaseSelector, st: _Stream, data: bytes) -> None:
@@ -491,6 +492,8 @@ class ReplicaReceiver:
         end = st.trailer.find(b"\n")
         if end < 0 and len(st.trailer) <= _TRAILER_MAX:
             return
+        if end < 0:
+            raise _Refused(f"the stream's trailer is longer than {_TRAILER_MAX} bytes")
         if end != len(st.trailer) - 1:
             raise _Refused("the stream is longer than its header says")
         if not hmac.compare_digest(bytes(st.trailer[:end]),
@@ -629,28 +632,24 @@ def writer_addresses(hosts: list[str]) -> frozenset[str] | None:
     return frozenset(out)
 
 
-def _send_file(conn: socket.socket, f: Any, size: int, deadline: float, mac: Any) -> None:
-    """Send ``size`` bytes of the open file ``f`` by ``deadline``, in pieces, each
-    bounded by what is left of it, and feed them to ``mac`` (read from a mapping of
-    the file: the kernel sends them without a copy, the HMAC reads them once)."""
-    if size == 0:
-        return
+def _send_file(conn: socket.socket, f: Any, size: int, deadline: float, mac: Any,
+               buf: memoryview) -> None:
+    """Send ``size`` bytes of the open file ``f`` by ``deadline``, in pieces read into
+    ``buf``, each fed to ``mac`` as it goes (read, not mapped: a file cut short while
+    it streams is an error here, never a SIGBUS in the training process)."""
     offset = 0
-    with mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) as mapped:
-        view = memoryview(mapped)
-        try:
-            while offset < size:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"the peer took {size} bytes of {f.name} too slowly")
-                conn.settimeout(min(left, IO_TIMEOUT_S))
-                n = conn.sendfile(f, offset, min(_CHUNK * 16, size - offset))
-                if n <= 0:
-                    raise ConnectionError(f"sent {offset} of the {size} bytes of {f.name}")
-                mac.update(view[offset:offset + n])
-                offset += n
-        finally:
-            view.release()
+    while offset < size:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"the peer took {size} bytes of {f.name} too slowly")
+        n = os.preadv(f.fileno(), [buf[:min(len(buf), size - offset)]], offset)
+        if n <= 0:
+            raise ConnectionError(f"{f.name} ended after {offset} of its {size} bytes")
+        piece = buf[:n]
+        mac.update(piece)
+        conn.settimeout(min(left, IO_TIMEOUT_S))
+        conn.sendall(piece)
+        offset += n
 
 
 class ReplicaSender:
@@ -740,8 +739,9 @@ class ReplicaSender:
                     sum(sizes) + len(manifest_bytes)) / MIN_RATE
                 mac = content_mac(self.token, sender_nonce=header["nonce"],
                                   nonce=self._greeting)
+                buf = memoryview(bytearray(_CHUNK))
                 for f, size in zip(files, sizes):
-                    _send_file(conn, f, size, deadline, mac)
+                    _send_file(conn, f, size, deadline, mac, buf)
                 mac.update(manifest_bytes)
                 conn.settimeout(max(0.05, deadline - time.monotonic()))
                 conn.sendall(manifest_bytes + b"mac " + mac.hexdigest().encode() + b"\n")

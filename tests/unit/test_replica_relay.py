@@ -8,8 +8,10 @@ snapshot. Real sockets on loopback; the relay is a thread speaking the wire."""
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import threading
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -125,3 +127,41 @@ def test_bytes_changed_on_the_way_are_refused_and_the_older_replica_stays(
         assert torch.equal(loaded.state["w"], torch.full((5000,), 4.0))
     finally:
         r.close()
+
+
+def test_a_file_cut_short_while_it_streams_fails_the_stream_not_the_process(
+        tmp_path: Path) -> None:
+    """The sender reads each piece (a mapped file cut short would kill the training
+    process with SIGBUS when the HMAC read the missing pages)."""
+    from elastic_kit.snapshot._replica import _send_file, content_mac
+
+    path = tmp_path / "tensors"
+    path.write_bytes(bytes(range(256)) * 256)  # 64 KiB
+    near, far = socket.socketpair()
+    got = bytearray()
+    drain = threading.Thread(target=lambda: [got.extend(c) for c in iter(
+        lambda: far.recv(1 << 16), b"")], daemon=True)
+    drain.start()
+
+    class CutAfterFirstPiece:
+        def __init__(self) -> None:
+            self.pieces = 0
+
+        def settimeout(self, t: float) -> None:
+            near.settimeout(t)
+
+        def sendall(self, data: memoryview) -> None:
+            near.sendall(data)
+            self.pieces += 1
+            if self.pieces == 1:
+                os.truncate(path, 0)                     # cut short mid-stream
+
+    mac = content_mac(TOKEN, sender_nonce="s" * 32, nonce="r" * 32)
+    with open(path, "rb") as f, pytest.raises(ConnectionError,
+                                              match=r"ended after 4096 of its 65536 bytes"):
+        _send_file(CutAfterFirstPiece(), f, 65536, time.monotonic() + 30, mac,
+                   memoryview(bytearray(4096)))
+    near.close()
+    drain.join(timeout=30)
+    far.close()
+    assert bytes(got) == bytes(range(256)) * 16          # the piece sent before the cut
