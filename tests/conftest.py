@@ -89,6 +89,7 @@ def work_unit(root: str, nodeid: str) -> str:
     return path if _shares_a_fixture(root, path) else nodeid
 
 
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: absent without xdist (-p no:xdist)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     # scripts/test runs the suite on pytest-xdist workers (--dist loadgroup). A fixture
     # of module or session scope is computed once per worker that runs a test using
@@ -101,6 +102,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     from xdist.scheduler import LoadScopeScheduling
 
     root = str(config.rootpath)
+    config.option.loadscopereorder = False  # the units in collection order (see _ORDER)
 
     class _SharedFixturesTogether(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:

@@ -76,3 +76,13 @@ def test_i(i):
     workers = {line.split()[1] for line in log.read_text().splitlines()
                if line.startswith("plain")}
     assert len(workers) >= 2, workers                 # ungrouped tests still spread
+
+
+def test_the_suite_runs_without_xdist(pytester: pytest.Pytester) -> None:
+    """The scheduler hook is xdist's: a run without the plugin (``-p no:xdist``, or a
+    Python without it, as on the GPU machine) must not refuse it as unknown."""
+    pytester.makeconftest(CONFTEST)
+    pytester.makepyfile(test_one="def test_a(): pass\n")
+    result = pytester.runpytest_subprocess("-p", "no:xdist", "-p", "no:hypothesispytest",
+                                           "-p", "no:timeout", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1)
