@@ -303,10 +303,18 @@ def _warn_shared_agent_store(info: DistInfo) -> None:
     then sometimes fails to form, or hangs, on the dead group's addresses, and a
     joining node's round hangs on torch 2.13-2.14. The agents' environment decides
     it; the workers inherit it, so they can tell."""
-    if (os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or info.max_restarts == 0
-            # set, and shared all the same: a static rendezvous (--master-addr or
-            # --master-port without --rdzv-backend), which always shares its store
-            or os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") == "1"):
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or info.max_restarts == 0:
+        return
+    if os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") == "1":
+        # set (by the user, or by python -m elastic_kit.run), and shared all the same:
+        # a static rendezvous, which always shares its store
+        log.warning("torchrun shares its rendezvous store with the workers although "
+                    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: its static rendezvous "
+                    "(--master-addr/--master-port, or neither, without --rdzv-backend) "
+                    "always does; with --max-restarts=%d a restarted group may fail to "
+                    "form or hang on the previous group's addresses; launch with a "
+                    "rendezvous backend: --rdzv-backend=c10d (or --standalone on one "
+                    "node)", info.max_restarts)
         return
     log.warning("torchrun shares its rendezvous store with the workers "
                 "(TORCH_DISABLE_SHARE_RDZV_TCP_STORE is not 1 in the agents' environment): "

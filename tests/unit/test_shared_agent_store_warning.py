@@ -16,9 +16,9 @@ from elastic_kit.distributed import _warn_shared_agent_store
 @pytest.mark.parametrize("shared, restarts, disabled, warned", [
     ("True", 3, None, True), ("False", 3, "1", False), ("True", 0, None, False),
     (None, 3, None, False),
-    # a static rendezvous shares its store whatever the variable says: the advice to
-    # set it, given where it is set, could never be followed
-    ("True", 3, "1", False)])
+    # a static rendezvous shares its store whatever the variable says (and
+    # python -m elastic_kit.run sets it): the advice is a rendezvous backend
+    ("True", 3, "1", True), ("True", 0, "1", False)])
 def test_a_shared_agent_store_with_restarts_is_named_once(
         monkeypatch, caplog, shared: str | None, restarts: int, disabled: str | None,
         warned: bool) -> None:
@@ -37,3 +37,5 @@ def test_a_shared_agent_store_with_restarts_is_named_once(
     if warned:
         assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in said[0]
         assert "--max-restarts=3" in said[0]
+        if disabled == "1":  # the variable cannot help: the backend can
+            assert "static rendezvous" in said[0] and "--rdzv-backend=c10d" in said[0]
