@@ -22,6 +22,7 @@ The suite's in-memory snapshots go to a directory of its own (see
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shutil
@@ -62,20 +63,17 @@ def pytest_configure(config: pytest.Config) -> None:
 #: A fixture that one module's tests (or one directory's) share and that is computed
 #: once per xdist worker that runs one of them: some are whole torchrun runs.
 _SHARED_FIXTURE = re.compile(r"@pytest\.fixture\([^)]*scope=[\"'](module|session)[\"']")
-_SHARES: dict[str, bool] = {}
 
 
+@functools.cache  # once per module per run
 def _shares_a_fixture(root: str, path: str) -> bool:
     """Whether the test module ``path`` (relative to ``root``) defines a module- or
     session-scoped fixture of its own."""
-    where = os.path.join(root, path)
-    if where not in _SHARES:
-        try:
-            with open(where, encoding="utf-8") as f:
-                _SHARES[where] = _SHARED_FIXTURE.search(f.read()) is not None
-        except OSError:
-            _SHARES[where] = False
-    return _SHARES[where]
+    try:
+        with open(os.path.join(root, path), encoding="utf-8") as f:
+            return _SHARED_FIXTURE.search(f.read()) is not None
+    except OSError:
+        return False
 
 
 def work_unit(root: str, nodeid: str) -> str:
