@@ -147,6 +147,7 @@ class _Refused(Exception):
 #: as the other, nor a stream's bytes as either).
 _SENDER_MAC, _RECEIVER_MAC = b"elastic_kit replica header\n", b"elastic_kit replica go\n"
 _CONTENT_MAC = b"elastic_kit replica bytes\n"
+_COMMITTED_MAC = b"elastic_kit replica committed\n"
 #: The line that ends a stream, after its last file: ``mac <HMAC of its bytes>``.
 _TRAILER_MAX = 80
 
@@ -172,6 +173,13 @@ def receiver_proof(token: str, *, sender_nonce: str, nonce: str) -> str:
     """The HMAC a receiver's ``go`` carries: it holds the token (for the sender's
     nonce in its header, and the receiver's own greeting ``nonce``)."""
     return _mac(token, _RECEIVER_MAC, sender_nonce.encode(), nonce.encode())
+
+
+def committed_proof(token: str, *, sender_nonce: str, nonce: str, step: int) -> str:
+    """The HMAC a receiver's final ``ok`` carries: it committed this stream's ``step``
+    (so that nobody on the path can make a sender count a refused stream as sent)."""
+    return _mac(token, _COMMITTED_MAC, sender_nonce.encode(), nonce.encode(),
+                str(step).encode())
 
 
 def content_mac(token: str, *, sender_nonce: str, nonce: str) -> Any:
@@ -250,6 +258,7 @@ class _Stream:
         self.fd: int | None = None
         self.tmp: str | None = None
         self.mac: Any = None  # the HMAC of the files' bytes, fed as they arrive
+        self.sender_nonce = ""  # the accepted header's
         self.trailer = bytearray()  # the line after the last file
 
 
@@ -440,6 +449,7 @@ class ReplicaReceiver:
         st.deadline = time.monotonic() + PROGRESS_TIMEOUT_S
         proof = receiver_proof(self.token, sender_nonce=header["nonce"], nonce=st.nonce)
         st.mac = content_mac(self.token, sender_nonce=header["nonce"], nonce=st.nonce)
+        st.sender_nonce = header["nonce"]
         # the header is accepted: the sender checks the proof, then streams the files
         st.sock.sendall(f"go {proof}\n".encode())
         st.index, st.left = -1, 0
@@ -527,7 +537,9 @@ class ReplicaReceiver:
         self._drop_older(st.source, st.step)
         _note(self.received, (st.source, st.step))
         log.debug("replica of node %s step %d committed in %s", st.source, st.step, target)
-        self._close(sel, st, b"ok\n")
+        done = committed_proof(self.token, sender_nonce=st.sender_nonce, nonce=st.nonce,
+                               step=st.step)
+        self._close(sel, st, f"ok {done}\n".encode())
 
     def _close(self, sel: selectors.BaseSelector, st: _Stream, reply: bytes | None) -> None:
         if st in self._streams:
@@ -749,8 +761,14 @@ class ReplicaSender:
         finally:
             for f in files:
                 f.close()
-        if reply != "ok":
+        ok, _, done = reply.partition(" ")
+        if ok != "ok":
             raise RuntimeError(f"the peer refused the replica: {reply}")
+        if not hmac.compare_digest(done.encode(), committed_proof(
+                self.token, sender_nonce=header["nonce"], nonce=self._greeting,
+                step=step).encode()):
+            raise RuntimeError("the peer's answer that it committed the replica does not "
+                               "prove the group's token: not counted as sent")
         _note(self.sent, step)
         log.debug("snapshot step %d replicated to %s:%d", step, *self.peer)
 

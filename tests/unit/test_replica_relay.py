@@ -35,15 +35,17 @@ def _snapshot(root: Path, step: int, value: float) -> Path:
 class _Relay:
     """Listens where the sender connects; passes the greeting, the header and the
     ``go`` on unchanged between the sender and ``target``, then the rest through
-    ``change`` (sender to receiver) and the replies back. ``seen``: every byte the
-    sender sent after its header."""
+    ``change`` (sender to receiver) and the receiver's last answer back through
+    ``answer``. ``seen``: every byte the sender sent after its header; ``answered``:
+    the receiver's last answer as it came."""
 
-    def __init__(self, target: tuple[str, int], change: Callable[[bytes], bytes]) -> None:
+    def __init__(self, target: tuple[str, int], change: Callable[[bytes], bytes],
+                 answer: Callable[[bytes], bytes] = lambda line: line) -> None:
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.sock.listen(1)
-        self.target, self.change = target, change
-        self.seen = b""
+        self.target, self.change, self.answer = target, change, answer
+        self.seen = self.answered = b""
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()
 
@@ -65,7 +67,8 @@ class _Relay:
                 body += chunk
             self.seen = body
             rcv.sendall(self.change(body))
-            snd.sendall(read_line(rcv) + b"\n")
+            self.answered = read_line(rcv)
+            snd.sendall(self.answer(self.answered) + b"\n")
 
     def close(self) -> None:
         self.thread.join(timeout=60)
@@ -73,8 +76,10 @@ class _Relay:
 
 
 def _stream_through(relay_to: ReplicaReceiver, to: str, src: Path, step: int,
-                    change: Callable[[bytes], bytes]) -> tuple[ReplicaSender, _Relay]:
-    relay = _Relay((relay_to.host, relay_to.port), change)
+                    change: Callable[[bytes], bytes],
+                    answer: Callable[[bytes], bytes] = lambda line: line,
+                    ) -> tuple[ReplicaSender, _Relay]:
+    relay = _Relay((relay_to.host, relay_to.port), change, answer)
     sender = ReplicaSender(relay.sock.getsockname(), to=to, source="nodeC", run=RUN,
                            token=TOKEN)
     try:
@@ -111,13 +116,9 @@ def test_bytes_changed_on_the_way_are_refused_and_the_older_replica_stays(
                                        lambda b: b)
         assert first.sent == [4] and r.received == [("nodeC", 4)]
 
-        def flip(body: bytes) -> bytes:                  # one bit of the tensor's bytes
-            i = body.index(torch.full((1,), 7.0).numpy().tobytes() * 4)
-            return body[:i] + bytes([body[i] ^ 1]) + body[i + 1:]
-
         with caplog.at_level(logging.DEBUG, logger="elastic_kit.snapshot._replica"):
             second, relay = _stream_through(r, r.ident, _snapshot(tmp_path / "own", 7, 7.0),
-                                            7, flip)
+                                            7, _flip_a_bit(7.0))
         assert relay.seen                                # the stream did go through it
         assert second.sent == [] and r.received == [("nodeC", 4)]
         assert "changed on the way" in caplog.text
@@ -125,6 +126,37 @@ def test_bytes_changed_on_the_way_are_refused_and_the_older_replica_stays(
         loaded = CheckpointStore(str(Path(r.dir, "nodeC"))).load()
         assert loaded is not None and loaded.step == 4
         assert torch.equal(loaded.state["w"], torch.full((5000,), 4.0))
+    finally:
+        r.close()
+
+
+def _flip_a_bit(value: float) -> Callable[[bytes], bytes]:
+    def flip(body: bytes) -> bytes:                      # one bit of the tensor's bytes
+        i = body.index(torch.full((1,), value).numpy().tobytes() * 4)
+        return body[:i] + bytes([body[i] ^ 1]) + body[i + 1:]
+    return flip
+
+
+def test_a_refused_stream_is_not_counted_as_sent_whatever_the_path_answers(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The receiver's final ``ok`` proves the token for this stream: someone on the
+    path who changed the bytes cannot then tell the sender it was committed, neither
+    with a bare ``ok`` nor with the receiver's ``ok`` of an earlier stream."""
+    r = ReplicaReceiver(str(tmp_path / "nodeA"), run=RUN, token=TOKEN, host="127.0.0.1")
+    try:
+        first, relay = _stream_through(r, r.ident, _snapshot(tmp_path / "own", 4, 4.0), 4,
+                                       lambda b: b)
+        assert first.sent == [4] and relay.answered.startswith(b"ok ")
+        earlier_ok = relay.answered
+        for step, forged in ((7, b"ok"), (8, earlier_ok)):
+            caplog.clear()
+            with caplog.at_level(logging.DEBUG, logger="elastic_kit.snapshot._replica"):
+                sender, relay = _stream_through(
+                    r, r.ident, _snapshot(tmp_path / "own", step, float(step)), step,
+                    _flip_a_bit(float(step)), lambda line, forged=forged: forged)
+            assert relay.answered.startswith(b"error: "), relay.answered
+            assert sender.sent == [] and r.received == [("nodeC", 4)]
+            assert "does not prove the group's token: not counted as sent" in caplog.text
     finally:
         r.close()
 
