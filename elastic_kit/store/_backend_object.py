@@ -209,6 +209,8 @@ class ObjectBackend:
             raise
         manifest = seal(name, entry)
         self._put_manifest(directory, manifest)
+        if replacing:
+            self._check_not_deleted(directory, manifest)
         return manifest
 
     def _put_manifest(self, directory: str, manifest: Manifest) -> None:
@@ -218,6 +220,34 @@ class ObjectBackend:
             self.fs.pipe_file(path, manifest.to_json().encode("utf-8"))
         except Exception as e:
             raise_named(e, path)
+
+    def _check_not_deleted(self, directory: str, manifest: Manifest) -> None:
+        """After a re-save's manifest PUT: every file it names is still there.
+
+        A re-save replaces a committed step, which a prune (of this or another
+        process) may delete meanwhile: the PUT would then land on its own, a manifest
+        naming files that are gone, and the save would report success. Here the
+        manifest just put is removed again (when it is still this save's) and the save
+        fails, as its rename into the deleted step does on a local disk."""
+        try:
+            self.fs.invalidate_cache(directory)
+        except Exception:  # pragma: no cover - not every filesystem caches
+            pass
+        gone = [n for n in manifest.files if not self.fs.exists(join(directory, n))]
+        if not gone:
+            return
+        path = join(directory, MANIFEST_NAME)
+        mine = manifest.to_json().encode("utf-8")
+        try:
+            if bytes(self.fs.cat_file(path)) == mine:
+                self.fs.rm_file(path)
+        except FileNotFoundError:
+            pass
+        raise FileNotFoundError(
+            errno.ENOENT, f"checkpoint url={self.url!r}: {directory} was deleted while "
+            f"this save replaced it (a prune or another process's retention removed the "
+            f"step between the upload and the manifest's PUT; {gone[0]} is gone): the "
+            f"save did not land", path)
 
     # ------------------------------------------------------------------ many writers
     def begin_parts(self, directory: str, *, replacing: bool) -> str:
@@ -252,6 +282,8 @@ class ObjectBackend:
                      replacing: bool) -> None:
         """The manifest PUT, after every part's upload completed."""
         self._put_manifest(directory, manifest)
+        if replacing:
+            self._check_not_deleted(directory, manifest)
 
     def abort_parts(self, staging: str, names: list[str], *, replacing: bool) -> None:
         for n in names:
