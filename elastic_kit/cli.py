@@ -181,6 +181,18 @@ def _url_of(store: Any, path: str) -> str:
     return path if _is_local(store) else store.fs.unstrip_protocol(path)
 
 
+def _without_path(problem: str, path: str) -> str:
+    """``problem`` without the step's path it starts with (``<path>: ...`` or
+    ``<path>/<file>: ...``), which the row shows already. Cut after the path, not at
+    the first ``": "``: a store's path may hold one."""
+    if not problem.startswith(path):
+        return problem
+    rest = problem[len(path):]
+    if rest.startswith("/"):
+        rest = rest.partition(": ")[2] or rest
+    return rest[2:] if rest.startswith(": ") else rest
+
+
 def _cmd_ls(store: Any, args: argparse.Namespace) -> int:
     infos = {i.step: i for i in store.list()}
     rows = []
@@ -190,7 +202,7 @@ def _cmd_ls(store: Any, args: argparse.Namespace) -> int:
                      "size_bytes": i.size_bytes if i else None,
                      "time": i.time if i else None, "epoch": i.epoch if i else None,
                      "status": "ok" if problem is None else
-                     "INVALID: " + problem.split(": ", 1)[-1]})
+                     "INVALID: " + _without_path(problem, path)})
     if _printed_as_json_or_none(rows, args.json, f"no checkpoints in {store.url}"):
         return EXIT_OK
     _say(f"{'STEP':>12}  {'SIZE':>10}  {'EPOCH':>5}  {'TIME':<23}  STATUS")

@@ -52,6 +52,27 @@ def test_ls_json_flags_an_incomplete_checkpoint(store_url, capsys):
     assert status[20].startswith("INVALID") and "manifest.json is missing" in status[20]
 
 
+@pytest.mark.parametrize("damage", ["no manifest", "short payload"])
+def test_ls_status_is_the_problem_alone_when_the_path_holds_a_colon(tmp_path, capsys, damage):
+    import os
+
+    url = str(tmp_path / "run: x")
+    store = CheckpointStore(url, keep_last=None)
+    store.save({"w": torch.ones(1000)}, step=1)
+    store.close()
+    if damage == "no manifest":
+        os.remove(f"{url}/step-{1:012d}/manifest.json")
+    else:
+        os.truncate(f"{url}/step-{1:012d}/{PAYLOAD_NAME}", 10)
+    assert main(["ls", url, "--json"]) == EXIT_OK
+    (row,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    problem = [p for _, _, p in CheckpointStore(url).verify(deep=False)][0]
+    assert problem is not None and row["status"].startswith("INVALID: ")
+    assert "x/step-" not in row["status"] and row["status"][9:] in problem
+    if damage == "no manifest":
+        assert row["status"].startswith("INVALID: manifest.json is missing")
+
+
 def test_verify_exit_0_when_intact_and_1_when_a_checkpoint_is_corrupt(store_url, capsys):
     assert main(["verify", store_url]) == EXIT_OK
     assert "3 ok, 0 corrupt" in capsys.readouterr().out
