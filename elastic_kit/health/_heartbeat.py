@@ -137,7 +137,7 @@ class Heartbeat:
         self.rank, self.watch, self.token, self.label = rank, watch, token, label
         self.timeout_s = float(timeout_s)
         self.interval_s = float(interval_s or min(DEFAULT_INTERVAL_S, self.timeout_s / 10))
-        self.on_silent = on_silent or exit_for_silence
+        self.on_silent = on_silent or self._exit_for_silence
         self.listener = socket.create_server((host or side_channel_host(), 0),
                                              backlog=_BACKLOG)
         self.listener.setblocking(False)
@@ -348,6 +348,9 @@ class Heartbeat:
             _drop(sel, sock)
         return ok
 
+    def _exit_for_silence(self, rank: int, seconds: float) -> None:
+        exit_for_silence(rank, seconds, connection_lost=self.lost_connection)
+
     def _read_beats(self, sel: selectors.BaseSelector, sock: socket.socket) -> bool:
         """Read what the watched peer sent; False once its connection is over."""
         try:
@@ -394,13 +397,24 @@ def _drop(sel: selectors.BaseSelector, sock: socket.socket) -> None:
         pass
 
 
-def exit_for_silence(rank: int, seconds: float) -> None:
+def exit_for_silence(rank: int, seconds: float, *, connection_lost: bool = False) -> None:
     """Log that rank ``rank`` was silent for ``seconds`` and end this process with
     :data:`SILENT_PEER_EXIT_CODE` at once (``os._exit``: no exit handlers, no
-    waiting for other threads). The heartbeat's default action on a silent peer."""
-    log.error("no heartbeat from rank %d for %.1f s: its host is frozen or unreachable; "
-              "exiting (status %d) so torchrun re-forms the group without it",
-              rank, seconds, SILENT_PEER_EXIT_CODE)
+    waiting for other threads). The heartbeat's default action on a silent peer.
+
+    ``connection_lost``: the silence began when the peer's connection ended without
+    a goodbye, which says its process ended (a crash, or its own exit for a silent
+    peer of its own), not that its host froze: the message says so, so that one
+    frozen host is not blamed as two."""
+    if connection_lost:
+        log.error("rank %d's heartbeat connection ended without a goodbye %.1f s ago "
+                  "(its process ended) and it did not come back; exiting (status %d) so "
+                  "torchrun re-forms the group without it",
+                  rank, seconds, SILENT_PEER_EXIT_CODE)
+    else:
+        log.error("no heartbeat from rank %d for %.1f s: its host is frozen or "
+                  "unreachable; exiting (status %d) so torchrun re-forms the group "
+                  "without it", rank, seconds, SILENT_PEER_EXIT_CODE)
     # The main thread sits in a collective the silent host never joins: only leaving
     # the process ends it (torchrun's SIGTERM would not run Python's handler there).
     exit_now(SILENT_PEER_EXIT_CODE)

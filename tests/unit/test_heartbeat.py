@@ -170,6 +170,38 @@ def test_a_connection_that_ends_without_goodbye_is_silence_from_its_end() -> Non
         watcher.close()
 
 
+@pytest.mark.parametrize("ended", [True, False], ids=["connection-ended", "silent"])
+def test_the_default_exit_says_whether_the_peer_ended_or_went_silent(
+        ended: bool, monkeypatch: pytest.MonkeyPatch, caplog: Any) -> None:
+    """A peer that exited (for a frozen host of its own, say) ends its connection
+    without a goodbye: the exit names that, not a frozen host (one frozen node of a
+    ring was blamed as two)."""
+    import elastic_kit.health._heartbeat as heartbeat
+
+    exits: list[int] = []
+    exited = threading.Event()
+    monkeypatch.setattr(heartbeat, "exit_now", lambda code: (exits.append(code),
+                                                             exited.set()))
+    watcher = Heartbeat(rank=1, send_to=None, watch=0, token=TOKEN, label=LABEL,
+                        timeout_s=0.4, interval_s=0.02, host="127.0.0.1")
+    with caplog.at_level(logging.ERROR, logger="elastic_kit.health._heartbeat"):
+        watcher.start()
+        try:
+            with _authenticated(watcher, b"."):
+                if not ended:
+                    assert exited.wait(10.0)
+            assert exited.wait(10.0)
+        finally:
+            watcher.close()
+    assert exits == [heartbeat.SILENT_PEER_EXIT_CODE]
+    (said,) = [r.getMessage() for r in caplog.records]
+    if ended:
+        assert said.startswith("rank 0's heartbeat connection ended without a goodbye")
+        assert "frozen" not in said
+    else:
+        assert said.startswith("no heartbeat from rank 0 for") and "frozen" in said
+
+
 @pytest.mark.parametrize("hello", [
     lambda nonce: _hello(0, 1, nonce, token=b"w" * 32),   # another group's token
     lambda nonce: _hello(2, 1, nonce),                    # not the watched rank
