@@ -416,8 +416,11 @@ class Lifecycle:
         if self.info.is_main:
             got = self._hooks.stop.received  # None: a request, or another rank's signal
             # torchrun's agent passes SIGINT and SIGHUP on as it ends the whole job
+            # a SIGTERM does not say which: torchrun restarting the group (a peer
+            # failed, a node joins) or torchrun itself stopped (the job ends)
             then = ("the job ends" if got in (signal.SIGINT, signal.SIGHUP)
-                    else "torchrun restarts the group")
+                    else "torchrun restarts the group (or, if the job is ending, a "
+                    "relaunch resumes there)")
             say(log, "%s: %s; exiting with status %d so %s",
                 signal.Signals(got).name if got is not None else "stop", saved,
                 self.exit_code, then)

@@ -285,3 +285,15 @@ def test_a_stop_without_a_store_does_not_say_it_saved(caplog: Any) -> None:
         _run(None, stop_at=2)
     assert "checkpoint step" not in caplog.text
     assert "stop: no store: step 2 not saved; exiting with status 143" in caplog.text
+
+
+
+def test_a_stop_does_not_promise_a_restart(caplog: Any, tmp_path: Any) -> None:
+    """A SIGTERM comes as well from a torchrun that is ending the job (it was stopped
+    itself, or has no restart left): the line says what happens then too."""
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="elastic_kit"), pytest.raises(SystemExit):
+        _run(str(tmp_path / "ckpt"), stop_at=2)
+    assert ("stop: checkpoint step 2 saved; exiting with status 143 so torchrun restarts "
+            "the group (or, if the job is ending, a relaunch resumes there)") in caplog.text
