@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from elastic_kit.testing import LocalCluster, wait_for
+from tests.fork_launch import FORK_LAUNCH
 from tests.snapshot_tree import left_in, replica_step_dirs
 
 pytestmark = pytest.mark.integration
@@ -85,7 +86,8 @@ def test_worker_sigkilled_resumes_from_its_shards_with_identical_weights(
     ref_report, ref_state = reference
     ckpt = tmp_path / "killed" / "ckpt"
     with LocalCluster(script_args(tmp_path, "killed"), nnodes="1", nproc_per_node=2,
-                      max_restarts=1, env=ENV, log_dir=tmp_path / "logs") as cluster:
+                      max_restarts=1, env=ENV, log_dir=tmp_path / "logs",
+                      **FORK_LAUNCH) as cluster:
         agent = cluster.add_agent()
         try:
             wait_for(lambda: 8 in manifests(ckpt), EVENT_TIMEOUT, interval=0.02,
@@ -120,7 +122,8 @@ def test_resized_2_to_3_to_1_reshards_and_trains_every_sample_once(
     with LocalCluster(script_args(tmp_path, "elastic", every=3), nnodes="1:3",
                       nproc_per_node=1, max_restarts=4, env=ENV, log_dir=tmp_path / "logs",
                       rdzv_conf="last_call_timeout=4,join_timeout=60,"
-                                "keep_alive_interval=1,keep_alive_max_attempt=3") as cluster:
+                                "keep_alive_interval=1,keep_alive_max_attempt=3",
+                      **FORK_LAUNCH) as cluster:
         cluster.add_agent()  # hosts the c10d store: never killed
         cluster.add_agent()
 
@@ -187,7 +190,8 @@ def test_node_sigkilled_resumes_from_memory_at_the_new_world_size(
     with LocalCluster(args, nnodes="1:2", nproc_per_node=1, max_restarts=2, env=env,
                       log_dir=tmp_path / "logs",
                       rdzv_conf="last_call_timeout=4,join_timeout=60,"
-                                "keep_alive_interval=1,keep_alive_max_attempt=3") as cluster:
+                                "keep_alive_interval=1,keep_alive_max_attempt=3",
+                      **FORK_LAUNCH) as cluster:
         survivor = cluster.add_agent()  # hosts the c10d store: never killed
         lost = cluster.add_agent()
 

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from elastic_kit.testing import LocalCluster, wait_for
+from tests.fork_launch import FORK_LAUNCH
 
 pytestmark = pytest.mark.integration
 
@@ -74,7 +75,8 @@ def test_worker_sigkilled_mid_epoch_resumes_there_with_identical_weights(tmp_pat
 
     ckpt, summary = tmp_path / "ckpt", tmp_path / "killed.json"
     with LocalCluster(script_args(ckpt, summary), nnodes="1", nproc_per_node=world,
-                      max_restarts=1, env=env, log_dir=tmp_path / "logs") as cluster:
+                      max_restarts=1, env=env, log_dir=tmp_path / "logs",
+                      **FORK_LAUNCH) as cluster:
         agent = cluster.add_agent()
         try:
             wait_for(lambda: 6 in manifests(ckpt), EVENT_TIMEOUT, interval=0.02,
@@ -110,7 +112,8 @@ def test_resized_2_to_3_to_2_trains_every_sample_of_every_epoch_once(tmp_path: P
     with LocalCluster(script_args(ckpt, summary, every=2), nnodes="2:3", nproc_per_node=1,
                       max_restarts=3, env={"OMP_NUM_THREADS": "1"}, log_dir=tmp_path / "logs",
                       rdzv_conf="last_call_timeout=1,join_timeout=60,"
-                                "keep_alive_interval=1,keep_alive_max_attempt=3") as cluster:
+                                "keep_alive_interval=1,keep_alive_max_attempt=3",
+                      **FORK_LAUNCH) as cluster:
         cluster.add_agent()  # hosts the c10d store: never killed
         cluster.add_agent()
 

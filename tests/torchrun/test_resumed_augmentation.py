@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from elastic_kit.testing import LocalCluster, make_imagefolder, wait_for
+from tests.fork_launch import FORK_LAUNCH
 from tests.torchrun.scenarios.harness import committed_steps
 
 pytestmark = pytest.mark.integration
@@ -37,7 +38,8 @@ def _run(data: Path, tmp: Path, name: str, *, kill: bool) -> dict[str, Any]:
             "--lr", "0.05", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "3",
             "--snapshot-every", "0", "--summary-json", str(summary)]
     with LocalCluster(args, nnodes="1", nproc_per_node=WORLD, max_restarts=1 if kill else 0,
-                      env={"OMP_NUM_THREADS": "1"}, log_dir=tmp / f"{name}-logs") as cluster:
+                      env={"OMP_NUM_THREADS": "1"}, log_dir=tmp / f"{name}-logs",
+                      **(FORK_LAUNCH if kill else {})) as cluster:
         agent = cluster.add_agent()
         if kill:
             try:

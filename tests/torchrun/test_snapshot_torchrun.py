@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from elastic_kit.testing import EtcdServer, LocalCluster, wait_for
+from tests.fork_launch import FORK_LAUNCH
 from tests.snapshot_tree import left_in, replica_step_dirs
 
 pytestmark = pytest.mark.integration
@@ -72,7 +73,7 @@ def test_worker_killed_at_a_random_moment_loses_at_most_one_step(
     rng = random.Random(7)
     with LocalCluster(script_args(tmp_path, "run", snapshot_every), nnodes="1",
                       nproc_per_node=2, max_restarts=1, env=env,
-                      log_dir=tmp_path / "logs") as cluster:
+                      log_dir=tmp_path / "logs", **FORK_LAUNCH) as cluster:
         agent = cluster.add_agent()
         kill_after = rng.randint(4, 12)
         wait_for(lambda: last_step_of_epoch_0(cluster.logs()) >= kill_after, 120,
@@ -106,7 +107,7 @@ def test_etcd_worker_kill_then_loss_of_rank_0_node_each_cost_at_most_one_step(
     with EtcdServer(log_path=tmp_path / "etcd.log") as etcd, LocalCluster(
             script_args(tmp_path, "run", 1), nnodes="1:2", nproc_per_node=1, max_restarts=3,
             rdzv_backend="etcd-v2", rdzv_endpoint=etcd.endpoint, env=env,
-            log_dir=tmp_path / "logs") as cluster:
+            log_dir=tmp_path / "logs", **FORK_LAUNCH) as cluster:
         agents = [cluster.add_agent(), cluster.add_agent()]
 
         def groups_of_two() -> int:
