@@ -42,6 +42,9 @@ from typing import Any, SupportsIndex
 import torch
 from torch.utils.data import DistributedSampler
 
+from elastic_kit._checks import check_bool as _check_bool
+from elastic_kit._checks import check_int as _check_int
+from elastic_kit._checks import is_bool as _is_bool
 from elastic_kit.distributed import get_dist_info
 from elastic_kit.errors import CheckpointMismatchError
 
@@ -61,41 +64,6 @@ def _epoch_seed(seed: int, epoch: int) -> int:
     """
     digest = hashlib.blake2b(f"elastic_kit.sampler:{seed}:{epoch}".encode(), digest_size=8)
     return int.from_bytes(digest.digest(), "little")
-
-
-def _is_bool(value: Any) -> bool:
-    """True for ``bool`` and for one-element numpy / torch booleans (not ``bool`` subclasses)."""
-    if isinstance(value, bool):
-        return True
-    if str(getattr(value, "dtype", None)) not in ("bool", "torch.bool"):
-        return False
-    return (value.numel() if isinstance(value, torch.Tensor) else getattr(value, "size", 1)) == 1
-
-
-def _check_int(name: str, value: Any) -> int:
-    """``value`` as a Python int; numpy and torch integer scalars are accepted.
-
-    Scripts pass epochs and world sizes that came out of numpy or tensors, so anything
-    ``operator.index`` takes is an int here. ``bool`` is an int subclass, but
-    ``rank=True`` is always a mistake; a float is refused rather than truncated.
-    """
-    if _is_bool(value):
-        raise TypeError(f"{name}={value!r}: expected an int, got a bool")
-    try:
-        return operator.index(value)
-    except TypeError:
-        pass
-    raise TypeError(
-        f"{name}={value!r}: expected an int (numpy and torch integer scalars are "
-        f"accepted), got {type(value).__name__}"
-    )
-
-
-def _check_bool(name: str, value: Any, hint: str = "") -> bool:
-    """``value`` as a Python bool; numpy and torch booleans are accepted."""
-    if _is_bool(value):
-        return bool(value)
-    raise TypeError(f"{name}={value!r}: expected a bool, got {type(value).__name__}{hint}")
 
 
 def _state_int(key: str, value: Any) -> int:

@@ -9,8 +9,9 @@ with ``snapshot`` above ``store`` (snapshots are kept in the store's format) and
 ``state`` above ``store`` too (TrainState checks its extras with the store's one
 validator, so what it builds is what the store saves). The root
 package's own modules (``__init__``, ``cli``, ``run``, ``__main__``) and ``testing``
-sit above everything; ``_version``, ``_console``, ``_env`` and ``_agent`` (which
-process is a torchrun agent) below everything.
+sit above everything; ``_version``, ``_console``, ``_env``, ``_agent`` (which
+process is a torchrun agent) and ``_checks`` (the shared argument checks) below
+everything.
 """
 
 from __future__ import annotations
@@ -41,8 +42,9 @@ ALLOWED: dict[str, frozenset[str]] = {
     "_console": frozenset(),
     "_env": frozenset(),
     "_agent": frozenset(),
+    "_checks": frozenset(),
 }
-BASE = frozenset({"_version", "_console", "_env", "_agent"})
+BASE = frozenset({"_version", "_console", "_env", "_agent", "_checks"})
 TOP = frozenset({"__init__", "__main__", "cli", "run", "testing"})
 
 
