@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from elastic_kit._checks import type_error
 from elastic_kit._collectives import (
     EXIT_SETTLE_S, all_gather_object, all_reduce_, all_reduce_max, all_reduce_sum, all_reduce_sum_async, barrier,
     broadcast_object, broadcast_tensors, collective_device, exchange_tensors, group_id,
@@ -237,9 +238,11 @@ def init_distributed(
         waits, at most :data:`EXIT_SETTLE_S`, for the backend's threads to go idle.
 
     Raises:
-        ValueError: an unknown backend, or ``backend="nccl"`` without a CUDA device
-            for every local rank (rather than NCCL's "invalid usage" at the first
-            collective).
+        TypeError: ``timeout`` is not a :class:`datetime.timedelta` (a number of
+            seconds would otherwise reach torch only once a process group is made).
+        ValueError: ``timeout`` is not positive, an unknown backend, or
+            ``backend="nccl"`` without a CUDA device for every local rank (rather
+            than NCCL's "invalid usage" at the first collective).
 
     .. warning:: ``LOCAL_WORLD_SIZE`` counts the ranks of one torchrun agent. Several
         agents on one host (a test cluster) must each see their own devices
@@ -252,6 +255,16 @@ def init_distributed(
         if info.is_main:
             print("training on", info.world_size, "workers")
     """
+    # checked before anything else: a run alone (no process group) never hands the
+    # timeout to torch, so a wrong one would pass until the job runs on two nodes
+    if not isinstance(timeout, timedelta):
+        raise type_error("timeout", timeout, "a datetime.timedelta, e.g. "
+                                             "timedelta(minutes=5)")
+    if timeout <= timedelta(0):
+        raise ValueError(f"timeout={timeout.total_seconds():g} s: expected a positive "
+                         f"datetime.timedelta")
+    if backend is not None and not isinstance(backend, str):
+        raise type_error("backend", backend, "None or one of 'nccl', 'gloo', 'mpi', 'ucc'")
     if backend is not None and backend not in ("nccl", "gloo", "mpi", "ucc"):
         raise ValueError(f"backend={backend!r} is not one of 'nccl', 'gloo', 'mpi', 'ucc'")
     if is_dist_ready():
