@@ -7,11 +7,9 @@ option has one name, one default and one validator.
 
 from __future__ import annotations
 
-import math
-import numbers
-import operator
 from dataclasses import dataclass
 
+from elastic_kit._checks import check_int, check_number, type_error
 from elastic_kit.health import DEFAULT_TIMEOUT_S as DEFAULT_HEARTBEAT_TIMEOUT_S
 from elastic_kit.snapshot import DEFAULT_BUDGET
 
@@ -27,7 +25,9 @@ _FLAGS = ("blocking", "save_at_epoch_end", "overlap_staging", "handle_signals",
 
 @dataclass(frozen=True)
 class CheckpointerConfig:
-    """When and how a loop saves, snapshots and stops (validated on construction).
+    """When and how a loop saves, snapshots and stops (validated on construction: an
+    option of a wrong type raises ``TypeError``, a wrong value ``ValueError``; numpy and
+    torch integers are ints).
 
     Attributes:
         every_steps: save every this many optimizer steps (None: not by steps).
@@ -115,57 +115,45 @@ class CheckpointerConfig:
     handle_preemption: bool = True
 
     def __post_init__(self) -> None:
+        """Wrong types raise ``TypeError``, wrong values ``ValueError`` (torch's
+        convention); int-likes (numpy or torch integers) become ints."""
         def bad(name: str, expected: str) -> ValueError:
             return ValueError(f"{name}={getattr(self, name)!r}: expected {expected}")
 
-        def as_int(name: str) -> int:
-            value = getattr(self, name)
-            if isinstance(value, bool):
-                raise bad(name, "an int")
-            try:
-                return operator.index(value)
-            except TypeError:
-                raise bad(name, "an int") from None
-
-        def real(value: object) -> bool:
-            """A finite real number, not a bool (``True`` is no number of seconds)."""
-            return (isinstance(value, numbers.Real) and not isinstance(value, bool)
-                    and math.isfinite(value))
+        def settle(name: str, value: object) -> None:
+            object.__setattr__(self, name, value)
 
         for name in _FLAGS:
             if not isinstance(getattr(self, name), bool):
-                raise bad(name, "True or False")
-        if self.every_steps is not None:
-            every = as_int("every_steps")
-            if every < 1:
-                raise bad("every_steps", "None or an int >= 1")
-            object.__setattr__(self, "every_steps", every)
-        if self.every_seconds is not None:
-            if not (real(self.every_seconds) and self.every_seconds > 0):
-                raise bad("every_seconds", "None or a finite number > 0")
-            object.__setattr__(self, "every_seconds", float(self.every_seconds))
-        if self.keep_last is not None:
-            keep = as_int("keep_last")
-            if keep < 1:
-                raise bad("keep_last", "None (keep all) or an int >= 1")
-            object.__setattr__(self, "keep_last", keep)
+                raise type_error(name, getattr(self, name), "True or False")
+        settle("every_steps", check_int("every_steps", self.every_steps, minimum=1,
+                                        allow_none=True))
+        settle("every_seconds", check_number("every_seconds", self.every_seconds, above=0,
+                                             allow_none=True))
+        settle("keep_last", check_int("keep_last", self.keep_last, minimum=1,
+                                      allow_none=True))
         # a str or a bool, not just a value equal to a key (1 == True; [] is unhashable)
-        if self.audit is not None and not (isinstance(self.audit, (bool, str))
-                                           and self.audit in AUDIT_MODES):
-            raise bad("audit", "True, False, 'off', 'warn', 'error' or None")
+        modes = "True, False, 'off', 'warn', 'error' or None"
+        if self.audit is not None and not isinstance(self.audit, (bool, str)):
+            raise type_error("audit", self.audit, modes)
+        if self.audit is not None and self.audit not in AUDIT_MODES:
+            raise bad("audit", modes)
         snap = self.snapshot_every
         if not (snap is None or snap == "auto"):
-            if isinstance(snap, str) or as_int("snapshot_every") < 0:
+            if isinstance(snap, str):
                 raise bad("snapshot_every", "'auto', None or an int >= 0 (0: off)")
             # a plain int (a NumPy integer becomes one): the snapshot tier takes no other
-            object.__setattr__(self, "snapshot_every", as_int("snapshot_every"))
-        if not 1 <= as_int("exit_code") <= 255:
+            settle("snapshot_every", check_int("snapshot_every", snap, minimum=0))
+        exit_code = check_int("exit_code", self.exit_code)
+        if not 1 <= exit_code <= 255:
             raise bad("exit_code", "an int in [1, 255]")
-        if not (real(self.snapshot_budget) and 0 < self.snapshot_budget < 1):
+        settle("exit_code", exit_code)
+        budget = check_number("snapshot_budget", self.snapshot_budget,
+                              expected="a number in (0, 1)")
+        if not 0 < budget < 1:
             raise bad("snapshot_budget", "a number in (0, 1)")
-        beat = self.heartbeat_timeout
-        if beat is not None and not (real(beat) and beat >= 0):
-            raise bad("heartbeat_timeout", "None, 0 (off) or a finite number of seconds > 0")
+        check_number("heartbeat_timeout", self.heartbeat_timeout, at_least=0, allow_none=True,
+                     expected="None, 0 (off) or a finite number of seconds > 0")
 
     def audit_mode(self, default: str = "off") -> str:
         """``"off"``, ``"warn"`` or ``"error"``; ``default`` when ``audit`` is None."""

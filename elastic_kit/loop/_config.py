@@ -8,10 +8,12 @@ import warnings
 from dataclasses import InitVar, dataclass, field, fields, replace
 from typing import Any
 
+from elastic_kit._checks import check_int, check_number, type_error
 from elastic_kit.checkpointer import AUDIT_MODES, CheckpointerConfig
 from elastic_kit.state import EpochAudit
 from elastic_kit.errors import BatchPolicyError
-from elastic_kit.loop._policy import BatchPolicy, FixedGlobalBatch, LinearLRScaling, make_policy
+from elastic_kit.loop._policy import (
+    BatchPolicy, FixedGlobalBatch, LinearLRScaling, _positive, make_policy)
 
 __all__ = ["LoopConfig", "StepInfo", "EpochSummary"]
 
@@ -34,7 +36,9 @@ _UNSET: Any = object()
 
 @dataclass
 class LoopConfig:
-    """Options of :class:`ElasticLoop` (validated on construction).
+    """Options of :class:`ElasticLoop` (validated on construction: an option of a wrong
+    type raises ``TypeError``, a wrong value ``ValueError`` or, for the batch sizes,
+    ``BatchPolicyError``, a ``ValueError``; numpy and torch integers are ints).
 
     Attributes:
         epochs: train until this many epochs are complete.
@@ -113,8 +117,7 @@ class LoopConfig:
                 raise ValueError(f"LoopConfig.{name}={getattr(self, name)!r}: expected {expected}")
 
         if not isinstance(self.checkpoint, CheckpointerConfig):
-            raise TypeError(f"LoopConfig.checkpoint={self.checkpoint!r}: expected an "
-                            "ek.CheckpointerConfig")
+            raise type_error("LoopConfig.checkpoint", self.checkpoint, "an ek.CheckpointerConfig")
         # dataclasses.replace() passes the flat names back (read through the
         # properties below): a value the nested config already has is no change
         given = {new: value for (old, new), value in zip(_DEPRECATED.items(), flat)
@@ -126,40 +129,45 @@ class LoopConfig:
                 f"checkpoint=ek.CheckpointerConfig({', '.join(given)}=...)",
                 DeprecationWarning, stacklevel=3)
             self.checkpoint = replace(self.checkpoint, **given)
-        def _int(v: Any) -> bool:
-            return isinstance(v, int) and not isinstance(v, bool)
+        def _number(name: str, **bounds: Any) -> None:
+            setattr(self, name, check_int(f"LoopConfig.{name}", getattr(self, name), **bounds))
 
-        _check("epochs", _int(self.epochs) and self.epochs >= 0, "an int >= 0")
-        _check("micro_batch_size", _int(self.micro_batch_size)
-               and self.micro_batch_size >= 1, "an int >= 1")
-        _check("max_steps", self.max_steps is None or (_int(self.max_steps)
-                                                       and self.max_steps >= 0),
-               "None or an int >= 0")
+        # a wrong type is a TypeError, a wrong value a ValueError; int-likes (numpy or
+        # torch integers) become ints
+        _number("epochs", minimum=0)
+        _number("micro_batch_size", minimum=1)
+        _number("max_steps", minimum=0, allow_none=True)
+        if not isinstance(self.scheduler_interval, str):
+            raise type_error("LoopConfig.scheduler_interval", self.scheduler_interval,
+                             "'epoch' or 'step'")
         _check("scheduler_interval", self.scheduler_interval in ("epoch", "step"),
                "'epoch' or 'step'")
         # a negative norm would flip the gradients' sign, zero would zero them
-        _check("clip_grad_norm", self.clip_grad_norm is None or (
-            isinstance(self.clip_grad_norm, (int, float))
-            and not isinstance(self.clip_grad_norm, bool) and self.clip_grad_norm > 0),
-            "None or a number > 0")
-        _check("log_every", _int(self.log_every) and self.log_every >= 0, "an int >= 0")
-        _check("progress_bar", self.progress_bar is None or isinstance(self.progress_bar, bool),
-               "None, True or False")
+        self.clip_grad_norm = check_number("LoopConfig.clip_grad_norm", self.clip_grad_norm,
+                                           above=0, allow_none=True)
+        _number("log_every", minimum=0)
+        if not (self.progress_bar is None or isinstance(self.progress_bar, bool)):
+            raise type_error("LoopConfig.progress_bar", self.progress_bar, "None, True or False")
         for name in ("checkpoint_at_exit", "shuffle", "pin_memory", "persistent_workers"):
-            _check(name, isinstance(getattr(self, name), bool), "True or False")
-        _check("seed", _int(self.seed), "an int")
-        _check("num_workers", _int(self.num_workers) and self.num_workers >= 0, "an int >= 0")
-        _check("prefetch_factor", self.prefetch_factor is None or (
-            _int(self.prefetch_factor) and self.prefetch_factor >= 1), "None or an int >= 1")
+            if not isinstance(getattr(self, name), bool):
+                raise type_error(f"LoopConfig.{name}", getattr(self, name), "True or False")
+        _number("seed")
+        _number("num_workers", minimum=0)
+        _number("prefetch_factor", minimum=1, allow_none=True)
         # torch's DataLoader refuses these without worker processes: say so here, not
         # drop them silently (the loader is only built at run())
         _check("prefetch_factor", self.prefetch_factor is None or self.num_workers > 0,
                "None with num_workers=0 (it counts batches per loader worker)")
         _check("persistent_workers", not self.persistent_workers or self.num_workers > 0,
                "False with num_workers=0 (there are no workers to keep)")
+        if self.global_batch_size is not None:
+            self.global_batch_size = _positive("global_batch_size", self.global_batch_size)
+        if not isinstance(self.batch_policy, (str, BatchPolicy)):
+            raise type_error("LoopConfig.batch_policy", self.batch_policy,
+                             "'fixed_global', 'linear_lr' or an ek.loop.BatchPolicy")
         if self.collate_fn is not None and not callable(self.collate_fn):
-            raise TypeError(f"LoopConfig.collate_fn={self.collate_fn!r}: expected None or a "
-                            "callable taking a list of samples")
+            raise type_error("LoopConfig.collate_fn", self.collate_fn,
+                             "None or a callable taking a list of samples")
         if self.batch_policy == "linear_lr" and self.global_batch_size is not None:
             # the global batch then grows with the world size: a fixed one asked for
             # as well is a contradiction, not an option to ignore

@@ -21,6 +21,7 @@ from typing import Any
 
 from torch.optim import Optimizer
 
+from elastic_kit._checks import check_int
 from elastic_kit.errors import BatchPolicyError
 
 __all__ = ["BatchPlan", "BatchPolicy", "FixedGlobalBatch", "LinearLRScaling", "make_policy"]
@@ -61,9 +62,12 @@ class BatchPolicy:
 
 
 def _positive(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise BatchPolicyError(f"{name}={value!r} must be a positive int")
-    return value
+    """``value`` as an int >= 1: ``TypeError`` for what is no int (numpy and torch
+    integers are ints), :class:`BatchPolicyError` (a ``ValueError``) below 1."""
+    try:
+        return check_int(name, value, minimum=1)
+    except ValueError as e:
+        raise BatchPolicyError(f"{name}={value!r} must be a positive int") from e
 
 
 @dataclass(frozen=True)
@@ -84,8 +88,10 @@ class FixedGlobalBatch(BatchPolicy):
     name = "fixed_global"
 
     def __post_init__(self) -> None:
-        _positive("global_batch_size", self.global_batch_size)
-        _positive("micro_batch_size", self.micro_batch_size)
+        object.__setattr__(self, "global_batch_size",
+                           _positive("global_batch_size", self.global_batch_size))
+        object.__setattr__(self, "micro_batch_size",
+                           _positive("micro_batch_size", self.micro_batch_size))
 
     def valid_world_sizes(self, limit: int | None = None) -> list[int]:
         """The world sizes that divide ``global_batch_size`` (up to ``limit``)."""
@@ -94,6 +100,7 @@ class FixedGlobalBatch(BatchPolicy):
 
     def plan(self, world_size: int, initial_world_size: int) -> BatchPlan:
         g = self.global_batch_size
+        world_size = check_int("world_size", world_size)  # a numpy or torch int too
         if world_size < 1 or g % world_size:
             raise BatchPolicyError(
                 f"global_batch_size={g} is not divisible by world size {world_size}; "
@@ -119,13 +126,14 @@ class LinearLRScaling(BatchPolicy):
     name = "linear_lr"
 
     def __post_init__(self) -> None:
-        _positive("batch_size", self.batch_size)
+        object.__setattr__(self, "batch_size", _positive("batch_size", self.batch_size))
         if self.micro_batch_size is not None:
-            _positive("micro_batch_size", self.micro_batch_size)
+            object.__setattr__(self, "micro_batch_size",
+                               _positive("micro_batch_size", self.micro_batch_size))
 
     def plan(self, world_size: int, initial_world_size: int) -> BatchPlan:
-        _positive("world_size", world_size)
-        _positive("initial_world_size", initial_world_size)
+        world_size = _positive("world_size", world_size)
+        initial_world_size = _positive("initial_world_size", initial_world_size)
         m = min(self.micro_batch_size or self.batch_size, self.batch_size)
         return BatchPlan(world_size, self.batch_size * world_size, self.batch_size, m,
                          world_size / initial_world_size)

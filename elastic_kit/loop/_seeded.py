@@ -26,6 +26,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from elastic_kit._checks import check_int
+
 __all__ = ["SeededDataset", "seeded_rng", "sample_seed"]
 
 
@@ -70,7 +72,7 @@ class SeededDataset(Dataset):
     Args:
         dataset: the wrapped map-style dataset (its own transforms run seeded too).
         transform: optional extra callable applied to the sample, seeded likewise.
-        seed: the run's augmentation seed.
+        seed: the run's augmentation seed (an int >= 0; numpy and torch integers too).
         return_index: return ``(index, sample)`` instead of ``sample``.
 
     ``dataset[i]`` uses :attr:`epoch`; ``dataset[(epoch, i)]`` names the epoch
@@ -101,8 +103,7 @@ class SeededDataset(Dataset):
 
     def __init__(self, dataset: Any, transform: Callable[[Any], Any] | None = None, *,
                  seed: int = 0, return_index: bool = False) -> None:
-        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-            raise ValueError(f"seed={seed!r} must be an int >= 0")
+        seed = check_int("seed", seed, minimum=0)  # numpy and torch integers too
         self.dataset = dataset
         self.transform = transform
         self.seed = seed

@@ -20,6 +20,7 @@ from typing import Any, Callable, NoReturn, TypeVar
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from elastic_kit._checks import type_error
 from elastic_kit.errors import CheckpointError, ElasticKitError
 
 __all__ = [
@@ -63,13 +64,16 @@ def resolve_url(url: str | os.PathLike[str], storage_options: dict[str, Any] | N
             minutes, far past the collective timeout of the job.
 
     Raises:
+        TypeError: the URL is not a str (or ``os.PathLike``).
         ValueError: the URL is empty or its protocol is unknown to fsspec.
         ImportError: the protocol needs a filesystem package that is not installed;
             the message names the ``elastic_kit[...]`` extra that installs it.
     """
     if isinstance(url, os.PathLike):
         url = os.fspath(url)
-    if not isinstance(url, str) or not url.strip():
+    if not isinstance(url, str):
+        raise type_error("url", url, "a path (str or os.PathLike) or fsspec URL")
+    if not url.strip():
         raise ValueError(f"checkpoint url={url!r} must be a non-empty path or fsspec URL")
     given = url  # as the caller wrote it, for messages
     scheme, _, rest = url.partition("://")

@@ -41,6 +41,7 @@ from typing import Any, Callable, Iterable, Mapping
 import fsspec
 import torch
 
+from elastic_kit._checks import check_int, check_number, type_error
 from elastic_kit.store._broadcast import agree_on_holder, broadcast_state, target_device
 from elastic_kit.store._fs import is_local, resolve_url
 from elastic_kit.store._handshake import handshake
@@ -114,7 +115,7 @@ _MAX_RESCANS = 20
 
 def _check_flag(name: str, value: Any) -> None:
     if not isinstance(value, bool):
-        raise TypeError(f"{name}={value!r}: expected True or False")
+        raise type_error(name, value, "True or False")
 
 
 def _check_step(step: Any) -> int:
@@ -219,26 +220,29 @@ class CheckpointStore:
                  stale_after_s: float = 600.0,
                  filesystem: fsspec.AbstractFileSystem | None = None,
                  private: bool = False) -> None:
-        if keep_last is not None and (type(keep_last) is not int or keep_last < 1):
-            raise ValueError(f"keep_last={keep_last!r} must be an int >= 1 or None (keep all)")
+        if isinstance(url, os.PathLike):
+            url = os.fspath(url)
+        if not isinstance(url, str):
+            raise type_error("url", url, "a path (str or os.PathLike) or fsspec URL")
+        keep_last = check_int("keep_last", keep_last, minimum=1, allow_none=True)
+        if not isinstance(checksum, str):
+            raise type_error("checksum", checksum, f"one of {CHECKSUMS}")
         if checksum not in CHECKSUMS:
             raise ValueError(f"checksum={checksum!r} must be one of {CHECKSUMS}")
         new_hasher(checksum)  # a missing dependency fails here, not at the first save
-        for name, value, lo in (("io_timeout", io_timeout, 0.0), ("load_timeout", load_timeout, 0.0),
-                                ("stale_after_s", stale_after_s, -1.0)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > lo:
-                raise ValueError(f"{name}={value!r} must be a number > {lo:g}")
-        if type(read_attempts) is not int or read_attempts < 1:
-            raise ValueError(f"read_attempts={read_attempts!r} must be an int >= 1")
+        io_timeout = check_number("io_timeout", io_timeout, above=0)
+        load_timeout = check_number("load_timeout", load_timeout, above=0)
+        stale_after_s = check_number("stale_after_s", stale_after_s, above=-1)
+        read_attempts = check_int("read_attempts", read_attempts, minimum=1)
         for name, value in (("node_local", node_local), ("reuse_staging", reuse_staging),
                             ("private", private)):
             _check_flag(name, value)  # a truthy "false" would quietly mean True
+        if info is not None and not isinstance(info, DistInfo):
+            raise type_error("info", info, "None or an ek.DistInfo")
         if storage_options is not None and not isinstance(storage_options, Mapping):
             raise TypeError(f"storage_options={storage_options!r}: expected a dict of the "
                             f"filesystem's options or None")
         self._info = info
-        if isinstance(url, os.PathLike):
-            url = os.fspath(url)
         #: the URL as given, before ``{node_rank}`` is replaced: the same on every node
         #: and across the re-rendezvous that may give a node another node rank
         self.url_template: str = url  # type: ignore[assignment]
@@ -873,12 +877,12 @@ class CheckpointStore:
                 print("would delete", info.step)
 
         Raises:
-            ValueError: ``keep`` is not an int >= 1.
+            TypeError: ``keep`` is not an int.
+            ValueError: ``keep`` is less than 1.
             CheckpointError: the store cannot be read (after retries); a checkpoint
                 that cannot be read stops prune before it deletes anything.
         """
-        if type(keep) is not int or keep < 1:
-            raise ValueError(f"keep={keep!r} must be an int >= 1")
+        keep = check_int("keep", keep, minimum=1)
         self._drain()
         self._layout.check_root()
         before = {i.step: i for i in self.list()}

@@ -126,15 +126,18 @@ def test_replace_with_a_new_checkpoint_config_takes_it_as_given() -> None:
     assert dataclasses.replace(cfg, epochs=3).checkpoint.every_steps == 10
 
 
-@pytest.mark.parametrize("kw", [
-    {"clip_grad_norm": -1.0}, {"clip_grad_norm": 0.0}, {"num_workers": -2},
-    {"prefetch_factor": 0}, {"epochs": True}, {"max_steps": 2.5}, {"max_steps": "5"},
-    {"progress_bar": "no"}, {"shuffle": "yes"}, {"seed": 1.5},
+@pytest.mark.parametrize("kw, error", [
+    ({"clip_grad_norm": -1.0}, ValueError), ({"clip_grad_norm": 0.0}, ValueError),
+    ({"num_workers": -2}, ValueError), ({"prefetch_factor": 0}, ValueError),
+    ({"epochs": True}, TypeError), ({"max_steps": 2.5}, TypeError),
+    ({"max_steps": "5"}, TypeError), ({"progress_bar": "no"}, TypeError),
+    ({"shuffle": "yes"}, TypeError), ({"seed": 1.5}, TypeError),
 ])
 def test_loop_config_refuses_values_that_would_train_wrongly_or_fail_later(
-        kw: dict[str, Any]) -> None:
+        kw: dict[str, Any], error: type[Exception]) -> None:
+    # a wrong type is a TypeError, a wrong value a ValueError (torch's convention)
     (name, value), = kw.items()
-    with pytest.raises(ValueError, match=f"LoopConfig.{name}={value!r}: expected"):
+    with pytest.raises(error, match=f"LoopConfig.{name}={value!r}: expected"):
         LoopConfig(global_batch_size=12, **kw)
 
 
