@@ -9,8 +9,9 @@ storage it saves into is :mod:`elastic_kit.store`; the in-memory tier is
 from __future__ import annotations
 
 from elastic_kit.checkpointer._checkpointer import Checkpointer
-from elastic_kit.checkpointer._config import AUDIT_MODES, CheckpointerConfig
+from elastic_kit.checkpointer._config import AUDIT_MODES, DEFAULT_KEEP_LAST, CheckpointerConfig
 from elastic_kit.checkpointer._lifecycle import FinishedEarly
 from elastic_kit.checkpointer._store_like import StoreLike
 
-__all__ = ["Checkpointer", "CheckpointerConfig", "FinishedEarly", "StoreLike", "AUDIT_MODES"]
+__all__ = ["Checkpointer", "CheckpointerConfig", "FinishedEarly", "StoreLike", "AUDIT_MODES",
+           "DEFAULT_KEEP_LAST"]

@@ -22,7 +22,7 @@ import torch
 
 from elastic_kit.checkpointer import _restore, _saving
 from elastic_kit.checkpointer._cadence import RESTART, Cadence, Flags
-from elastic_kit.checkpointer._config import CheckpointerConfig
+from elastic_kit.checkpointer._config import DEFAULT_KEEP_LAST, CheckpointerConfig
 from elastic_kit.checkpointer._departure import Departure
 from elastic_kit.checkpointer._hooks import Hooks
 from elastic_kit.checkpointer._lifecycle import Lifecycle
@@ -40,6 +40,9 @@ from elastic_kit.store import LoadedCheckpoint
 __all__ = ["Checkpointer", "StoreLike"]
 
 log = logging.getLogger(__name__)
+
+#: ``node_local``'s default (False), told apart from a False given beside a store object
+_NODE_LOCAL_DEFAULT: Any = _saving.NotGiven(False)
 
 
 class Checkpointer(Lifecycle):
@@ -70,6 +73,9 @@ class Checkpointer(Lifecycle):
             heartbeat_timeout, handle_preemption: the options, as documented (and
             validated) by :class:`~elastic_kit.CheckpointerConfig` (``audit`` off here).
         node_local / storage_options: passed to the store made from a URL.
+            ``keep_last``, ``node_local`` and ``storage_options`` configure that
+            store: given with a store object they raise ``TypeError`` (the object
+            keeps its own settings; make it with them instead).
         info: this worker's :class:`~elastic_kit.DistInfo`; read from the environment
             and process group by :meth:`restore` when None.
 
@@ -110,10 +116,10 @@ class Checkpointer(Lifecycle):
 
     def __init__(self, state: TrainState, store: StoreLike | str | os.PathLike[str] | None,
                  *, every_steps: int | None = None, every_seconds: float | None = None,
-                 keep_last: int | None = 3, blocking: bool = False,
+                 keep_last: int | None = DEFAULT_KEEP_LAST, blocking: bool = False,
                  save_at_epoch_end: bool = True, audit: bool | str | None = False,
                  overlap_staging: bool = True, handle_signals: bool = True,
-                 exit_code: int = 143, node_local: bool = False,
+                 exit_code: int = 143, node_local: bool = _NODE_LOCAL_DEFAULT,
                  storage_options: dict[str, Any] | None = None,
                  snapshot_every: int | str | None = "auto",
                  snapshot_budget: float = DEFAULT_BUDGET,

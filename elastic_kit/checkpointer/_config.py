@@ -13,10 +13,22 @@ from elastic_kit._checks import check_int, check_number, type_error
 from elastic_kit.health import DEFAULT_TIMEOUT_S as DEFAULT_HEARTBEAT_TIMEOUT_S
 from elastic_kit.snapshot import DEFAULT_BUDGET
 
-__all__ = ["CheckpointerConfig", "AUDIT_MODES"]
+__all__ = ["CheckpointerConfig", "AUDIT_MODES", "DEFAULT_KEEP_LAST"]
 
 #: What ``audit`` accepts, and the mode each value means.
 AUDIT_MODES = {False: "off", True: "error", "off": "off", "warn": "warn", "error": "error"}
+
+class _DefaultKeepLast(int):
+    """``keep_last``'s default, 3, told apart from a 3 the caller gave: a store object
+    handed to the checkpointer keeps what it was made to keep, and a ``keep_last``
+    given beside it is refused rather than dropped in silence."""
+
+    def __repr__(self) -> str:
+        return "3"
+
+
+#: ``keep_last``'s default: equal to 3, and this very object wherever none was given.
+DEFAULT_KEEP_LAST: int = _DefaultKeepLast(3)
 
 #: The options that are True or False (nothing else: ``blocking="no"`` is truthy).
 _FLAGS = ("blocking", "save_at_epoch_end", "overlap_staging", "handle_signals",
@@ -33,7 +45,9 @@ class CheckpointerConfig:
         every_steps: save every this many optimizer steps (None: not by steps).
         every_seconds: save when this long has passed since the last save (rank 0's
             clock decides, so all ranks agree).
-        keep_last: checkpoints a store made from a URL keeps.
+        keep_last: checkpoints a store made from a URL keeps (3 by default). Given
+            (even as 3) with a store object, the checkpointer or loop refuses it with a
+            ``TypeError``: that store keeps what it was made to keep.
         blocking: make the periodic saves synchronous. Non-blocking saves (default)
             copy the state and write it on a background thread; SIGTERM saves are
             always synchronous.
@@ -102,7 +116,7 @@ class CheckpointerConfig:
 
     every_steps: int | None = None
     every_seconds: float | None = None
-    keep_last: int | None = 3
+    keep_last: int | None = DEFAULT_KEEP_LAST
     blocking: bool = False
     save_at_epoch_end: bool = True
     audit: bool | str | None = None
@@ -130,8 +144,9 @@ class CheckpointerConfig:
                                         allow_none=True))
         settle("every_seconds", check_number("every_seconds", self.every_seconds, above=0,
                                              allow_none=True))
-        settle("keep_last", check_int("keep_last", self.keep_last, minimum=1,
-                                      allow_none=True))
+        if self.keep_last is not DEFAULT_KEEP_LAST:  # the default stays itself
+            settle("keep_last", check_int("keep_last", self.keep_last, minimum=1,
+                                          allow_none=True))
         # a str or a bool, not just a value equal to a key (1 == True; [] is unhashable)
         modes = "True, False, 'off', 'warn', 'error' or None"
         if self.audit is not None and not isinstance(self.audit, (bool, str)):

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
+from elastic_kit._checks import shown, type_error
+from elastic_kit.checkpointer._config import DEFAULT_KEEP_LAST
 from elastic_kit.distributed import (
     DistInfo, all_reduce_max, broadcast_object, group_id, is_dist_ready, wait_for_ranks,
 )
@@ -26,23 +28,52 @@ if TYPE_CHECKING:
     from elastic_kit.state import AuditSum
     from elastic_kit.state import TrainState
 
-__all__ = ["open_store", "metadata", "save_durable", "save_snapshot", "close_store",
+__all__ = ["NotGiven", "open_store", "metadata", "save_durable", "save_snapshot", "close_store",
            "wait_staged", "abandon", "agree"]
 
 log = logging.getLogger(__name__)
 
 
+class NotGiven:
+    """The default of a store option, told apart from the same value given: only a
+    store made here from a URL takes the options."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
 def open_store(store: StoreLike | str | os.PathLike[str] | None, info: DistInfo | None,
                **options: Any) -> tuple[StoreLike | None, bool]:
     """The store to save into, and whether it was made here (and is closed here)
-    from a path or URL with ``options``."""
+    from a path or URL with ``options``.
+
+    ``options`` configure a new store: given (not :class:`NotGiven`, not the config's
+    :data:`DEFAULT_KEEP_LAST`, ``storage_options`` not None) with a store object, they
+    are refused (``TypeError``) as :func:`~elastic_kit.save_checkpoint` refuses them,
+    rather than dropped in silence (the object's own ``keep_last`` wins)."""
     if isinstance(store, (str, os.PathLike)):
-        return CheckpointStore(store, info=info, **options), True
+        chosen = {k: v.value if isinstance(v, NotGiven) else v for k, v in options.items()}
+        return CheckpointStore(store, info=info, **chosen), True
     if store is not None and not all(callable(getattr(store, name, None))
                                      for name in ("save", "load", "wait", "close")):
-        raise TypeError(f"store={store!r:.200}: expected a path or URL (str), a "
-                        f"CheckpointStore or None, got {type(store).__name__}")
+        raise type_error("store", store, "a path or URL (str), a CheckpointStore or None")
+    given = sorted(k for k, v in options.items() if not (
+        isinstance(v, NotGiven) or v is DEFAULT_KEEP_LAST
+        or (k == "storage_options" and v is None)))
+    if store is not None and given:
+        raise TypeError(f"options {given} configure a new store; they cannot be applied to "
+                        f"the existing {shown_store(store)}: make that store with them, or "
+                        f"pass a URL")
     return store, False
+
+
+def shown_store(store: Any) -> str:
+    """A store as a message names it: its repr when it is a CheckpointStore (the URL
+    and retention), else its type."""
+    return repr(store) if isinstance(store, CheckpointStore) else shown(store)
 
 
 def metadata(state: TrainState, info: DistInfo) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -83,7 +84,8 @@ class ElasticLoop:
             ``(losses, outputs)`` whose ``outputs`` the ``on_step_end`` hook sees.
         store: a :class:`~elastic_kit.CheckpointStore` (or any
             :class:`~elastic_kit.checkpointer.StoreLike`); ``None`` trains without
-            checkpoints.
+            checkpoints. It keeps its own ``keep_last``: one set in
+            ``config.checkpoint`` as well is refused (``TypeError``).
         config: a :class:`LoopConfig` (give one: its default batch policy needs
             ``global_batch_size``, and ``None`` stands for ``LoopConfig()``, which
             raises ``BatchPolicyError`` saying so).
@@ -144,6 +146,14 @@ class ElasticLoop:
         self.config = config or LoopConfig()
         self.on_epoch_end = on_epoch_end
         self.on_step_end = on_step_end
+        if (store is not None and not isinstance(store, (str, os.PathLike))
+                and self.config.checkpoint.keep_last is not _checkpointer.DEFAULT_KEEP_LAST):
+            # the store keeps what it was made to keep: said now, not at run()
+            raise TypeError(
+                f"config.checkpoint.keep_last={self.config.checkpoint.keep_last!r} "
+                f"configures a store made from a URL; the loop's store is an existing "
+                f"{type(store).__name__}, which keeps its own keep_last: make it with "
+                f"that keep_last instead")
         self.policy = self.config.policy()
         self.info: DistInfo | None = None
         self.plan: BatchPlan | None = None
