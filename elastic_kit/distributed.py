@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import difflib
 import gc
+import inspect
 import io
 import ipaddress
 import logging
@@ -510,6 +512,25 @@ def destroy_distributed() -> None:
         dist.destroy_process_group()
 
 
+def _check_ddp_options(options: dict[str, Any]) -> None:
+    """Refuse a keyword DistributedDataParallel does not take (``find_unused_parameter``
+    for ``find_unused_parameters``), whether or not a DDP is then made."""
+    try:
+        params = inspect.signature(nn.parallel.DistributedDataParallel).parameters
+    except (TypeError, ValueError):  # no signature to check against
+        return
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    takes = [name for name, p in params.items() if name not in ("self", "module") and p.kind
+             in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
+    unknown = sorted(set(options) - set(takes))
+    if unknown:
+        near = {name: difflib.get_close_matches(name, takes, n=1) for name in unknown}
+        hints = "".join(f"; did you mean {m[0]!r} for {name!r}?" for name, m in near.items() if m)
+        raise TypeError(f"wrap_ddp() got option(s) {unknown} that DistributedDataParallel "
+                        f"does not take{hints} (its options: {', '.join(takes)})")
+
+
 def wrap_ddp(
     model: nn.Module,
     *,
@@ -538,9 +559,19 @@ def wrap_ddp(
         **ddp_options: passed to :class:`~torch.nn.parallel.DistributedDataParallel`.
 
     Raises:
+        TypeError: ``model`` is no ``nn.Module``, ``info`` no :class:`DistInfo`, or a
+            keyword is not one of DistributedDataParallel's (checked without a process
+            group too, so a misspelt option fails on the laptop, not on the cluster).
         ValueError: ``sync_batchnorm=True`` for a model with BatchNorm layers on a
             CPU worker.
     """
+    if not isinstance(model, nn.Module):
+        raise type_error("model", model, "a torch.nn.Module")
+    if info is not None and not isinstance(info, DistInfo):
+        raise type_error("info", info, "None or an ek.DistInfo")
+    if not isinstance(sync_batchnorm, bool):
+        raise type_error("sync_batchnorm", sync_batchnorm, "True or False")
+    _check_ddp_options(ddp_options)
     info = info or get_dist_info()
     model = model.to(info.device)
     if not is_dist_ready():

@@ -20,6 +20,7 @@ from typing import Any, Iterator
 
 import torch
 
+from elastic_kit._checks import type_error
 from elastic_kit.checkpointer import _restore, _saving
 from elastic_kit.checkpointer._cadence import RESTART, Cadence, Flags
 from elastic_kit.checkpointer._config import DEFAULT_KEEP_LAST, CheckpointerConfig
@@ -126,8 +127,10 @@ class Checkpointer(Lifecycle):
                  heartbeat_timeout: float | None = health.DEFAULT_TIMEOUT_S,
                  handle_preemption: bool = True, info: DistInfo | None = None) -> None:
         if not isinstance(state, TrainState):  # a model has state_dict too, but no sampler
-            raise TypeError(f"state={state!r:.200}: expected an ek.TrainState (the model, "
-                            f"optimizer and sampler together), got {type(state).__name__}")
+            raise type_error("state", state, "an ek.TrainState (the model, optimizer and "
+                                             "sampler together)")
+        if info is not None and not isinstance(info, DistInfo):
+            raise type_error("info", info, "None or an ek.DistInfo")
         #: the options, validated (:class:`CheckpointerConfig`)
         given = locals()  # every option is a keyword of the same name
         self.config = config = CheckpointerConfig(

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from elastic_kit._checks import check_int
+from elastic_kit._checks import check_bool, check_int, type_error
 
 __all__ = ["SeededDataset", "seeded_rng", "sample_seed"]
 
@@ -71,7 +71,8 @@ class SeededDataset(Dataset):
 
     Args:
         dataset: the wrapped map-style dataset (its own transforms run seeded too).
-        transform: optional extra callable applied to the sample, seeded likewise.
+        transform: optional extra callable applied to the sample, seeded likewise
+            (``TypeError`` when it is not callable).
         seed: the run's augmentation seed (an int >= 0; numpy and torch integers too).
         return_index: return ``(index, sample)`` instead of ``sample``.
 
@@ -104,6 +105,10 @@ class SeededDataset(Dataset):
     def __init__(self, dataset: Any, transform: Callable[[Any], Any] | None = None, *,
                  seed: int = 0, return_index: bool = False) -> None:
         seed = check_int("seed", seed, minimum=0)  # numpy and torch integers too
+        if transform is not None and not callable(transform):
+            # otherwise an "'int' object is not callable" inside a loader worker
+            raise type_error("transform", transform, "None or a callable sample -> sample")
+        return_index = check_bool("return_index", return_index)
         self.dataset = dataset
         self.transform = transform
         self.seed = seed
@@ -111,8 +116,10 @@ class SeededDataset(Dataset):
         self.epoch = 0
 
     def set_epoch(self, epoch: int) -> None:
-        """The epoch used for plain integer indices."""
-        self.epoch = int(epoch)
+        """The epoch used for plain integer indices (an int >= 0; numpy and torch
+        integers too: ``set_epoch(1.5)`` or ``set_epoch(-1)`` raise here, not as the
+        first sample is drawn)."""
+        self.epoch = check_int("epoch", epoch, minimum=0)
 
     def __len__(self) -> int:
         return len(self.dataset)

@@ -29,6 +29,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 import elastic_kit.checkpointer as _checkpointer
+from elastic_kit._checks import type_error
 from elastic_kit.distributed import (
     DistInfo, all_reduce_sum, averages_gradients, init_distributed,
 )
@@ -59,6 +60,26 @@ class _Step:
     #: whether this rank's share of the step holds padding (only the epoch's last
     #: steps can): only then is each sample's loss weighted through the padding mask
     padded: bool = False
+
+
+def _check_arguments(state: Any, loss_fn: Any, store: Any, config: Any, on_epoch_end: Any,
+                     on_step_end: Any) -> None:
+    """Refuse arguments of the wrong kind when the loop is made, not as an
+    ``AttributeError`` at :meth:`ElasticLoop.run` (or after a whole epoch, for a hook)."""
+    if not isinstance(state, TrainState):
+        raise type_error("state", state, "an ek.TrainState (the model, optimizer and "
+                                         "sampler together; a model goes in TrainState(model))")
+    if not callable(loss_fn):
+        raise type_error("loss_fn", loss_fn, "a callable (model, batch) -> losses")
+    if store is not None and not isinstance(store, (str, os.PathLike)) and not all(
+            callable(getattr(store, name, None)) for name in ("save", "load", "wait", "close")):
+        raise type_error("store", store, "None, an ek.CheckpointStore (or a StoreLike) or a "
+                                         "path or URL")
+    if config is not None and not isinstance(config, LoopConfig):
+        raise type_error("config", config, "None or an ek.LoopConfig")
+    for name, hook in (("on_epoch_end", on_epoch_end), ("on_step_end", on_step_end)):
+        if hook is not None and not callable(hook):
+            raise type_error(name, hook, "None or a callable (state, info) -> None")
 
 
 class ElasticLoop:
@@ -116,6 +137,10 @@ class ElasticLoop:
         summaries: the :class:`EpochSummary` of every epoch this run finished.
         samples_per_second: the latest throughput estimate (all ranks together).
 
+    Raises (when made): ``TypeError`` for an argument of the wrong kind (``state`` no
+    :class:`TrainState`, ``config`` no :class:`LoopConfig`, a hook or ``loss_fn`` not
+    callable), ``ValueError`` for a state the loop cannot train (no optimizer).
+
     Raises (from :meth:`run`):
         BatchPolicyError: the global batch does not divide by the world size.
         SampleAuditError: an epoch missed or repeated a sample (``audit="error"``).
@@ -127,8 +152,7 @@ class ElasticLoop:
                  store: _checkpointer.StoreLike | None = None, config: LoopConfig | None = None,
                  on_epoch_end: Callable[[TrainState, EpochSummary], None] | None = None,
                  on_step_end: Callable[[TrainState, StepInfo], None] | None = None) -> None:
-        if not callable(loss_fn):
-            raise TypeError(f"loss_fn={loss_fn!r} must be callable: (model, batch) -> losses")
+        _check_arguments(state, loss_fn, store, config, on_epoch_end, on_step_end)
         if state.optimizer is None:
             raise ValueError("TrainState.optimizer is None: the loop needs an optimizer")
         if isinstance(state.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):

@@ -19,6 +19,7 @@ import random
 import sys
 import threading
 from collections import Counter
+from collections.abc import Mapping
 from typing import Any, Iterator
 
 import numpy as np
@@ -27,6 +28,7 @@ from torch import nn
 from torch.nn.parameter import is_lazy
 from torch.optim import Optimizer
 
+from elastic_kit._checks import type_error
 from elastic_kit.distributed import unwrap_model
 from elastic_kit.errors import CheckpointMismatchError
 from elastic_kit.state._audit import SampleAudit
@@ -482,6 +484,28 @@ def _misplaced_state(params: list[Any], ids: list[Any], state: dict[Any, Any]
 _SAMPLER_API = ("state_dict", "load_state_dict", "advance", "consumed")
 
 
+def _check_parts(model: Any, optimizer: Any, scheduler: Any, scaler: Any,
+                 extras: Any) -> None:
+    """Refuse, when the state is made, a part of the wrong kind: one passes until a
+    restore or a save, where it fails as an ``AttributeError`` naming neither the
+    part nor the mistake (a scheduler given as the optimizer, the model left None)."""
+    if not isinstance(model, nn.Module):
+        raise type_error("model", model, "a torch.nn.Module (plain, DDP or FSDP)")
+    saved = ("state_dict", "load_state_dict")
+    for name, part, needs, expected in (
+            ("optimizer", optimizer, ("param_groups", *saved),
+             "None or a torch.optim.Optimizer (a scheduler goes in scheduler=...)"),
+            ("scheduler", scheduler, saved,
+             "None or an LR scheduler (with state_dict and load_state_dict)"),
+            ("scaler", scaler, saved,
+             "None or a torch.amp.GradScaler (with state_dict and load_state_dict)")):
+        lacks = [attr for attr in needs if not hasattr(part, attr)]
+        if part is not None and lacks:
+            raise type_error(name, part, f"{expected}; it has no {', '.join(lacks)}")
+    if extras is not None and not isinstance(extras, Mapping):
+        raise type_error("extras", extras, "None or a dict of values to keep across restarts")
+
+
 class TrainState:
     """The resumable state of a training run.
 
@@ -491,9 +515,12 @@ class TrainState:
             DTensor parameters) is saved as DTensors (model and optimizer state, via
             ``torch.distributed.checkpoint.state_dict``), which the store writes
             shard by shard and loads at any world size (see :attr:`sharded`).
-        optimizer: its optimizer.
+        optimizer: its optimizer (``param_groups``, ``state_dict`` and
+            ``load_state_dict``), or None.
         scheduler: an LR scheduler (anything with ``state_dict``/``load_state_dict``).
         scaler: a ``torch.amp.GradScaler``.
+        A part of the wrong kind (a model that is no ``nn.Module``, a scheduler given
+        as the optimizer, ``extras`` that is no dict) raises ``TypeError`` here.
         sampler: the :class:`~elastic_kit.ElasticDistributedSampler` (the loop
             creates one when left ``None``).
         extras: user values to keep across restarts: plain values
@@ -524,6 +551,7 @@ class TrainState:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
                  scheduler: Any = None, scaler: Any = None, sampler: Any = None,
                  extras: dict[str, Any] | None = None) -> None:
+        _check_parts(model, optimizer, scheduler, scaler, extras)
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch.distributed as dist
+from torch import nn
 
 import elastic_kit as ek
 
@@ -59,3 +60,29 @@ def test_a_backend_of_the_wrong_type_is_a_type_error(alone: None) -> None:
 def test_a_positive_timedelta_is_taken(alone: None) -> None:
     info = ek.init_distributed(timeout=datetime.timedelta(seconds=5))
     assert (info.world_size, dist.is_initialized()) == (1, False)
+
+
+@pytest.mark.parametrize("call, fragment", [
+    (lambda: ek.wrap_ddp(None), "model=None: expected a torch.nn.Module"),
+    (lambda: ek.wrap_ddp({"w": 1}), "model=<dict object>"),
+    (lambda: ek.wrap_ddp(nn.Linear(1, 1), info="cpu"), "info='cpu': expected None or an "
+                                                       "ek.DistInfo"),
+    (lambda: ek.wrap_ddp(nn.Linear(1, 1), sync_batchnorm="no"), "sync_batchnorm='no'"),
+    (lambda: ek.wrap_ddp(nn.Linear(1, 1), find_unused_parameter=True),
+     "['find_unused_parameter'] that DistributedDataParallel does not take; did you mean "
+     "'find_unused_parameters'"),
+    (lambda: ek.wrap_ddp(nn.Linear(1, 1), bucket_cap=5, device_id=[0]),
+     "['bucket_cap', 'device_id']"),
+])
+def test_wrap_ddp_refuses_wrong_arguments_without_a_process_group(
+        alone: None, call: Any, fragment: str) -> None:
+    with pytest.raises(TypeError) as caught:
+        call()
+    assert fragment in str(caught.value)
+
+
+def test_wrap_ddp_takes_ddps_own_options_without_a_process_group(alone: None) -> None:
+    model = nn.Linear(2, 1)
+    wrapped = ek.wrap_ddp(model, find_unused_parameters=True, bucket_cap_mb=5,
+                          static_graph=False, info=ek.DistInfo())
+    assert wrapped is model
