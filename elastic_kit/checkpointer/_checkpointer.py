@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import operator
 import os
 import threading
 import time
@@ -20,7 +19,7 @@ from typing import Any, Iterator
 
 import torch
 
-from elastic_kit._checks import type_error
+from elastic_kit._checks import check_int, type_error
 from elastic_kit.checkpointer import _restore, _saving
 from elastic_kit.checkpointer._cadence import RESTART, Cadence, Flags
 from elastic_kit.checkpointer._config import DEFAULT_KEEP_LAST, CheckpointerConfig
@@ -301,12 +300,12 @@ class Checkpointer(Lifecycle):
             ValueError: ``n`` or ``offset`` is negative, or ``step_n`` is less than
                 ``offset + n``.
         """
-        n, offset = operator.index(n), operator.index(offset)
+        n, offset = check_int("n", n), check_int("offset", offset)
         if n < 0 or offset < 0:
             raise ValueError(f"sample_weights(n={n}, offset={offset}): both must be >= 0 "
                              f"(this rank's samples in the batch, and before it in the step)")
         if step_n is not None:
-            step_n = operator.index(step_n)
+            step_n = check_int("step_n", step_n)
             if step_n < offset + n:
                 raise ValueError(f"sample_weights(n={n}, offset={offset}, step_n={step_n}): "
                                  f"step_n is this rank's samples in the whole step, at least "
@@ -330,13 +329,15 @@ class Checkpointer(Lifecycle):
                 closed, or nothing iterated
                 ``state.sampler`` since its epoch was set (the DataLoader must be
                 given it as its sampler, and its iterator made after the restore).
+            TypeError: ``n`` is not an int (numpy and torch integers are; a bool
+                is not).
             ValueError: ``n`` is negative, or the step starts past the end of the
                 pass the sampler dealt (``step()`` called twice per step, or with the
                 global batch size), or its micro-batches were all weighed at offset 0
                 (see :meth:`sample_weights`).
         """
+        n = check_int("n", n)  # a count of samples: step("2") or step(True) is a slip
         self._require_restored("step")
-        n = operator.index(n)
         if n > 0 and self.state.sampler is not None:
             check_dealt(self.state.sampler, n)
         self.record_step(n)
@@ -355,8 +356,8 @@ class Checkpointer(Lifecycle):
         Unlike :meth:`step` it does not check that a loader iterates the sampler
         (:class:`~elastic_kit.ElasticLoop` schedules from its indices instead); a step
         that starts past the end of the pass is refused (``ValueError``) by both."""
+        n = check_int("n", n)
         self._require_restored("step")
-        n = operator.index(n)
         if n < 0:
             raise ValueError(f"step(n={n}): n must be >= 0 (this rank's samples in the step)")
         self._hooks.follow(self.state.optimizer)  # a new optimizer since the restore

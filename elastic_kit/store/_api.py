@@ -7,10 +7,12 @@ URL (a store is created for the call) or an existing :class:`CheckpointStore`.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
+from elastic_kit._checks import type_error
 from elastic_kit.errors import CheckpointMismatchError
 from elastic_kit.store._into import load_into
 from elastic_kit.store._store import CheckpointStore, LoadedCheckpoint
@@ -72,6 +74,9 @@ def save_checkpoint(state: Any, url_or_store: str | os.PathLike[str] | Checkpoin
     other checkpoints may be a :class:`~elastic_kit.Checkpointer`'s, kept by its own
     ``keep_last``.
 
+    Raises ``TypeError`` when ``state`` is neither a dict nor has ``state_dict()``
+    (``save_checkpoint(5, url, ...)``, or the two first arguments swapped).
+
     .. warning::
         With a URL the temporary store is closed before returning, so
         ``blocking=False`` only helps with a :class:`CheckpointStore` you keep.
@@ -80,6 +85,11 @@ def save_checkpoint(state: Any, url_or_store: str | os.PathLike[str] | Checkpoin
 
         save_checkpoint(train_state, "/shared/ckpt", step=step, metadata={"epoch": epoch})
     """
+    # the state first, before a store (and its directory) is made: with the arguments
+    # swapped, the URL is the state
+    if not (isinstance(state, Mapping) or hasattr(state, "state_dict")):
+        raise type_error("state", state, "a dict of the state, or an object with "
+                                         "state_dict() (a TrainState, a module)")
     store, owned = _store(url_or_store, dict(kw))
     save_kw = {k: v for k, v in kw.items() if k not in _STORE_OPTIONS}
     sd = state.state_dict() if hasattr(state, "state_dict") and not isinstance(state, dict) else state

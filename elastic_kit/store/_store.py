@@ -399,7 +399,8 @@ class CheckpointStore:
             writer).
 
         Raises:
-            TypeError: ``state_dict`` holds something weights-only loading cannot read
+            TypeError: ``state_dict`` is no dict (nor has ``state_dict()``), or holds
+                something weights-only loading cannot read
                 (the message names the key path), or ``metadata`` is not JSON-able.
             OSError: the write failed (``ENOSPC`` named as such; the partial
                 checkpoint is removed); on the writer only.
@@ -424,6 +425,10 @@ class CheckpointStore:
             raise TypeError(f"metadata={metadata!r} must be JSON-serializable: {e}") from e
         if hasattr(state_dict, "state_dict") and not isinstance(state_dict, dict):
             state_dict = state_dict.state_dict()
+        if not isinstance(state_dict, Mapping):
+            # save(5) (or a list) committed a checkpoint nothing can restore into
+            raise type_error("state_dict", state_dict,
+                             "a dict of the state, or an object with state_dict()")
         if has_sharded(state_dict):
             return self._save_sharded(state_dict, step, metadata, blocking, on_commit)
         validate_state(state_dict)
@@ -800,7 +805,12 @@ class CheckpointStore:
         before its files, and its save writes the files before the manifest, so what a
         first look finds may be a step being deleted (not reported) or committed
         (verified then).
+
+        Raises:
+            TypeError: ``step`` is not None or an int (``step="1"`` matched no step).
         """
+        if step is not None:
+            step = _check_step(step)
         self._drain()
         self._layout.check_root()
         out: list[tuple[int, str, str | None]] = []
