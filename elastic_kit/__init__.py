@@ -16,7 +16,9 @@ alone in a script that keeps its own loop:
 - :func:`init_distributed` / :func:`wrap_ddp`: the torchrun environment and DDP.
 
 Test helpers (a local torchrun cluster, etcd, N gloo ranks) are in
-:mod:`elastic_kit.testing`; exception types also in :mod:`elastic_kit.errors`.
+:mod:`elastic_kit.testing`; the exception types are here and in
+:mod:`elastic_kit.errors`. An argument of the wrong type raises the builtin
+``TypeError`` and a wrong value ``ValueError``, as in torch.
 """
 
 from __future__ import annotations
@@ -51,11 +53,14 @@ from elastic_kit.loop import (
 )
 from elastic_kit.checkpointer import Checkpointer, CheckpointerConfig
 from elastic_kit.errors import (
+    BatchPolicyError,
+    CheckpointConflictError,
     CheckpointCorruptError,
     CheckpointError,
     CheckpointMismatchError,
     ElasticKitError,
     SampleAuditError,
+    UnsafeCheckpointError,
 )
 
 __all__ = [
@@ -86,5 +91,8 @@ __all__ = [
     "CheckpointError",
     "CheckpointCorruptError",
     "CheckpointMismatchError",
+    "CheckpointConflictError",
+    "UnsafeCheckpointError",
     "SampleAuditError",
+    "BatchPolicyError",
 ]

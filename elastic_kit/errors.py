@@ -1,7 +1,17 @@
-"""Exception types raised by elastic_kit.
+"""Exception types raised by elastic_kit (each also importable as ``elastic_kit.<name>``).
 
-Every user-facing error subclasses a builtin, so that ``except ValueError`` in a
-user's script keeps working, while ``except ElasticKitError`` catches all of ours.
+Two kinds of error reach a script:
+
+- A mistake in a call (an argument of the wrong type, a value out of range, a
+  malformed URL): the builtin ``TypeError`` or ``ValueError``, as torch raises them,
+  naming the argument, the value and what was expected. These are not
+  :class:`ElasticKitError`: ``except ElasticKitError`` does not catch them.
+- What elastic_kit finds wrong with the run, its checkpoints or its batch plan
+  (storage failures, corruption, another writer, a checkpoint that does not fit, a
+  sample audit, batch sizes the world size cannot serve): the types below, all
+  :class:`ElasticKitError`, each also subclassing a builtin (``RuntimeError``, or
+  ``ValueError`` for :class:`CheckpointMismatchError` and :class:`BatchPolicyError`)
+  so that ``except RuntimeError`` / ``except ValueError`` in a script keeps working.
 """
 
 from __future__ import annotations
@@ -19,11 +29,14 @@ __all__ = [
 
 
 class ElasticKitError(Exception):
-    """Base class of every error raised by elastic_kit."""
+    """Base class of elastic_kit's own errors (not of the builtin ``TypeError`` /
+    ``ValueError`` a wrong argument raises)."""
 
 
 class CheckpointError(ElasticKitError, RuntimeError):
-    """A checkpoint could not be written or read (storage failure, bad URL)."""
+    """A checkpoint could not be written or read (a storage failure, an unreachable
+    store). A malformed URL is a ``ValueError`` (a URL of the wrong type a
+    ``TypeError``), raised when the store is made."""
 
 
 class CheckpointCorruptError(CheckpointError):
@@ -50,4 +63,5 @@ class SampleAuditError(ElasticKitError, RuntimeError):
 
 
 class BatchPolicyError(ElasticKitError, ValueError):
-    """The global batch size cannot be served by the current world size."""
+    """The batch sizes cannot be served: a global batch size missing, below 1 or not
+    divisible by the current world size (a size of the wrong type is a ``TypeError``)."""
