@@ -104,9 +104,11 @@ class ElasticLoop:
             ``criterion(model(x), y)`` with ``reduction="none"``; or a tuple
             ``(losses, outputs)`` whose ``outputs`` the ``on_step_end`` hook sees.
         store: a :class:`~elastic_kit.CheckpointStore` (or any
-            :class:`~elastic_kit.checkpointer.StoreLike`); ``None`` trains without
-            checkpoints. It keeps its own ``keep_last``: one set in
-            ``config.checkpoint`` as well is refused (``TypeError``).
+            :class:`~elastic_kit.checkpointer.StoreLike`), or a path or fsspec URL
+            (a store is made from it with ``config.checkpoint``'s ``keep_last``);
+            ``None`` trains without checkpoints. A store object keeps its own
+            ``keep_last``: one set in ``config.checkpoint`` as well is refused
+            (``TypeError``).
         config: a :class:`LoopConfig` (give one: its default batch policy needs
             ``global_batch_size``, and ``None`` stands for ``LoopConfig()``, which
             raises ``BatchPolicyError`` saying so).
@@ -149,7 +151,8 @@ class ElasticLoop:
     """
 
     def __init__(self, state: TrainState, dataset: Any, *, loss_fn: LossFn,
-                 store: _checkpointer.StoreLike | None = None, config: LoopConfig | None = None,
+                 store: _checkpointer.StoreLike | str | os.PathLike[str] | None = None,
+                 config: LoopConfig | None = None,
                  on_epoch_end: Callable[[TrainState, EpochSummary], None] | None = None,
                  on_step_end: Callable[[TrainState, StepInfo], None] | None = None) -> None:
         _check_arguments(state, loss_fn, store, config, on_epoch_end, on_step_end)

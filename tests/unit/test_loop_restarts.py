@@ -300,3 +300,28 @@ def test_a_stop_does_not_promise_a_restart(caplog: Any, tmp_path: Any) -> None:
         _run(str(tmp_path / "ckpt"), stop_at=2)
     assert ("stop: checkpoint step 2 saved; exiting with status 143 so torchrun restarts "
             "the group (or, if the job is ending, a relaunch resumes there)") in caplog.text
+
+
+def test_a_path_as_the_store_is_made_into_one_with_the_configs_keep_last(
+        tmp_path: Path, caplog: Any) -> None:
+    """``ElasticLoop(store=<path>)``, as documented: the checkpointer makes the store,
+    with ``config.checkpoint``'s ``keep_last``."""
+    def run(max_steps: int) -> TrainState:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 2))
+        state = TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        cfg = LoopConfig(epochs=2, global_batch_size=12, micro_batch_size=12,
+                         max_steps=max_steps, log_every=0, progress_bar=False,
+                         checkpoint=CheckpointerConfig(blocking=True, snapshot_every=0,
+                                                       every_steps=1, keep_last=2,
+                                                       handle_signals=False))
+        ElasticLoop(state, _data(), loss_fn=_loss, store=str(tmp_path / "ckpt"),
+                    config=cfg).run()
+        return state
+
+    assert run(5).step == 5
+    assert [i.step for i in ek.CheckpointStore(str(tmp_path / "ckpt")).list()] == [4, 5]
+    with caplog.at_level(logging.INFO, logger="elastic_kit"):
+        assert run(7).step == 7
+    assert "restored checkpoint step 5" in caplog.text  # resumed there, not started over
+    assert [i.step for i in ek.CheckpointStore(str(tmp_path / "ckpt")).list()] == [6, 7]
