@@ -48,6 +48,13 @@ EXTRAS: dict[str, str] = {
 }
 
 
+#: The storage options fsspec's local filesystem uses (its own and its listing cache's);
+#: it accepts any other keyword and ignores it, so a typo or an S3 credential given
+#: for a local path would pass in silence.
+_LOCAL_OPTIONS = frozenset({"auto_mkdir", "skip_instance_cache", "use_listings_cache",
+                            "listings_expiry_time", "max_paths"})
+
+
 def resolve_url(url: str | os.PathLike[str], storage_options: dict[str, Any] | None = None,
                 *, io_timeout: float | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
     """The fsspec filesystem and the root path inside it for a checkpoint URL.
@@ -87,6 +94,11 @@ def resolve_url(url: str | os.PathLike[str], storage_options: dict[str, Any] | N
         options = s3_timeout_options(options, io_timeout)
     try:
         if protocol == "file":
+            unknown = sorted(set(options) - _LOCAL_OPTIONS)
+            if unknown:  # fsspec's local filesystem would take them and ignore them
+                raise TypeError(f"unknown option(s) {unknown}; the local filesystem "
+                                f"takes {sorted(_LOCAL_OPTIONS)} (credentials and "
+                                f"endpoints are options of remote stores)")
             # a local path as written: fsspec's URL chaining would read "a::b" as the
             # chain of "a" and "b", and store the checkpoints of run "exp::lr=0.1" in
             # "exp", beside every other run named "exp::..."
