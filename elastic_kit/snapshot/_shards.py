@@ -26,6 +26,13 @@ Restoring (collective, :func:`load_parts`):
    :mod:`elastic_kit.store`) is computed from the new shards, summed over ranks and
    compared with the one recorded at save: a misassembled or corrupt restore is never
    returned (the durable store is used instead).
+
+Without ``into`` (an unsharded state: a job that shards only at world size > 1, now
+restarted on one node) every rank fills each sharded tensor *whole*, from the same
+parts (the box is the whole tensor), and checks its digest on its own, as the
+durable store reads a sharded checkpoint's tensors whole for a template without
+DTensors. A snapshot is restored only from a part of every saving rank: parts that
+do not cover the state are skipped, with a note naming the ranks missing.
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -239,38 +246,78 @@ def _box(t: torch.Tensor, off: list[int], lo: list[int], hi: list[int]) -> torch
     return t[tuple(slice(x - o, y - o) for x, y, o in zip(lo, hi, off))]
 
 
+#: Called with ``(path, step, why)`` for a snapshot in memory that a restore passes
+#: over (the tier's note for the restore line).
+OnSkip = Callable[[str, int, str], None]
+
+
 def load_parts(*, info: DistInfo, node: str, found: list[Listing], into: Any,
-               device: torch.device | None) -> tuple[LoadedCheckpoint | None, bool]:
+               device: torch.device | None, on_skip: OnSkip | None = None
+               ) -> tuple[LoadedCheckpoint | None, bool]:
     """The newest sharded snapshot held in memory anywhere, resharded onto ``into``'s
     DTensors (collective); ``(loaded, all_local)``, where ``all_local`` says no rank
     needed a range from another node. None when memory cannot cover the state (no
     complete snapshot, or its parts fail verification on every holder, or the
-    restored content does not match its digests): every rank returns None alike.
+    restored content does not match its digests): every rank returns None alike, and
+    ``on_skip`` (if given) hears why, on every rank.
 
     ``found``: the parts this node holds (local rank 0's listing; empty elsewhere).
     ``into``: the live state tree (or a function giving it) whose DTensors give the
-    layout to restore into.
+    layout to restore into; None for an unsharded state: every sharded tensor is
+    then restored whole, on every rank.
     """
     distributed = is_dist_ready() and info.world_size > 1
     everyone = all_gather_object((node, found)) if distributed else [(node, found)]
     plans = _plans(everyone)[:MAX_TRIES]
     if not plans:
+        if on_skip is not None:
+            for step, path, why in _incomplete(everyone):
+                on_skip(path, step, why)
         return None, False
-    template = into() if callable(into) else into
-    targets = {p: v for p, v in leaves(template) if is_dtensor(v)}
+    template = None if into is None else into() if callable(into) else into
+    targets = {} if template is None else {p: v for p, v in leaves(template)
+                                           if is_dtensor(v)}
     opened: dict[str, FlatCheckpoint] = {}
     try:
         for plan in plans:
             chosen = _choose(plan, everyone, info, opened, distributed)
             if chosen is None:
+                if on_skip is not None:
+                    on_skip(_a_path(plan), plan.step, "a part of it verifies on no node")
                 continue
             result = _restore(plan, chosen, everyone, info, node, opened, targets, device,
-                              distributed)
+                              distributed, whole=into is None)
             if result is not None:
+                if result[0] is None and on_skip is not None:
+                    on_skip(_a_path(plan), plan.step,
+                            "its parts could not be restored (see the warning before)")
                 return result
         return None, False
     finally:
         opened.clear()
+
+
+def _a_path(plan: _Plan) -> str:
+    """A part of ``plan`` (where its notes say it lies)."""
+    return plan.holders[min(plan.holders)][0][2]
+
+
+def _incomplete(everyone: list[tuple[str, list[Listing]]]) -> list[tuple[int, str, str]]:
+    """``(step, path, why)`` of the newest snapshot held only in part (when none is
+    held whole): no node holds some saving rank's part of it."""
+    held: dict[tuple[int, str], tuple[Listing, set[int]]] = {}
+    for _, found in everyone:
+        for f in found:
+            first, ranks = held.setdefault((f.step, f.group), (f, set()))
+            if f.world_size == first.world_size:
+                ranks.add(f.rank)
+    if not held:
+        return []
+    first, ranks = max(held.values(), key=lambda fr: fr[0].key)
+    missing = sorted(set(range(first.world_size)) - ranks)
+    return [(first.step, first.path,
+             f"a sharded snapshot of {first.world_size} ranks, and no node holds the part "
+             f"of rank(s) {', '.join(map(str, missing))}")]
 
 
 def _choose(plan: _Plan, everyone: list[tuple[str, list[Listing]]], info: DistInfo,
@@ -318,9 +365,10 @@ def _choose(plan: _Plan, everyone: list[tuple[str, list[Listing]]], info: DistIn
 def _restore(plan: _Plan, chosen: dict[int, tuple[int, str, str, dict[str, Any]]],
              everyone: list[tuple[str, list[Listing]]], info: DistInfo, node: str,
              opened: dict[str, FlatCheckpoint], targets: dict[str, Any],
-             device: torch.device | None, distributed: bool
+             device: torch.device | None, distributed: bool, whole: bool = False
              ) -> tuple[LoadedCheckpoint | None, bool] | None:
-    """Fill this rank's boxes from the chosen parts, check the digests (collective)."""
+    """Fill this rank's boxes from the chosen parts, check the digests (collective).
+    ``whole``: the state is unsharded, every rank fills each tensor whole."""
     problem: str | None = None
     fills: dict[str, torch.Tensor] = {}
     boxes: dict[str, tuple[list[int], list[int], bool]] = {}
@@ -337,17 +385,24 @@ def _restore(plan: _Plan, chosen: dict[int, tuple[int, str, str, dict[str, Any]]
         for path, ds in by_path.items():
             first = ds[0][1]
             target = targets.get(path)
-            if target is None:
+            if target is None and whole:  # the whole tensor: one box, owned here
+                saved[path] = first
+                shape, offsets, owner = list(first["shape"]), [0] * len(first["shape"]), True
+                local = torch.empty(shape, dtype=_dtype(first["dtype"]))
+                fills[path], boxes[path] = local, (offsets, shape, owner)
+            elif target is None:
                 raise ValueError(f"snapshot holds a sharded tensor at {path}; the state to "
                                  "restore into holds no DTensor there")
-            if list(target.shape) != first["shape"] or str(target.dtype) != first["dtype"]:
-                raise ValueError(f"snapshot tensor {path} is {first['dtype']}"
-                                 f"{first['shape']}, the state to restore into has "
-                                 f"{target.dtype}{list(target.shape)}")
-            saved[path] = first
-            shape, offsets, owner = local_box(target)
-            local = torch.empty(shape, dtype=target.dtype)
-            fills[path], boxes[path] = local, (list(offsets), list(shape), owner)
+            else:
+                if (list(target.shape) != first["shape"]
+                        or str(target.dtype) != first["dtype"]):
+                    raise ValueError(f"snapshot tensor {path} is {first['dtype']}"
+                                     f"{first['shape']}, the state to restore into has "
+                                     f"{target.dtype}{list(target.shape)}")
+                saved[path] = first
+                shape, offsets, owner = local_box(target)
+                local = torch.empty(shape, dtype=target.dtype)
+                fills[path], boxes[path] = local, (list(offsets), list(shape), owner)
             for r, d in ds:
                 if not d["owner"]:
                     continue  # a replicated copy: the owner's covers the same box
@@ -359,7 +414,7 @@ def _restore(plan: _Plan, chosen: dict[int, tuple[int, str, str, dict[str, Any]]
                     part_t = _part_tensors(part_path, opened, tensors)[path]
                     _box(local, list(offsets), *ov).copy_(_box(part_t, d["offsets"], *ov))
                 else:
-                    buf = torch.empty([y - x for x, y in zip(*ov)], dtype=target.dtype)
+                    buf = torch.empty([y - x for x, y in zip(*ov)], dtype=local.dtype)
                     requests.append((lister, r, path, ov[0], ov[1], buf.nbytes))
                     pending.append((_box(local, list(offsets), *ov), buf))
     except Exception as e:
@@ -395,7 +450,10 @@ def _restore(plan: _Plan, chosen: dict[int, tuple[int, str, str, dict[str, Any]]
     for path in fills:
         want = combine_digest([int(d["partial"], 16) for _, d in by_path[path]
                                if isinstance(d.get("partial"), str)])
-        if combine_digest([s[path] for s in sums]) != want:
+        if path not in targets:  # whole on every rank: each rank's on its own
+            if any(combine_digest([s[path]]) != want for s in sums):
+                bad.append(path)
+        elif combine_digest([s[path] for s in sums]) != want:
             bad.append(path)
     if bad:
         log.warning("sharded snapshot step %d: the restored content of %d tensor(s) does "
@@ -404,6 +462,14 @@ def _restore(plan: _Plan, chosen: dict[int, tuple[int, str, str, dict[str, Any]]
         return None, False
     loaded = _assemble(plan, chosen, info, opened, fills, targets, device, distributed)
     return loaded, all_local
+
+
+def _dtype(name: str) -> torch.dtype:
+    """The dtype a part's description names (``str(dtype)``: ``torch.float32``)."""
+    found = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(found, torch.dtype):
+        raise ValueError(f"snapshot part names dtype {name!r}, expected a torch dtype")
+    return found
 
 
 def _local_part(path: str, opened: dict[str, FlatCheckpoint]) -> FlatCheckpoint:
@@ -450,6 +516,9 @@ def _assemble(plan: _Plan, chosen: dict[int, tuple[int, str, str, dict[str, Any]
     own = lister == info.rank or not distributed
 
     def leaf(p: str, v: Any) -> Any:
+        if isinstance(v, str) and v == SHARD_MARK and p in fills and p not in targets:
+            # an unsharded state's: the whole tensor (filled here, not a view of a part)
+            return fills[p] if device is None else fills[p].to(device)
         if not (isinstance(v, str) and v == SHARD_MARK and p in fills):
             if not isinstance(v, torch.Tensor):
                 return v

@@ -1052,11 +1052,13 @@ class SnapshotTier:
         except OSError as e:
             log.debug("cannot clean %s: %r", self.run_dir, e)
 
-    def _candidates(self) -> list[tuple[int, str, bool]]:
+    def _candidates(self, parts: bool | None = None) -> list[tuple[int, str, bool]]:
         """``(step, root, own)`` of every committed snapshot on this node that carries
         this run's identity (also in an earlier launch's node directory on this
         host), newest first (own before a replica of the same step); manifests read,
-        payloads not."""
+        payloads not. ``parts``: list a sharded state's parts (True) or whole
+        snapshots (False); default: those of this tier's kind."""
+        want = self.sharded if parts is None else parts
         out = []
         roots = self._roots(self.node_dir)
         for stale in self._stale_nodes():
@@ -1064,8 +1066,8 @@ class SnapshotTier:
         for root, own in roots:
             for d, m in _layout(root).committed():
                 why = self._why_unusable(m.metadata)
-                if is_part(m.metadata) != self.sharded:
-                    continue  # a sharded run's part, or a whole snapshot in a sharded run
+                if is_part(m.metadata) != want:
+                    continue  # a sharded run's part, or a whole snapshot
                 if why is None and is_private_entry(d.path):
                     out.append((d.step, root, own))
                 elif why is not None:
@@ -1106,15 +1108,18 @@ class SnapshotTier:
 
     def newest_local(self) -> int | None:
         """The newest snapshot step this node holds, its own or a peer's replica (local
-        rank 0; None elsewhere)."""
+        rank 0; None elsewhere). An unsharded state counts a sharded state's parts too
+        (:meth:`load` restores them whole when they cover the state)."""
         if not self.enabled or self.store is None or self.info.local_rank != 0:
             return None
         try:
             found = self._candidates()
+            if not self.sharded:
+                found += self._candidates(parts=True)
         except Exception as e:
             log.warning("cannot list the snapshots in %s: %r", self.node_dir, e)
             return None
-        return found[0][0] if found else None
+        return max((step for step, _, _ in found), default=None)
 
     def _parts(self) -> list[Listing]:
         """The parts of this run's identity this node holds, own and replicas (local
@@ -1123,7 +1128,7 @@ class SnapshotTier:
             return []
         out = []
         try:
-            for step, root, own in self._candidates():
+            for step, root, own in self._candidates(parts=True):
                 d = _layout(root).dir_of(step)
                 found = listing(d.path, _layout(root).read_manifest(d), own=own)
                 if found is not None:
@@ -1190,10 +1195,18 @@ class SnapshotTier:
 
         With sharded state, ``into`` (the live state, or a function giving it) says
         the layout to restore into: see :func:`~elastic_kit.snapshot._shards.load_parts`.
+        An unsharded state restores a sharded state's parts (a job that shards only
+        at world size > 1, restarted on one node) when they are newer than every whole
+        snapshot: whole, from a part of every saving rank (its own, a replica, or a
+        peer's), verified against the digests saved with them; parts that do not
+        cover the state are passed over with a note (:meth:`ignored_note`).
         """
         assert self.store is not None
         if self.sharded:
             return self._load_parts(map_location, into)
+        from_parts = self._load_whole_from_parts(map_location)
+        if from_parts is not None:
+            return from_parts
         root, step, opened = (self.node_dir, None, None)
         t0 = time.perf_counter()
         self.last_load_phases = {}
@@ -1243,7 +1256,9 @@ class SnapshotTier:
                              "whose DTensors give the layout to restore into")
         device = None if map_location is None else target_device(map_location)
         loaded, all_local = load_parts(info=self.info, node=os.path.basename(self.node_dir),
-                                       found=self._parts(), into=into, device=device)
+                                       found=self._parts(), into=into, device=device,
+                                       on_skip=self._note_ignored)
+        self._note_whole_passed_over(loaded)
         loaded = self._accept(loaded, self.node_dir, None if loaded is None else loaded.step)
         # "this node's memory" when no rank needed a range from another node
         self.loaded_own = loaded is not None and all_local
@@ -1254,6 +1269,48 @@ class SnapshotTier:
             # slow rank's has none yet, leaving no complete snapshot in memory)
             with self._parts_lock:
                 self._common = self._restored_common = int(loaded.step)
+        return loaded
+
+    def _note_whole_passed_over(self, loaded: LoadedCheckpoint | None) -> None:
+        """Note (local rank 0) the whole snapshots, of an unsharded state, later than
+        what a sharded restore loaded: they are not restored into sharded state."""
+        if not (self.enabled and self.info.local_rank == 0):
+            return
+        try:
+            newer = [(s, r) for s, r, _ in self._candidates(parts=False)
+                     if loaded is None or s > loaded.step]
+        except Exception as e:
+            log.debug("cannot list the whole snapshots in %s: %r", self.node_dir, e)
+            return
+        if newer:
+            step, root = newer[0]
+            self._note_ignored(_layout(root).dir_of(step).path, step,
+                               "a snapshot of unsharded state is not restored into sharded "
+                               "(DTensor) state")
+
+    def _load_whole_from_parts(self, map_location: Any) -> LoadedCheckpoint | None:
+        """An unsharded state from the newest sharded snapshot's parts, when they are
+        later than every whole snapshot held anywhere (collective)."""
+        parts, whole = self._parts(), None
+        if parts:
+            try:
+                whole = max((s for s, _, _ in self._candidates(parts=False)), default=None)
+            except Exception as e:
+                log.warning("cannot list the snapshots in %s: %r", self.node_dir, e)
+        newest_part = max((p.step for p in parts), default=-1)
+        newest_whole = -1 if whole is None else whole
+        if is_dist_ready() and self.info.world_size > 1:
+            newest_part = all_reduce_max(newest_part)
+            newest_whole = all_reduce_max(newest_whole)
+        if newest_part < 0 or newest_part <= newest_whole:
+            return None
+        device = None if map_location is None else target_device(map_location)
+        loaded, all_local = load_parts(info=self.info, node=os.path.basename(self.node_dir),
+                                       found=parts, into=None, device=device,
+                                       on_skip=self._note_ignored)
+        loaded = self._accept(loaded, self.node_dir, None if loaded is None else loaded.step)
+        # "this node's memory" when no rank needed a range from another node
+        self.loaded_own = loaded is not None and all_local
         return loaded
 
     def _load_store(self, root: str, step: int | None,
