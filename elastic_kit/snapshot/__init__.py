@@ -54,6 +54,8 @@ sampler's position is global, a snapshot taken at one world size restores at any
 Sharded state (FSDP2, DTensors): every rank writes its own *part* (its shards and the
 rest) and streams it to the next node; a restore at any world size takes each range a
 rank now owns from whichever node holds it (:mod:`elastic_kit.snapshot._shards`).
+Either kind restores into the other (a script that shards only at world size > 1): an
+unsharded state takes the parts whole, a sharded state a whole snapshot's shards.
 """
 
 from elastic_kit.snapshot._leftovers import SnapshotRun, remove_idle_runs, snapshot_runs

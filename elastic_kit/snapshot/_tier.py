@@ -1108,14 +1108,12 @@ class SnapshotTier:
 
     def newest_local(self) -> int | None:
         """The newest snapshot step this node holds, its own or a peer's replica (local
-        rank 0; None elsewhere). An unsharded state counts a sharded state's parts too
-        (:meth:`load` restores them whole when they cover the state)."""
+        rank 0; None elsewhere): whole snapshots and a sharded state's parts alike
+        (:meth:`load` restores either kind into either state)."""
         if not self.enabled or self.store is None or self.info.local_rank != 0:
             return None
         try:
-            found = self._candidates()
-            if not self.sharded:
-                found += self._candidates(parts=True)
+            found = self._candidates(parts=False) + self._candidates(parts=True)
         except Exception as e:
             log.warning("cannot list the snapshots in %s: %r", self.node_dir, e)
             return None
@@ -1144,7 +1142,7 @@ class SnapshotTier:
         filesystem) are verified by one read when replicas are present. A corrupt or
         truncated snapshot is skipped for the next newest source, own or replica."""
         try:
-            found = self._candidates()
+            found = self._candidates(parts=False)
         except Exception as e:
             log.warning("cannot list the snapshots in %s: %r", self.node_dir, e)
             return self.node_dir, None, None
@@ -1182,6 +1180,9 @@ class SnapshotTier:
             if inode in self._slots.inodes():
                 return map_tree(state, lambda _, v: v.clone() if isinstance(v, torch.Tensor)
                                 else v)
+        if self.sharded:  # its DTensors' shards would be views holding the whole file
+            return map_tree(state, lambda _, v: v.clone() if isinstance(v, torch.Tensor)
+                            else v)
         return state
 
     def load(self, *, map_location: Any = None, into: Any = None) -> LoadedCheckpoint | None:
@@ -1199,14 +1200,25 @@ class SnapshotTier:
         at world size > 1, restarted on one node) when they are newer than every whole
         snapshot: whole, from a part of every saving rank (its own, a replica, or a
         peer's), verified against the digests saved with them; parts that do not
-        cover the state are passed over with a note (:meth:`ignored_note`).
+        cover the state are passed over with a note (:meth:`ignored_note`). A sharded
+        state restores a whole snapshot (an unsharded state's, a snapshot file) that is
+        newer than every sharded one, given to every rank as the durable store gives a
+        checkpoint of whole tensors: ``TrainState`` then takes each rank's part.
         """
         assert self.store is not None
         if self.sharded:
-            return self._load_parts(map_location, into)
+            whole = self._load_newer_whole(map_location)
+            return whole if whole is not None else self._load_parts(map_location, into)
         from_parts = self._load_whole_from_parts(map_location)
         if from_parts is not None:
             return from_parts
+        return self._load_whole(map_location)
+
+    def _load_whole(self, map_location: Any) -> LoadedCheckpoint | None:
+        """The newest whole snapshot any node holds, broadcast from its holder
+        (collective). A sharded state takes only a snapshot file: a snapshot written as
+        an ordinary checkpoint lies in a directory its tier's store does not read, and
+        a node that lacked the snapshot keeps no copy (its files hold parts)."""
         root, step, opened = (self.node_dir, None, None)
         t0 = time.perf_counter()
         self.last_load_phases = {}
@@ -1220,17 +1232,17 @@ class SnapshotTier:
                 loaded = LoadedCheckpoint.from_manifest(
                     opened.path, opened.manifest, state=self._own_state(opened, device))
                 return self._accept(loaded, root, step)
-            return self._load_store(root, step, map_location)
+            return None if self.sharded else self._load_store(root, step, map_location)
         newest, src, _ = agree_on_holder(step, self.info.rank, self.info.world_size)
         if newest is None:
-            return self._load_store(root, step, map_location)
+            return None if self.sharded else self._load_store(root, step, map_location)
         header = None
         if self.info.rank == src:
             header = None if opened is None else {"path": opened.path,
                                                   "manifest": opened.manifest.to_json()}
         header = broadcast_object(header, src=src)
         if header is None:  # the holder's newest is not a snapshot file
-            return self._load_store(root, step, map_location)
+            return None if self.sharded else self._load_store(root, step, map_location)
         state = None
         if self.info.rank == src:
             assert opened is not None
@@ -1240,7 +1252,7 @@ class SnapshotTier:
         manifest = Manifest.from_json(header["manifest"], where=header["path"])
         loaded = LoadedCheckpoint.from_manifest(header["path"], manifest, state=state)
         lacked = (self.info.local_rank == 0 and self.writes and self._slots is not None
-                  and (step is None or step < newest))
+                  and not self.sharded and (step is None or step < newest))
         if lacked:  # a node that lacked the snapshot keeps the broadcast copy
             try:
                 self._commit_flat(state, newest, dict(manifest.metadata), None)
@@ -1258,7 +1270,6 @@ class SnapshotTier:
         loaded, all_local = load_parts(info=self.info, node=os.path.basename(self.node_dir),
                                        found=self._parts(), into=into, device=device,
                                        on_skip=self._note_ignored)
-        self._note_whole_passed_over(loaded)
         loaded = self._accept(loaded, self.node_dir, None if loaded is None else loaded.step)
         # "this node's memory" when no rank needed a range from another node
         self.loaded_own = loaded is not None and all_local
@@ -1271,42 +1282,40 @@ class SnapshotTier:
                 self._common = self._restored_common = int(loaded.step)
         return loaded
 
-    def _note_whole_passed_over(self, loaded: LoadedCheckpoint | None) -> None:
-        """Note (local rank 0) the whole snapshots, of an unsharded state, later than
-        what a sharded restore loaded: they are not restored into sharded state."""
-        if not (self.enabled and self.info.local_rank == 0):
-            return
-        try:
-            newer = [(s, r) for s, r, _ in self._candidates(parts=False)
-                     if loaded is None or s > loaded.step]
-        except Exception as e:
-            log.debug("cannot list the whole snapshots in %s: %r", self.node_dir, e)
-            return
-        if newer:
-            step, root = newer[0]
-            self._note_ignored(_layout(root).dir_of(step).path, step,
-                               "a snapshot of unsharded state is not restored into sharded "
-                               "(DTensor) state")
+    def _newest_of_each(self) -> tuple[int, int]:
+        """The newest whole snapshot step and the newest part step any node holds
+        (-1: none), agreed by every rank (collective)."""
+        whole = part = -1
+        if self.enabled and self.store is not None and self.info.local_rank == 0:
+            try:
+                whole = max((s for s, _, _ in self._candidates(parts=False)), default=-1)
+                part = max((s for s, _, _ in self._candidates(parts=True)), default=-1)
+            except Exception as e:
+                log.warning("cannot list the snapshots in %s: %r", self.node_dir, e)
+        if is_dist_ready() and self.info.world_size > 1:
+            whole, part = all_reduce_max(whole), all_reduce_max(part)
+        return whole, part
+
+    def _load_newer_whole(self, map_location: Any) -> LoadedCheckpoint | None:
+        """A sharded state's restore of a whole snapshot newer than every part held
+        anywhere (collective); None (the parts are tried) otherwise."""
+        whole, part = self._newest_of_each()
+        if whole < 0 or whole <= part:
+            return None
+        loaded = self._load_whole(map_location)
+        if loaded is not None and loaded.step <= part:  # the newer one did not verify
+            return None
+        return loaded
 
     def _load_whole_from_parts(self, map_location: Any) -> LoadedCheckpoint | None:
         """An unsharded state from the newest sharded snapshot's parts, when they are
         later than every whole snapshot held anywhere (collective)."""
-        parts, whole = self._parts(), None
-        if parts:
-            try:
-                whole = max((s for s, _, _ in self._candidates(parts=False)), default=None)
-            except Exception as e:
-                log.warning("cannot list the snapshots in %s: %r", self.node_dir, e)
-        newest_part = max((p.step for p in parts), default=-1)
-        newest_whole = -1 if whole is None else whole
-        if is_dist_ready() and self.info.world_size > 1:
-            newest_part = all_reduce_max(newest_part)
-            newest_whole = all_reduce_max(newest_whole)
+        newest_whole, newest_part = self._newest_of_each()
         if newest_part < 0 or newest_part <= newest_whole:
             return None
         device = None if map_location is None else target_device(map_location)
         loaded, all_local = load_parts(info=self.info, node=os.path.basename(self.node_dir),
-                                       found=parts, into=None, device=device,
+                                       found=self._parts(), into=None, device=device,
                                        on_skip=self._note_ignored)
         loaded = self._accept(loaded, self.node_dir, None if loaded is None else loaded.step)
         # "this node's memory" when no rank needed a range from another node

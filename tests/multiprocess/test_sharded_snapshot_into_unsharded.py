@@ -3,7 +3,8 @@ fully_shard(model)``), run on two nodes with a snapshot every step, loses a node
 the survivor restarts at world size 1 with a plain model and restores the newest
 step from the parts in its memory (its own and the lost node's replica), whole and
 verified; parts that do not cover the state are passed over, with a note, and
-never loaded in part.
+never loaded in part. Grown back to two nodes, the sharded group restores the whole
+snapshots its unsharded group wrote.
 
 Nodes are simulated by ``local_world_size``: each "node" has its own snapshot
 directory (``node<i>``); a lost node is its directory deleted.
@@ -65,7 +66,7 @@ def _job(url: str, shm: str, stop_at: int | None) -> dict[str, Any]:
         ckpt.step(4)
     full = _full(model, opt)
     tier = ckpt.snapshots
-    assert tier is not None and tier.sharded
+    assert tier is not None and tier.sharded == state.sharded == (info.world_size > 1)
     tier.close(remove=False)  # written, and streamed to the next node
     torch.distributed.barrier()  # the other ranks' streams are in too
     return {"stopped": state.step, "full": full}
@@ -107,3 +108,19 @@ def test_parts_that_do_not_cover_the_state_are_passed_over_with_a_note(
     assert len(out["ignored"]) == 1
     assert "snapshot step 7 in" in out["ignored"][0]
     assert "no node holds the part of rank(s) 1" in out["ignored"][0]
+
+
+def test_a_sharded_group_restores_the_whole_snapshot_of_an_unsharded_one(
+        tmp_path: Path, shm: str) -> None:
+    """2 nodes (parts, step 4) -> 1 node (whole snapshots, restored from the parts,
+    step 9) -> 2 nodes: the whole snapshot of step 9, newer than the parts, is given
+    to both ranks, each taking its shards."""
+    url = str(tmp_path / "run")
+    spawn_multi_process(2, _job, url, shm, 4, local_world_size=1)
+    shutil.rmtree(Path(snapshot_dir(shm, "test", url)) / "node1")
+    (alone,) = spawn_multi_process(1, _job, url, shm, 9, local_world_size=1)
+    assert alone["stopped"] == 9
+    out = spawn_multi_process(2, _job, url, shm, None, local_world_size=1)[0]
+    assert (out["restored"], out["from"], out["sharded"]) == (9, "memory", True)
+    assert out["ignored"] == []
+    assert out["full"] == alone["full"]
