@@ -122,8 +122,7 @@ def test_resized_2_to_3_to_1_reshards_and_trains_every_sample_once(
     with LocalCluster(script_args(tmp_path, "elastic", every=3), nnodes="1:3",
                       nproc_per_node=1, max_restarts=4, env=ENV, log_dir=tmp_path / "logs",
                       rdzv_conf="last_call_timeout=4,join_timeout=60,"
-                                "keep_alive_interval=1,keep_alive_max_attempt=3",
-                      **FORK_LAUNCH) as cluster:
+                                "keep_alive_interval=1,keep_alive_max_attempt=3") as cluster:
         cluster.add_agent()  # hosts the c10d store: never killed
         cluster.add_agent()
 
@@ -190,8 +189,7 @@ def test_node_sigkilled_resumes_from_memory_at_the_new_world_size(
     with LocalCluster(args, nnodes="1:2", nproc_per_node=1, max_restarts=2, env=env,
                       log_dir=tmp_path / "logs",
                       rdzv_conf="last_call_timeout=4,join_timeout=60,"
-                                "keep_alive_interval=1,keep_alive_max_attempt=3",
-                      **FORK_LAUNCH) as cluster:
+                                "keep_alive_interval=1,keep_alive_max_attempt=3") as cluster:
         survivor = cluster.add_agent()  # hosts the c10d store: never killed
         lost = cluster.add_agent()
 

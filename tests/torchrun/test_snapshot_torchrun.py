@@ -107,7 +107,7 @@ def test_etcd_worker_kill_then_loss_of_rank_0_node_each_cost_at_most_one_step(
     with EtcdServer(log_path=tmp_path / "etcd.log") as etcd, LocalCluster(
             script_args(tmp_path, "run", 1), nnodes="1:2", nproc_per_node=1, max_restarts=3,
             rdzv_backend="etcd-v2", rdzv_endpoint=etcd.endpoint, env=env,
-            log_dir=tmp_path / "logs", **FORK_LAUNCH) as cluster:
+            log_dir=tmp_path / "logs") as cluster:
         agents = [cluster.add_agent(), cluster.add_agent()]
 
         def groups_of_two() -> int:
