@@ -252,8 +252,8 @@ OnSkip = Callable[[str, int, str], None]
 
 
 def load_parts(*, info: DistInfo, node: str, found: list[Listing], into: Any,
-               device: torch.device | None, on_skip: OnSkip | None = None
-               ) -> tuple[LoadedCheckpoint | None, bool]:
+               device: torch.device | None, on_skip: OnSkip | None = None,
+               newer_than: int = -1) -> tuple[LoadedCheckpoint | None, bool]:
     """The newest sharded snapshot held in memory anywhere, resharded onto ``into``'s
     DTensors (collective); ``(loaded, all_local)``, where ``all_local`` says no rank
     needed a range from another node. None when memory cannot cover the state (no
@@ -265,14 +265,18 @@ def load_parts(*, info: DistInfo, node: str, found: list[Listing], into: Any,
     ``into``: the live state tree (or a function giving it) whose DTensors give the
     layout to restore into; None for an unsharded state: every sharded tensor is
     then restored whole, on every rank.
+    ``newer_than``: only steps after this one are tried (a snapshot of the other
+    kind, whole tensors, holds that step: an older part would roll training back
+    past it).
     """
     distributed = is_dist_ready() and info.world_size > 1
     everyone = all_gather_object((node, found)) if distributed else [(node, found)]
-    plans = _plans(everyone)[:MAX_TRIES]
-    if not plans:
-        if on_skip is not None:
-            for step, path, why in _incomplete(everyone):
+    plans = [p for p in _plans(everyone) if p.step > newer_than][:MAX_TRIES]
+    if on_skip is not None:  # the newest step held only in part, when passed over
+        for step, path, why in _incomplete(everyone):
+            if step > max(newer_than, max((p.step for p in plans), default=-1)):
                 on_skip(path, step, why)
+    if not plans:
         return None, False
     template = None if into is None else into() if callable(into) else into
     targets = {} if template is None else {p: v for p, v in leaves(template)

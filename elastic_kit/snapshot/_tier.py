@@ -1207,8 +1207,7 @@ class SnapshotTier:
         """
         assert self.store is not None
         if self.sharded:
-            whole = self._load_newer_whole(map_location)
-            return whole if whole is not None else self._load_parts(map_location, into)
+            return self._load_sharded(map_location, into)
         from_parts = self._load_whole_from_parts(map_location)
         if from_parts is not None:
             return from_parts
@@ -1261,15 +1260,17 @@ class SnapshotTier:
                             self.node_dir, newest, e)
         return self._accept(loaded, root, step)
 
-    def _load_parts(self, map_location: Any, into: Any) -> LoadedCheckpoint | None:
-        """The newest sharded snapshot held anywhere, resharded (collective)."""
+    def _load_parts(self, map_location: Any, into: Any,
+                    newer_than: int = -1) -> LoadedCheckpoint | None:
+        """The newest sharded snapshot held anywhere (after step ``newer_than``),
+        resharded (collective)."""
         if into is None:
             raise ValueError("restoring a sharded snapshot needs into=, the live state "
                              "whose DTensors give the layout to restore into")
         device = None if map_location is None else target_device(map_location)
         loaded, all_local = load_parts(info=self.info, node=os.path.basename(self.node_dir),
                                        found=self._parts(), into=into, device=device,
-                                       on_skip=self._note_ignored)
+                                       on_skip=self._note_ignored, newer_than=newer_than)
         loaded = self._accept(loaded, self.node_dir, None if loaded is None else loaded.step)
         # "this node's memory" when no rank needed a range from another node
         self.loaded_own = loaded is not None and all_local
@@ -1296,16 +1297,28 @@ class SnapshotTier:
             whole, part = all_reduce_max(whole), all_reduce_max(part)
         return whole, part
 
-    def _load_newer_whole(self, map_location: Any) -> LoadedCheckpoint | None:
-        """A sharded state's restore of a whole snapshot newer than every part held
-        anywhere (collective); None (the parts are tried) otherwise."""
+    def _load_sharded(self, map_location: Any, into: Any) -> LoadedCheckpoint | None:
+        """A sharded state's restore (collective): the newest step memory can give,
+        whichever kind holds it. A whole snapshot newer than every part held is tried
+        first; the parts only after the step of the whole snapshot that restores (or
+        is held), so that a newest part step that cannot be restored (a saving rank's
+        part held nowhere) never rolls back past a whole snapshot; then that one."""
         whole, part = self._newest_of_each()
-        if whole < 0 or whole <= part:
-            return None
-        loaded = self._load_whole(map_location)
-        if loaded is not None and loaded.step <= part:  # the newer one did not verify
-            return None
-        return loaded
+        fallback = None
+        if whole > part:
+            fallback = self._load_whole(map_location)
+            if fallback is not None and fallback.step > part:
+                return fallback
+        # parts of the step a whole snapshot holds too are preferred (no rank then
+        # holds the whole state): the floor is below it
+        floor = (fallback.step if fallback is not None else whole - 1 if 0 <= whole <= part
+                 else -1)
+        loaded = self._load_parts(map_location, into, newer_than=floor)
+        if loaded is not None:
+            return loaded
+        if fallback is not None:
+            return fallback
+        return self._load_whole(map_location) if 0 <= whole <= part else None
 
     def _load_whole_from_parts(self, map_location: Any) -> LoadedCheckpoint | None:
         """An unsharded state from the newest sharded snapshot's parts, when they are
@@ -1314,9 +1327,11 @@ class SnapshotTier:
         if newest_part < 0 or newest_part <= newest_whole:
             return None
         device = None if map_location is None else target_device(map_location)
+        # only parts newer than the whole snapshots: an older complete step would roll
+        # back past the newest whole one, which the caller restores instead
         loaded, all_local = load_parts(info=self.info, node=os.path.basename(self.node_dir),
                                        found=self._parts(), into=None, device=device,
-                                       on_skip=self._note_ignored)
+                                       on_skip=self._note_ignored, newer_than=newest_whole)
         loaded = self._accept(loaded, self.node_dir, None if loaded is None else loaded.step)
         # "this node's memory" when no rank needed a range from another node
         self.loaded_own = loaded is not None and all_local

@@ -46,3 +46,28 @@ def test_a_complete_snapshot_whose_part_cannot_be_read_is_passed_over(
 
 def test_no_parts_no_note() -> None:
     assert _load([]) == (None, [])
+
+
+def _load_after(found: list[Listing], newer_than: int) -> list[tuple[str, int, str]]:
+    notes: list[tuple[str, int, str]] = []
+    loaded, _ = load_parts(info=_INFO, node="node0", found=found, into=None, device=None,
+                           on_skip=lambda *n: notes.append(n), newer_than=newer_than)
+    assert loaded is None
+    return notes
+
+
+def test_no_part_older_than_a_whole_snapshot_is_tried_and_the_newest_one_is_named() -> None:
+    """Step 9 is held in part (rank 1's part nowhere), step 6 whole by parts; a whole
+    snapshot of step 8 is held: step 6 would roll back past it, so it is not tried
+    (the caller restores step 8), and the restore line names step 9."""
+    found = [_listing(9, 0, "/s/p0/step-9"), _listing(9, 2, "/s/r/step-9"),
+             _listing(6, 0, "/s/p0/step-6"), _listing(6, 1, "/s/r1/step-6"),
+             _listing(6, 2, "/s/r/step-6")]
+    notes = _load_after(found, newer_than=8)
+    assert [(step, why) for _, step, why in notes] == [
+        (9, "a sharded snapshot of 3 ranks, and no node holds the part of rank(s) 1")]
+    # without a whole snapshot, step 6 is tried (here its files are not there) after
+    # step 9 is named
+    notes = _load_after(found, newer_than=-1)
+    assert [step for _, step, _ in notes] == [9, 6]
+    assert notes[1][2] == "a part of it verifies on no node"
