@@ -1398,7 +1398,11 @@ class SnapshotTier:
                 if err is not None:
                     raise err
             except Exception as e:
-                log.warning("the last snapshot to %s failed: %r", self.node_dir, e)
+                # a failing worker's (not flushed): its peers are gone or going, and a
+                # write that needed them failing is expected; the restart says what
+                # it restores from
+                (log.warning if flush else log.info)(
+                    "the last snapshot to %s failed: %r", self.node_dir, e)
         if self._sender is not None:
             self._sender.close(timeout=FLUSH_TIMEOUT_S if flush else 0.0)
             self._sender = None

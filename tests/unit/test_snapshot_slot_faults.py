@@ -154,6 +154,28 @@ def test_a_snapshot_whose_write_fails_before_its_commit_gives_its_file_back(
         tier.close(remove=True)
 
 
+@pytest.mark.parametrize("flush", [True, False], ids=["closing", "failing"])
+def test_a_last_write_that_failed_is_a_warning_only_when_the_tier_closes_normally(
+        shm: str, flush: bool, caplog: pytest.LogCaptureFixture) -> None:
+    """A failing worker closes its tier without flushing: its last write failing (a
+    sharded snapshot whose exchange met a dead peer) is expected then, not a warning
+    beside the error that ends the worker."""
+    import logging
+
+    tier = _tier(shm)
+
+    def fail(_: Any) -> None:
+        raise RuntimeError("Connection closed by peer")
+
+    with caplog.at_level(logging.INFO, logger="elastic_kit.snapshot._tier"):
+        tier.save(_state(1), step=1, metadata={}, finish=fail)
+        tier.close(remove=True, flush=flush)
+    said = [(r.levelno, r.getMessage()) for r in caplog.records
+            if r.getMessage().startswith("the last snapshot to")]
+    assert len(said) == 1 and "Connection closed by peer" in said[0][1]
+    assert said[0][0] == (logging.WARNING if flush else logging.INFO)
+
+
 def test_a_failed_deferred_copy_gives_the_file_back(tmp_path: Path) -> None:
     class Failing(StagedState):
         def copy_deferred(self) -> None:
