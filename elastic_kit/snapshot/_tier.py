@@ -1267,13 +1267,7 @@ class SnapshotTier:
         if into is None:
             raise ValueError("restoring a sharded snapshot needs into=, the live state "
                              "whose DTensors give the layout to restore into")
-        device = None if map_location is None else target_device(map_location)
-        loaded, all_local = load_parts(info=self.info, node=os.path.basename(self.node_dir),
-                                       found=self._parts(), into=into, device=device,
-                                       on_skip=self._note_ignored, newer_than=newer_than)
-        loaded = self._accept(loaded, self.node_dir, None if loaded is None else loaded.step)
-        # "this node's memory" when no rank needed a range from another node
-        self.loaded_own = loaded is not None and all_local
+        loaded = self._restore_parts(map_location, into, newer_than)
         if loaded is not None:
             # every rank's part of this step is held somewhere (it was just read):
             # kept, here and in the replicas, until every rank holds a newer one (a
@@ -1326,12 +1320,18 @@ class SnapshotTier:
         newest_whole, newest_part = self._newest_of_each()
         if newest_part < 0 or newest_part <= newest_whole:
             return None
-        device = None if map_location is None else target_device(map_location)
         # only parts newer than the whole snapshots: an older complete step would roll
         # back past the newest whole one, which the caller restores instead
+        return self._restore_parts(map_location, None, newest_whole)
+
+    def _restore_parts(self, map_location: Any, into: Any,
+                       newer_than: int) -> LoadedCheckpoint | None:
+        """:func:`load_parts` of the parts held anywhere (collective): resharded onto
+        ``into``, or whole when it is None; accepted for this run."""
+        device = None if map_location is None else target_device(map_location)
         loaded, all_local = load_parts(info=self.info, node=os.path.basename(self.node_dir),
-                                       found=self._parts(), into=None, device=device,
-                                       on_skip=self._note_ignored, newer_than=newest_whole)
+                                       found=self._parts(), into=into, device=device,
+                                       on_skip=self._note_ignored, newer_than=newer_than)
         loaded = self._accept(loaded, self.node_dir, None if loaded is None else loaded.step)
         # "this node's memory" when no rank needed a range from another node
         self.loaded_own = loaded is not None and all_local
